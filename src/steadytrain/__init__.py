@@ -1,0 +1,27 @@
+"""steadytrain: a training run on a memory-constrained machine finishes."""
+
+from steadytrain.config import TrainConfig
+from steadytrain.errors import (
+    BadInputError,
+    ConfigError,
+    DeviceUnavailableError,
+    DoesNotFitError,
+    SteadytrainError,
+)
+from steadytrain.events import Callback, Control, Event, TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadInputError",
+    "Callback",
+    "ConfigError",
+    "Control",
+    "DeviceUnavailableError",
+    "DoesNotFitError",
+    "Event",
+    "SteadytrainError",
+    "TrainConfig",
+    "TrainState",
+    "__version__",
+]

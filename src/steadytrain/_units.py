@@ -1,0 +1,34 @@
+"""Byte sizes as people write them ("12GiB", "512 MB") and as we print them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'12GiB' -> 12884901888. Decimal units (GB) are powers of 1000, binary (GiB) of 1024."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like '12GiB', '16GB' or '512MiB'")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float | None) -> str:
+    """1536 MiB -> '1.50 GiB'; None -> 'n/a'."""
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,6 +1,7 @@
 """steadytrain: a training run on a memory-constrained machine finishes."""
 
 from steadytrain.config import TrainConfig
+from steadytrain.entry import entrypoint
 from steadytrain.errors import (
     BadInputError,
     ConfigError,
@@ -9,6 +10,7 @@ from steadytrain.errors import (
     SteadytrainError,
 )
 from steadytrain.events import Callback, Control, Event, TrainState
+from steadytrain.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
 
@@ -20,8 +22,11 @@ __all__ = [
     "DeviceUnavailableError",
     "DoesNotFitError",
     "Event",
+    "FitResult",
     "SteadytrainError",
     "TrainConfig",
     "TrainState",
+    "Trainer",
     "__version__",
+    "entrypoint",
 ]

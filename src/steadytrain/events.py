@@ -109,11 +109,15 @@ class Control:
         self.shrink_reason = reason
 
 
-def dispatch(callbacks: list[Callback], event: Event, state: TrainState, control: Control,
-             info: dict | None = None) -> None:
-    """Call ``on_<event>`` on every callback that has it, in order."""
-    info = {} if info is None else info
-    for callback in callbacks:
-        method = getattr(callback, event.method, None)
-        if method is not None:
-            method(state, control, info)
+class Dispatcher:
+    """Calls ``on_<event>`` on every callback that has it, in order: ``emit(event, info)``."""
+
+    def __init__(self, callbacks: list[Callback], state: TrainState, control: Control):
+        self.callbacks, self.state, self.control = callbacks, state, control
+
+    def __call__(self, event: Event, info: dict | None = None) -> None:
+        info = {} if info is None else info
+        for callback in self.callbacks:
+            method = getattr(callback, event.method, None)
+            if method is not None:
+                method(self.state, self.control, info)

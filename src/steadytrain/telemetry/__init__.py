@@ -1,0 +1,1 @@
+"""Callbacks that record and show: metrics and events files, console progress."""

@@ -1,0 +1,49 @@
+"""Choosing the arithmetic: autocast dtype and grad scaler, refused up front when the device cannot."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from steadytrain.device import Device
+from steadytrain.errors import BadInputError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Precision:
+    name: str  # "fp32" | "bf16" | "fp16"
+    device_type: str
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+    scaler: torch.amp.GradScaler | None  # fp16 only
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def resolve_precision(requested: str, device: Device) -> Precision:
+    """'auto': bf16 on CUDA where it runs, else fp16; fp32 on MPS and CPU (see config docs)."""
+    if requested == "auto":
+        if device.type == "cuda":
+            requested = "bf16" if torch.bfloat16 in device.autocast_dtypes else "fp16"
+        else:
+            requested = "fp32"
+    if requested == "fp32":
+        return Precision("fp32", device.type, None, None)
+    supported = device.autocast_dtypes  # probed by running, so only when a low precision is asked
+    dtype = _DTYPES[requested]
+    if dtype not in supported:
+        names = [n for n, d in _DTYPES.items() if d in supported] + ["fp32"]
+        raise BadInputError(
+            f"precision: {requested} autocast does not run on {device.torch_device} here (probed "
+            f"with a small matmul and backward); use one of: {', '.join(names)}"
+        )
+    scaler = None
+    if requested == "fp16":
+        scaler = torch.amp.GradScaler(device.type)
+    return Precision(requested, device.type, dtype, scaler)

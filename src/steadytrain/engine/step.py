@@ -1,0 +1,262 @@
+"""One optimizer step that survives out-of-memory.
+
+The collated batch is split into micro-batches of the size in force; each is moved to the device,
+run forward under autocast, its loss weighted by its share of the batch, and backpropagated. On
+out-of-memory anywhere in the step the partial gradients are dropped, the cache is freed, the
+micro size is halved (or activation checkpointing is turned on once the size is 1) and the same
+batch is redone from the same RNG state. The optimizer always sees the whole batch.
+
+Weighting makes accumulation exact: a `loss_fn` returning a mean is weighted by sample share;
+one returning ``(loss_sum, count)`` (token-level losses) contributes its sum, and the summed
+gradient is divided by the batch's total count, so padding and uneven splits do not bias it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from steadytrain._units import format_bytes
+from steadytrain.device import Device, get_rng_state, is_oom, oom_request_bytes, set_rng_state
+from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.engine.precision import Precision
+from steadytrain.errors import BadInputError, DoesNotFitError, SteadytrainError
+from steadytrain.events import Event, TrainState
+
+LossFn = Callable[[torch.nn.Module, Any], Any]
+Emit = Callable[[Event, dict], None]
+
+
+def _full(loss: torch.Tensor) -> torch.Tensor:
+    """A detached loss in at least float32, for the reported value."""
+    loss = loss.detach()
+    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
+
+
+class OptimizerStateTouched(SteadytrainError):
+    """Out of memory inside optimizer.step after it had already changed parameters or state:
+    redoing the step would apply part of the update twice, so the run stops (restartable)."""
+
+
+class StepRunner:
+    """Runs optimizer steps on collated batches; owns the micro size and the OOM ladder."""
+
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: LossFn, device: Device, precision: Precision, state: TrainState,
+                 emit: Emit, scheduler: Any = None, max_grad_norm: float | None = None,
+                 checkpointing: str | bool = "auto"):
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.device, self.precision, self.state, self.emit = device, precision, state, emit
+        self.scheduler, self.max_grad_norm = scheduler, max_grad_norm
+        self.checkpointing_allowed = checkpointing is not False
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.non_blocking = device.type == "cuda"
+        self._phase = "idle"
+        if checkpointing is True:
+            self.enable_activation_checkpointing(reason="activation_checkpointing: true")
+
+    # -- the step -------------------------------------------------------------------------
+
+    def run(self, batch: Any) -> dict[str, Any]:
+        """One optimizer step on `batch`, redone at smaller micro sizes until it fits."""
+        rng = get_rng_state()
+        while True:
+            try:
+                return self._attempt(batch)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                failure = {
+                    "phase": self._phase,
+                    "error": str(exc).strip().splitlines()[0][:400],
+                    "requested": oom_request_bytes(exc),
+                }
+                versions = self._versions_before_optimizer
+            # Out of the except block: the exception and its frames (holding activations) are gone.
+            self._recover(failure, versions)
+            set_rng_state(rng)
+
+    def _attempt(self, batch: Any) -> dict[str, Any]:
+        n = batch_len(batch)
+        micro = self.state.micro_batch_size
+        pieces = split_batch(batch, micro)
+        self.device.reset_peak()
+        start = time.perf_counter()
+        loss_total: torch.Tensor | float = 0.0
+        count_total: torch.Tensor | None = None
+        token_mode: bool | None = None
+        self._versions_before_optimizer = None
+        for i, piece in enumerate(pieces):
+            self._phase = "forward"
+            piece = to_device(piece, self.device.torch_device, self.non_blocking)
+            with self.precision.autocast():
+                out = self.loss_fn(self.model, piece)
+            is_pair = isinstance(out, (tuple, list))
+            if token_mode is None:
+                token_mode = is_pair
+            elif token_mode != is_pair:
+                raise BadInputError("loss_fn: returned a mean on one micro-batch and (loss_sum, "
+                                    "count) on another; return one form always")
+            if is_pair:
+                loss_sum, count = out
+                count = torch.as_tensor(count, device=loss_sum.device, dtype=torch.float32)
+                count_total = count if count_total is None else count_total + count
+                loss_total = loss_total + _full(loss_sum)
+                scaled = loss_sum
+            else:
+                share = batch_len(piece) / n
+                loss_total = loss_total + _full(out) * share
+                scaled = out * share
+            if self.precision.scaler is not None:
+                scaled = self.precision.scaler.scale(scaled)
+            self._phase = "backward"
+            scaled.backward()
+            del out, scaled
+            self.emit(Event.MICRO_STEP_END, {"index": i, "count": len(pieces),
+                                             "size": batch_len(piece)})
+        compute_time = time.perf_counter() - start
+
+        self._phase = "optimizer"
+        opt_start = time.perf_counter()
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if token_mode:
+            total = max(float(count_total), 1.0)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, total)
+            loss_total = loss_total / total
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self._versions_before_optimizer = self._versions()
+        skipped = False
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            skipped = scaler.get_scale() < scale_before
+        else:
+            self.optimizer.step()
+        self._versions_before_optimizer = None
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._phase = "idle"
+        loss = float(loss_total)  # synchronizes: the step's device work is done after this
+        tokens = int(count_total) if token_mode else 0
+        if skipped:
+            self.state.skipped_steps += 1
+        return {
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "micro_batch_size": micro,
+            "micro_steps": len(pieces),
+            "samples": n,
+            "tokens": tokens,
+            "compute_time": compute_time,
+            "optimizer_time": time.perf_counter() - opt_start,
+            "skipped": skipped,
+        }
+
+    # -- out-of-memory ladder -------------------------------------------------------------
+
+    def _recover(self, failure: dict, versions: dict | None) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if failure["phase"] == "optimizer":
+            self._undo_optimizer_start(versions)
+        if self.precision.scaler is not None:
+            # unscale_ may have run; the scaler must forget it before the redo.
+            self.precision.scaler._per_optimizer_states.clear()
+        self._phase = "idle"
+        gc.collect()
+        self.device.empty_cache()
+        memory = self.device.memory().to_dict()
+        self.state.oom_count += 1
+        self.emit(Event.OOM, {**failure, "micro_batch_size": self.state.micro_batch_size,
+                              "memory": memory})
+        old = self.state.micro_batch_size
+        if old > 1:
+            self.shrink(f"out of memory in {failure['phase']}", memory)
+        elif self.checkpointing_allowed and self.enable_activation_checkpointing(
+                reason="out of memory at micro-batch 1", memory=memory):
+            pass
+        else:
+            raise DoesNotFitError(self._does_not_fit(failure, memory))
+
+    def shrink(self, reason: str, memory: dict | None = None) -> bool:
+        """Halve the micro size (same effective batch). False when it is already 1."""
+        old = self.state.micro_batch_size
+        if old <= 1:
+            return False
+        self.state.micro_batch_size = max(1, old // 2)
+        self.state.shrink_count += 1
+        self.emit(Event.SHRINK, {"old": old, "new": self.state.micro_batch_size, "reason": reason,
+                                 "memory": memory or self.device.memory().to_dict()})
+        return True
+
+    def enable_activation_checkpointing(self, reason: str, memory: dict | None = None) -> bool:
+        """Turn on the model's own activation checkpointing; False if it has none or it is on."""
+        enable = getattr(self.model, "gradient_checkpointing_enable", None)
+        if self.state.activation_checkpointing or enable is None:
+            return False
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.state.activation_checkpointing = True
+        self.emit(Event.MEMORY_SAVER, {"saver": "activation_checkpointing", "reason": reason,
+                                       "memory": memory or self.device.memory().to_dict()})
+        return True
+
+    def _versions(self) -> dict[int, int]:
+        """In-place version counters of every parameter and optimizer state tensor."""
+        tensors = list(self.params)
+        for slot in self.optimizer.state.values():
+            tensors.extend(v for v in slot.values() if isinstance(v, torch.Tensor))
+        return {id(t): t._version for t in tensors}
+
+    def _undo_optimizer_start(self, before: dict | None) -> None:
+        """Allow a redo only when optimizer.step changed nothing that existed before it.
+        State it created lazily (first step) is discarded; anything it modified in place is
+        not undoable."""
+        if before is None:
+            return  # failed before optimizer.step (unscale, clipping): nothing changed
+        touched = [p for p in self.params if p._version != before.get(id(p))]
+        for slot in self.optimizer.state.values():
+            touched += [v for v in slot.values()
+                        if isinstance(v, torch.Tensor) and id(v) in before
+                        and v._version != before[id(v)]]
+        if touched:
+            raise OptimizerStateTouched(
+                f"out of memory inside optimizer.step at step {self.state.step + 1}, after it had "
+                f"updated {len(touched)} tensor(s) in place; the step cannot be redone exactly. "
+                "Resume from the last checkpoint (`steadytrain run` restarts it), or lower "
+                "memory_budget so the optimizer state is allocated with room to spare."
+            )
+        for param in list(self.optimizer.state):
+            if not any(id(v) in before for v in self.optimizer.state[param].values()
+                       if isinstance(v, torch.Tensor)):
+                del self.optimizer.state[param]
+
+    def _does_not_fit(self, failure: dict, memory: dict) -> str:
+        in_use = memory.get("peak") or memory.get("allocated") or memory.get("rss")
+        requested = failure.get("requested")
+        budget = memory.get("budget")
+        need = f"{format_bytes(in_use)} in use"
+        if requested:
+            need += f", and the failed allocation asked for {format_bytes(requested)} more"
+        savers = "activation checkpointing on" if self.state.activation_checkpointing else \
+            "the model has no activation checkpointing to turn on"
+        return (
+            f"does not fit: one sample per micro-batch ({savers}) runs out of memory in "
+            f"{failure['phase']} on {self.device.torch_device}.\n"
+            f"  at the failure: {need}; memory budget {format_bytes(budget)}.\n"
+            f"  the error: {failure['error']}\n"
+            "  what helps: shorter sequences (max_seq_length), a lower LoRA rank, a 4-bit base "
+            "model (CUDA), precision 'bf16' or 'fp16', a smaller model, or closing other programs "
+            "to give the run more memory."
+        )

@@ -1,0 +1,33 @@
+"""Exit codes for training scripts: wrap `main` so that a user's `python train.py` exits the way
+DESIGN.md promises (2 bad input, 3 does not fit, 130/143 stopped after saving, ...)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from steadytrain.errors import SteadytrainError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def entrypoint(fn: F) -> F:
+    """Run `fn`; a `SteadytrainError` prints its message (no traceback) and exits with its code;
+    a returned `FitResult` exits with its `exit_code`. Anything else returns as usual."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from steadytrain.trainer import FitResult
+
+        try:
+            result = fn(*args, **kwargs)
+        except SteadytrainError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        if isinstance(result, FitResult):
+            sys.exit(result.exit_code)
+        return result
+
+    return wrapper  # type: ignore[return-value]

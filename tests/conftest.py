@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+
+# Under RLIMIT_AS the address space is what runs out. These make glibc hand freed memory back to
+# the OS (large blocks by mmap, one arena), so the limit measures live memory, not allocator slack.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
+
+
+def run_workload(script: str, *args: str, env: dict | None = None, timeout: float = 300):
+    """Run tests/workloads/SCRIPT in a fresh interpreter; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, str(WORKLOADS / script), *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,75 @@
+"""The core promise on a real out-of-memory: shrink the micro-batch, redo the same batch, finish.
+
+The OOM is PyTorch's own CPU allocator error, raised because the child process's address space
+is capped (RLIMIT_AS) a little above its size after a warm-up step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MALLOC_ENV, run_workload
+
+from steadytrain.telemetry.files import read_jsonl
+
+
+def test_real_oom_is_survived_and_matches_a_run_at_the_final_micro_size(tmp_path: Path):
+    limited = run_workload("wide_mlp.py", str(tmp_path / "limited"), "--limit-mib", "200",
+                           "--steps", "4", env=MALLOC_ENV)
+    assert limited.returncode == 0, limited.stderr
+    result = json.loads((tmp_path / "limited" / "result.json").read_text())
+    assert result["steps"] == 4
+    assert result["oom_count"] >= 1
+    final_micro = result["micro_batch_size"]
+    assert final_micro < 64
+
+    events = read_jsonl(tmp_path / "limited" / "events.jsonl")
+    ooms = [e for e in events if e["event"] == "oom"]
+    shrinks = [e for e in events if e["event"] == "shrink"]
+    assert ooms and all("DefaultCPUAllocator" in e["error"] for e in ooms)
+    assert [(s["old"], s["new"]) for s in shrinks][0][0] == 64
+    assert shrinks[-1]["new"] == final_micro
+    assert all(s["memory"]["rss"] > 0 for s in shrinks)
+    metrics = read_jsonl(tmp_path / "limited" / "metrics.jsonl")
+    assert [m["samples"] for m in metrics] == [64] * 4  # the optimizer saw the whole batch
+
+    fixed = run_workload("wide_mlp.py", str(tmp_path / "fixed"), "--micro", str(final_micro),
+                         "--steps", "4")
+    assert fixed.returncode == 0, fixed.stderr
+    assert json.loads((tmp_path / "fixed" / "result.json").read_text())["oom_count"] == 0
+    a = torch.load(tmp_path / "limited" / "params.pt", weights_only=True)
+    b = torch.load(tmp_path / "fixed" / "params.pt", weights_only=True)
+    for name in a:
+        rel = (a[name] - b[name]).norm() / b[name].norm()
+        assert rel <= 1e-5, name
+
+
+def test_one_sample_that_does_not_fit_exits_3_with_numbers(tmp_path: Path):
+    proc = run_workload("wide_mlp.py", str(tmp_path / "run"), "--limit-mib", "150",
+                        "--tokens", "8192", "--steps", "1", "--batch", "4", "--samples", "8",
+                        env=MALLOC_ENV)
+    assert proc.returncode == 3, proc.stderr
+    err = proc.stderr
+    assert "does not fit" in err
+    assert "Traceback" not in err
+    assert "MiB in use" in err and "asked for" in err and "budget" in err
+    assert "shorter sequences" in err
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e["new"] for e in events if e["event"] == "shrink"][-1] == 1
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.parametrize("limit", ["160", "300"])
+def test_surviving_leaves_no_growing_memory(tmp_path: Path, limit: str):
+    """After recovery the process holds no more than before the failed attempt (nothing leaks
+    through the exception's frames), so later steps at the smaller size keep fitting."""
+    proc = run_workload("wide_mlp.py", str(tmp_path / "run"), "--limit-mib", limit,
+                        "--steps", "6", env=MALLOC_ENV)
+    assert proc.returncode == 0, proc.stderr
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(metrics) == 6
+    rss = [m["mem_rss"] for m in metrics[1:]]
+    assert max(rss) - min(rss) < 64 * 2**20

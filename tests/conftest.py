@@ -20,7 +20,9 @@ def run_workload(script: str, *args: str, env: dict | None = None, timeout: floa
     """Run tests/workloads/SCRIPT in a fresh interpreter; returns the CompletedProcess."""
     return subprocess.run(
         [sys.executable, str(WORKLOADS / script), *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from steadytrain import Trainer, TrainConfig
+from steadytrain import TrainConfig, Trainer
 from steadytrain.device import resolve_device
 from steadytrain.engine import StepRunner, resolve_precision
 from steadytrain.engine.batching import split_batch
@@ -22,7 +22,7 @@ def regression(n=24):
     y = torch.randn(n, 1, generator=g, dtype=torch.float64)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
     model.double()
-    return model, list(zip(x, y))
+    return model, list(zip(x, y, strict=True))
 
 
 def mse(model, batch):
@@ -34,11 +34,19 @@ def one_step_delta(model, data, micro, tmp_path, **cfg):
     """Parameters after one SGD(lr=1) step minus before: the negative gradient."""
     model = copy.deepcopy(model)
     before = [p.detach().clone() for p in model.parameters()]
-    config = TrainConfig(run_dir=str(tmp_path / f"m{micro}"), effective_batch_size=len(data),
-                         micro_batch_size=micro, max_steps=1, save_every_steps=1, device="cpu",
-                         shuffle=False, max_grad_norm=None, **cfg)
+    config = TrainConfig(
+        run_dir=str(tmp_path / f"m{micro}"),
+        effective_batch_size=len(data),
+        micro_batch_size=micro,
+        max_steps=1,
+        save_every_steps=1,
+        device="cpu",
+        shuffle=False,
+        max_grad_norm=None,
+        **cfg,
+    )
     Trainer(model, lambda p: torch.optim.SGD(p, lr=1.0), mse, data, config).fit()
-    return [b - p.detach() for b, p in zip(before, model.parameters())]
+    return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
 
 
 def reference_grad(model, data, loss_fn=mse):
@@ -52,7 +60,7 @@ def reference_grad(model, data, loss_fn=mse):
 def test_mean_loss_split_equals_one_shot(micro, tmp_path):
     model, data = regression(24)
     ref = reference_grad(model, data)
-    for got, want in zip(one_step_delta(model, data, micro, tmp_path), ref):
+    for got, want in zip(one_step_delta(model, data, micro, tmp_path), ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -61,8 +69,15 @@ def runner_for(model, loss_fn, micro):
     state = TrainState(micro_batch_size=micro, effective_batch_size=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     emit = Dispatcher([], state, Control())
-    return StepRunner(model=model, optimizer=optimizer, loss_fn=loss_fn, device=device,
-                      precision=resolve_precision("fp32", device), state=state, emit=emit)
+    return StepRunner(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        device=device,
+        precision=resolve_precision("fp32", device),
+        state=state,
+        emit=emit,
+    )
 
 
 @pytest.mark.parametrize("micro", [5, 7, 11, 23])  # uneven: the last micro-batch is smaller
@@ -73,7 +88,7 @@ def test_uneven_split_weights_by_sample_share(micro):
     before = [p.detach().clone() for p in trained.parameters()]
     metrics = runner_for(trained, mse, micro).run(torch.utils.data.default_collate(data))
     assert metrics["micro_steps"] == -(-24 // micro)
-    for b, p, want in zip(before, trained.parameters(), ref):
+    for b, p, want in zip(before, trained.parameters(), ref, strict=True):
         torch.testing.assert_close(b - p.detach(), want, rtol=1e-12, atol=1e-12)
 
 
@@ -81,9 +96,16 @@ def test_partial_last_batch_through_the_public_api(tmp_path):
     """drop_last=False: 14 samples, batches of 8 → the second batch has 6, split 4 + 2."""
     model, data = regression(14)
     trained = copy.deepcopy(model)
-    config = TrainConfig(run_dir=str(tmp_path), effective_batch_size=8, micro_batch_size=4,
-                         epochs=1, device="cpu", shuffle=False, drop_last=False,
-                         max_grad_norm=None)
+    config = TrainConfig(
+        run_dir=str(tmp_path),
+        effective_batch_size=8,
+        micro_batch_size=4,
+        epochs=1,
+        device="cpu",
+        shuffle=False,
+        drop_last=False,
+        max_grad_norm=None,
+    )
     Trainer(trained, lambda p: torch.optim.SGD(p, lr=0.1), mse, data, config).fit()
     expect = copy.deepcopy(model)
     opt = torch.optim.SGD(expect.parameters(), lr=0.1)
@@ -91,7 +113,7 @@ def test_partial_last_batch_through_the_public_api(tmp_path):
         opt.zero_grad()
         mse(expect, torch.utils.data.default_collate(chunk)).backward()
         opt.step()
-    for got, want in zip(trained.parameters(), expect.parameters()):
+    for got, want in zip(trained.parameters(), expect.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -125,14 +147,16 @@ class TinyLM(torch.nn.Module):
 def token_sum_loss(model, batch):
     logits = model(batch["input_ids"])
     loss_sum = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD, reduction="sum")
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD, reduction="sum"
+    )
     return loss_sum, (batch["labels"] != PAD).sum()
 
 
 def token_mean_loss(model, batch):
     logits = model(batch["input_ids"])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                             ignore_index=PAD)
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD
+    )
 
 
 @pytest.mark.parametrize("micro", [16, 8, 5, 3, 1])
@@ -148,7 +172,7 @@ def test_token_weighted_split_equals_one_shot_token_mean(micro):
     with torch.no_grad():
         want_loss = token_mean_loss(model, batch).item()
     assert metrics["loss"] == pytest.approx(want_loss, rel=1e-12)
-    for b, p, want in zip(before, trained.parameters(), ref):
+    for b, p, want in zip(before, trained.parameters(), ref, strict=True):
         torch.testing.assert_close(b - p.detach(), want, rtol=1e-12, atol=1e-12)
 
 

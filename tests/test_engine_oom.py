@@ -17,8 +17,15 @@ from steadytrain.telemetry.files import read_jsonl
 
 
 def test_real_oom_is_survived_and_matches_a_run_at_the_final_micro_size(tmp_path: Path):
-    limited = run_workload("wide_mlp.py", str(tmp_path / "limited"), "--limit-mib", "200",
-                           "--steps", "4", env=MALLOC_ENV)
+    limited = run_workload(
+        "wide_mlp.py",
+        str(tmp_path / "limited"),
+        "--limit-mib",
+        "200",
+        "--steps",
+        "4",
+        env=MALLOC_ENV,
+    )
     assert limited.returncode == 0, limited.stderr
     result = json.loads((tmp_path / "limited" / "result.json").read_text())
     assert result["steps"] == 4
@@ -30,14 +37,15 @@ def test_real_oom_is_survived_and_matches_a_run_at_the_final_micro_size(tmp_path
     ooms = [e for e in events if e["event"] == "oom"]
     shrinks = [e for e in events if e["event"] == "shrink"]
     assert ooms and all("DefaultCPUAllocator" in e["error"] for e in ooms)
-    assert [(s["old"], s["new"]) for s in shrinks][0][0] == 64
+    assert next((s["old"], s["new"]) for s in shrinks)[0] == 64
     assert shrinks[-1]["new"] == final_micro
     assert all(s["memory"]["rss"] > 0 for s in shrinks)
     metrics = read_jsonl(tmp_path / "limited" / "metrics.jsonl")
     assert [m["samples"] for m in metrics] == [64] * 4  # the optimizer saw the whole batch
 
-    fixed = run_workload("wide_mlp.py", str(tmp_path / "fixed"), "--micro", str(final_micro),
-                         "--steps", "4")
+    fixed = run_workload(
+        "wide_mlp.py", str(tmp_path / "fixed"), "--micro", str(final_micro), "--steps", "4"
+    )
     assert fixed.returncode == 0, fixed.stderr
     assert json.loads((tmp_path / "fixed" / "result.json").read_text())["oom_count"] == 0
     a = torch.load(tmp_path / "limited" / "params.pt", weights_only=True)
@@ -48,9 +56,21 @@ def test_real_oom_is_survived_and_matches_a_run_at_the_final_micro_size(tmp_path
 
 
 def test_one_sample_that_does_not_fit_exits_3_with_numbers(tmp_path: Path):
-    proc = run_workload("wide_mlp.py", str(tmp_path / "run"), "--limit-mib", "150",
-                        "--tokens", "8192", "--steps", "1", "--batch", "4", "--samples", "8",
-                        env=MALLOC_ENV)
+    proc = run_workload(
+        "wide_mlp.py",
+        str(tmp_path / "run"),
+        "--limit-mib",
+        "150",
+        "--tokens",
+        "8192",
+        "--steps",
+        "1",
+        "--batch",
+        "4",
+        "--samples",
+        "8",
+        env=MALLOC_ENV,
+    )
     assert proc.returncode == 3, proc.stderr
     err = proc.stderr
     assert "does not fit" in err
@@ -66,8 +86,9 @@ def test_one_sample_that_does_not_fit_exits_3_with_numbers(tmp_path: Path):
 def test_surviving_leaves_no_growing_memory(tmp_path: Path, limit: str):
     """After recovery the process holds no more than before the failed attempt (nothing leaks
     through the exception's frames), so later steps at the smaller size keep fitting."""
-    proc = run_workload("wide_mlp.py", str(tmp_path / "run"), "--limit-mib", limit,
-                        "--steps", "6", env=MALLOC_ENV)
+    proc = run_workload(
+        "wide_mlp.py", str(tmp_path / "run"), "--limit-mib", limit, "--steps", "6", env=MALLOC_ENV
+    )
     assert proc.returncode == 0, proc.stderr
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(metrics) == 6

@@ -10,9 +10,18 @@ from steadytrain.errors import (
     SteadytrainError,
 )
 from steadytrain.events import Callback, Control, Event, TrainState
-from steadytrain.trainer import FitResult, Trainer
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The trainer imports torch; the CLI's light commands (config, report) should not pay for it.
+    if name in ("Trainer", "FitResult"):
+        from steadytrain import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'steadytrain' has no attribute {name!r}")
+
 
 __all__ = [
     "BadInputError",

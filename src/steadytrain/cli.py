@@ -35,27 +35,54 @@ def doctor(
     """Diagnose this machine for training: exit 0 healthy, 1 warnings, 2 broken."""
     from steadytrain.doctor import run_doctor
 
-    raise typer.Exit(run_doctor(json_output=json_output, selftest=selftest, device=device,
-                                run_dir=run_dir))
+    raise typer.Exit(
+        run_doctor(json_output=json_output, selftest=selftest, device=device, run_dir=run_dir)
+    )
+
+
+@app.command("config")
+def config_command(
+    path: str | None = typer.Argument(None, metavar="FILE", help="A JSON or YAML config file."),
+    overrides: list[str] | None = typer.Option(  # noqa: B008 (typer reads the default)
+        None,
+        "--set",
+        metavar="FIELD=VALUE",
+        help="Change one field before checking; the value is read as YAML (4, null, true, "
+        "12GiB). Repeatable.",
+    ),
+    reference: bool = typer.Option(
+        False, "--reference", help="Print the reference of every field (markdown) instead."
+    ),
+) -> None:
+    """Check a config file and print it resolved as JSON: exit 0 valid, 2 invalid."""
+    from steadytrain.config import TrainConfig, parse_overrides, reference_markdown
+    from steadytrain.errors import BadInputError
+
+    if reference:
+        typer.echo(reference_markdown(), nl=False)
+        return
+    if path is None:
+        raise BadInputError("give a config file to check (steadytrain config FILE), or --reference")
+    config = TrainConfig.load(path, overrides=parse_overrides(overrides or []))
+    typer.echo(config.to_json(), nl=False)
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
     except SteadytrainError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit code (2)
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        # Usage errors (unknown option, missing argument) come from typer's bundled click: they
+        # carry their own message and exit code 2. Anything else is a bug and keeps its traceback.
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,57 @@
 """The one validated config tree. Each field's description is its documentation and its default's
 reason; `docs/config.md` is generated from this file (`python -m steadytrain.config > docs/config.md`)
 and a test keeps the two equal.
+
+Validation reports every problem at once, one plain line each: the field, what is allowed, what
+was found. Rules between fields are checked even when other fields are wrong, as long as the
+fields a rule reads are valid themselves.
 """
 
 from __future__ import annotations
 
-import difflib
+import functools
 import json
+import math
 import os
 import re
+import types
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import annotated_types
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from steadytrain._units import parse_bytes
 from steadytrain.errors import BadInputError, ConfigError
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
+# What a field accepts, in words, where its type alone does not say it (a string with a format).
+# Every other field's rule is written from its type and bounds by `_rule`.
+_RULES = {
+    "device": "'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'",
+    "memory_budget": "'auto', a size like '12GiB' or '16GB', or a fraction of usable memory in (0, 1]",
+}
+
 
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
 
     run_dir: str = Field(
         "runs/default",
@@ -31,14 +59,15 @@ class TrainConfig(BaseModel):
         "events.jsonl, checkpoints/. Reusing a folder resumes the run in it.",
     )
     effective_batch_size: int = Field(
-        ..., ge=1,
+        ...,
+        ge=1,
         description="Samples per optimizer step. The optimizer always sees this many, whatever "
         "micro-batch memory allows; no default, because it is part of the recipe.",
     )
-    micro_batch_size: Literal["auto"] | int = Field(
+    micro_batch_size: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
         "auto",
         description="Samples per forward/backward pass. 'auto' starts from the whole effective batch "
-        "and halves on out-of-memory; an int is the starting size and must divide "
+        "and halves on out-of-memory; a number is the starting size and must divide "
         "effective_batch_size. The size that fits is kept for later steps.",
     )
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
@@ -49,43 +78,54 @@ class TrainConfig(BaseModel):
         "A dtype the device cannot run is refused with the alternative.",
     )
     epochs: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="Passes over the data. Ignored when max_steps is set.",
     )
     max_steps: int | None = Field(
-        None, ge=1,
-        description="Optimizer steps to run; wins over epochs (the data is repeated as needed).",
+        None,
+        ge=1,
+        description="Optimizer steps to run; wins over epochs (the data is repeated as needed). "
+        "null: run for epochs.",
     )
     save_every_steps: int = Field(
-        250, ge=1,
-        description="Optimizer steps between checkpoints: the most work a crash can cost.",
+        250,
+        ge=1,
+        description="Optimizer steps between checkpoints: the most work a crash can cost. Must "
+        "not exceed max_steps when that is set.",
     )
     keep_last: int = Field(
-        2, ge=1,
+        2,
+        ge=1,
         description="Committed checkpoints to keep; older ones are deleted only after a newer "
         "one is committed.",
     )
     device: str = Field(
         "auto",
-        description="'auto' (cuda, then mps, then cpu), 'cuda', 'cuda:N', 'mps' or 'cpu'.",
+        description="Where to train. 'auto' picks cuda, then mps, then cpu (an accelerator that "
+        "fails a small computation is skipped); 'cuda' is GPU 0, 'cuda:N' GPU number N.",
     )
     memory_budget: Literal["auto"] | str | float = Field(
         "auto",
-        description="Memory the run may use: a size ('12GiB', '16GB') or a fraction of the "
-        "device's usable memory (0.8). 'auto' is 0.9 of it: CUDA total memory, MPS "
-        "recommended_max_memory, CPU available RAM.",
+        description="Memory the run may use: a size ('12GiB', '16GB'; GB is 1000³ bytes, GiB "
+        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is 0.9 of it. Usable: "
+        "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
+        "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "
+        "cgroup limit.",
     )
-    hang_timeout: Literal["auto"] | float = Field(
+    hang_timeout: Literal["auto"] | Annotated[float, Field(gt=0)] = Field(
         "auto",
         description="Seconds without progress before a hang is declared. 'auto': the larger of "
         "300 s and a multiple of the median step time.",
     )
     seed: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="Seeds the data order, the RNG streams and the model's random ops.",
     )
     max_grad_norm: float | None = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="Clip the gradient norm to this before each optimizer step; null for no "
         "clipping.",
     )
@@ -96,8 +136,10 @@ class TrainConfig(BaseModel):
     )
     shuffle: bool = Field(True, description="Shuffle the data each epoch (seeded).")
     num_workers: int = Field(
-        0, ge=0,
-        description="DataLoader worker processes that collate batches on the CPU.",
+        0,
+        ge=0,
+        description="DataLoader worker processes that collate batches on the CPU; 0 collates in "
+        "the training process.",
     )
     activation_checkpointing: Literal["auto"] | bool = Field(
         "auto",
@@ -105,58 +147,61 @@ class TrainConfig(BaseModel):
         "when one sample per micro-batch does not fit; true turns it on from the start.",
     )
     log_every_steps: int = Field(
-        10, ge=1,
+        10,
+        ge=1,
         description="Optimizer steps between progress lines when not on a terminal.",
     )
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(_explain(exc, type(self))) from None
+            problems = _explain(exc, type(self))
+            if not any(not err["loc"] for err in exc.errors()):
+                # The rules between fields did not run: check them on the fields that are valid.
+                problems += _combination_problems(_valid_values(type(self), data, exc), set(data))
+            raise ConfigError(problems) from None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # Lax mode would read true as 1 and false as 0; only fields that take a bool get one.
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if bool not in _flat_types(annotation):
+                raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
+        return value
 
     @field_validator("device")
     @classmethod
     def _device_spec(cls, value: str) -> str:
         if not _DEVICE.match(value):
-            raise ValueError("must be 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'")
+            raise ValueError(f"must be {_RULES['device']}")
         return value
 
     @field_validator("memory_budget")
     @classmethod
     def _budget_spec(cls, value: str | float) -> str | float:
         if isinstance(value, str) and value != "auto":
-            parse_bytes(value)
+            try:
+                size = parse_bytes(value)
+            except ValueError:
+                raise ValueError(f"must be {_RULES['memory_budget']}") from None
+            if size <= 0:
+                raise ValueError(
+                    "a size must be more than 0 bytes; a fraction is written as a number like "
+                    "0.8, not as text"
+                )
         elif isinstance(value, float) and not 0 < value <= 1:
-            raise ValueError("a fraction must be in (0, 1]; write a size like '12GiB' for bytes")
-        return value
-
-    @field_validator("hang_timeout")
-    @classmethod
-    def _timeout(cls, value: str | float) -> str | float:
-        if isinstance(value, float) and value <= 0:
-            raise ValueError("must be positive seconds, or 'auto'")
+            raise ValueError(
+                "a number is a fraction of the device's usable memory and must be more than 0 and "
+                "at most 1; write a size with its unit, like '12GiB', for bytes"
+            )
         return value
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
-        problems = []
-        eff, micro = self.effective_batch_size, self.micro_batch_size
-        if isinstance(micro, int):
-            if micro < 1:
-                problems.append(f"micro_batch_size: {micro} must be at least 1, or 'auto'")
-            elif micro > eff or eff % micro:
-                fits = [d for d in range(1, eff + 1) if eff % d == 0]
-                problems.append(
-                    f"micro_batch_size: {micro} does not divide effective_batch_size {eff}; "
-                    f"values that do: {_short(fits)}, or 'auto'"
-                )
-        if self.max_steps is not None and self.save_every_steps > self.max_steps:
-            problems.append(
-                f"save_every_steps: {self.save_every_steps} is more than max_steps "
-                f"{self.max_steps}, so no checkpoint would be written before the end; set it to "
-                f"at most {self.max_steps}"
-            )
+        problems = _combination_problems(self.__dict__, self.model_fields_set)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -173,9 +218,23 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str | None = None) -> TrainConfig:
-        if not isinstance(data, dict):
-            raise ConfigError([f"the config must be a mapping of field: value, found "
-                               f"{type(data).__name__}"], source)
+        """Validate a mapping of field: value; every problem is reported in one ConfigError."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                [
+                    f"the config must be a mapping of field: value, found "
+                    f"{_type_name(data)} {_show(data)}"
+                ],
+                source,
+            )
+        odd = [key for key in data if not isinstance(key, str)]
+        if odd:
+            problems = [f"{_show(key)}: not a field name (field names are text)" for key in odd]
+            try:
+                cls(**{k: v for k, v in data.items() if isinstance(k, str)})
+            except ConfigError as exc:
+                problems += exc.problems
+            raise ConfigError(problems, source)
         try:
             return cls(**data)
         except ConfigError as exc:
@@ -189,6 +248,7 @@ class TrainConfig(BaseModel):
         return cls.from_dict(data, source=str(path))
 
     def to_json(self) -> str:
+        """The resolved config, every default filled in, as JSON text."""
         return json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
 
     def dump(self, path: str | os.PathLike) -> None:
@@ -196,87 +256,428 @@ class TrainConfig(BaseModel):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as handle:
-            handle.write(self.to_json())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as handle:
+                handle.write(self.to_json())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
 
 
 def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """A JSON or YAML file as a dict; a missing file or a syntax error is BadInputError."""
+    """A JSON or YAML file as a dict; a missing, unreadable or malformed file is BadInputError."""
     import yaml
 
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInputError(f"config file {path} does not exist; check the path") from None
+    except UnicodeDecodeError:
+        raise BadInputError(f"config file {path} is not UTF-8 text; is it a config?") from None
     except OSError as exc:
         raise BadInputError(f"config file {path} cannot be read: {exc.strerror}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if path.suffix.lower() == ".json":
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        else:
+            data = yaml.load(text, Loader=_unique_key_loader())
+    except _DuplicateKeyError as exc:
+        raise BadInputError(f"config file {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise BadInputError(f"config file {path} is not valid JSON: {exc.msg} at line "
-                            f"{exc.lineno}, column {exc.colno}") from None
+        raise BadInputError(
+            f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno}"
+        ) from None
     except yaml.YAMLError as exc:
-        raise BadInputError(f"config file {path} is not valid YAML: {exc}") from None
+        raise BadInputError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+    if data is None:
+        raise BadInputError(f"config file {path} is empty; it must hold a mapping of field: value")
     if not isinstance(data, dict):
-        raise BadInputError(f"config file {path} must hold a mapping of field: value, found "
-                            f"{type(data).__name__}")
+        raise BadInputError(
+            f"config file {path} must hold a mapping of field: value, found {_type_name(data)}"
+        )
     return data
 
 
-def _short(values: list[int]) -> str:
-    shown = ", ".join(map(str, values[:12]))
-    return shown + (", ..." if len(values) > 12 else "")
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`field=value` strings (the CLI's `--set`) as a dict; each value is read as a YAML scalar,
+    so `4` is a number, `null` is None, `true` a bool and `12GiB` text."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise BadInputError(f"--set {pair!r}: write it as field=value, e.g. micro_batch_size=4")
+        try:
+            overrides[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise BadInputError(
+                f"--set {pair!r}: the value is not valid YAML: {_yaml_problem(exc)}; to pass it as "
+                f"text, quote the value for YAML"
+            ) from None
+    return overrides
 
 
-def _explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
-    """One plain line per problem: field, what was found, what is allowed."""
-    fields = list(model.model_fields)
-    problems: list[str] = []
-    seen: set[str] = set()
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
-        # Union fields report one error per branch; the first per field is the useful one.
-        name = str(err["loc"][0]) if err["loc"] else ""
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; known fields: {', '.join(fields)}"
-            problems.append(f"{name}: unknown field{hint}")
-        elif err["type"] == "missing":
-            problems.append(f"{name}: required, no default ({_describe(model, name)})")
-        elif err["type"] == "value_error" and not name:
-            problems.extend(str(err["ctx"]["error"]).splitlines())
-        elif name not in seen:
-            found = err.get("input")
-            message = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{loc or name}: {message} (found {found!r})")
-        seen.add(name)
+# -- rules between fields -------------------------------------------------------------------------
+
+
+def _combination_problems(values: Mapping[str, Any], given: set[str]) -> list[str]:
+    """Problems between fields; a rule is skipped when a field it reads is absent (invalid)."""
+    problems = []
+    eff, micro = values.get("effective_batch_size"), values.get("micro_batch_size")
+    if isinstance(eff, int) and isinstance(micro, int) and eff % micro:
+        problems.append(
+            f"micro_batch_size: must divide effective_batch_size {eff} so every optimizer step "
+            f"splits into equal micro-batches (found {micro}); {_divisor_hint(eff, micro)}, or "
+            f"'auto'"
+        )
+    every, steps = values.get("save_every_steps"), values.get("max_steps")
+    if isinstance(every, int) and isinstance(steps, int) and every > steps:
+        default = "" if "save_every_steps" in given else ", the default"
+        problems.append(
+            f"save_every_steps: must be at most max_steps {steps}, or no checkpoint would be "
+            f"written before the end (found {every}{default}); set save_every_steps to {steps} "
+            f"or less"
+        )
     return problems
 
 
-def _describe(model: type[BaseModel], name: str) -> str:
-    info = model.model_fields.get(name)
-    return (info.description or "").split(".")[0] if info else ""
+def _divisor_hint(n: int, asked: int) -> str:
+    divisors = _divisors(n)
+    if len(divisors) <= 12:
+        return "values that divide it: " + ", ".join(map(str, divisors))
+    below = [d for d in divisors if d < asked][-2:]
+    above = [d for d in divisors if d > asked][:2]
+    return "the nearest values that divide it: " + ", ".join(map(str, below + above))
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _valid_values(
+    model: type[BaseModel], data: Mapping[str, Any], exc: ValidationError
+) -> dict[str, Any]:
+    """The validated value of every field that has no error: given ones parsed, others default."""
+    bad = {str(err["loc"][0]) for err in exc.errors() if err["loc"]}
+    values = {}
+    for name, info in model.model_fields.items():
+        if name in bad:
+            continue
+        if name in data:
+            try:
+                values[name] = _adapter(model, name).validate_python(data[name])
+            except ValidationError:
+                continue
+        elif not info.is_required():
+            values[name] = info.default
+    return values
+
+
+@functools.cache
+def _adapter(model: type[BaseModel], name: str) -> TypeAdapter:
+    info = model.model_fields[name]
+    if not info.metadata:
+        return TypeAdapter(info.annotation)
+    return TypeAdapter(Annotated[(info.annotation, *info.metadata)])
+
+
+# -- explaining problems --------------------------------------------------------------------------
+
+
+def _explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
+    """One plain line per problem: the field, what is allowed, what was found."""
+    fields = list(model.model_fields)
+    by_field: dict[str, list[Any]] = {}
+    problems: list[str] = []
+    for err in exc.errors():
+        if not err["loc"]:  # a rule between fields: its message is already lines of plain text
+            problems.extend(str(err["ctx"]["error"]).splitlines())
+            continue
+        by_field.setdefault(str(err["loc"][0]), []).append(err)
+    lines = []
+    for name, errors in by_field.items():
+        first = errors[0]
+        if first["type"] == "extra_forbidden":
+            lines.append(f"{name}: unknown field; {_suggestion(name, fields)}")
+        elif first["type"] == "missing":
+            info = model.model_fields[name]
+            lines.append(
+                f"{name}: missing, and it has no default; set it to {_rule(model, name)} "
+                f"({_first_sentence(info.description)})"
+            )
+        else:
+            # A union reports one error per branch; say once what the field accepts. A rule of
+            # our own (a validator's ValueError) is more precise than the type, so it wins.
+            own = [e for e in errors if e["type"] == "value_error"]
+            rule = str(own[0]["ctx"]["error"]) if own else f"must be {_rule(model, name)}"
+            if any(e["type"] == "finite_number" for e in errors):
+                rule += "; inf and nan are not accepted"
+            lines.append(f"{name}: {rule} (found {_show(first['input'])})")
+    return lines + problems
+
+
+def _suggestion(key: str, fields: list[str]) -> str:
+    close = _closest(key, fields)
+    if close:
+        return "did you mean " + _join_or([f"'{name}'" for name in close]) + "?"
+    return "the fields are: " + ", ".join(fields)
+
+
+def _closest(key: str, fields: list[str]) -> list[str]:
+    """Fields the unknown `key` was probably meant to be, best kind of match first.
+
+    In order: the same name spelled another way (camelCase, dashes, capitals); a typo (one or two
+    edits, fewer for short names); the start of a field name, maybe with a typo (`efective`);
+    the words of a field inside the key or the key's words inside a field (`save_steps`,
+    `dataloader_num_workers`). Matches that share only a generic word like `steps` are not made.
+    """
+    wanted = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key.strip())
+    wanted = re.sub(r"[-\s.]+", "_", wanted).lower()
+    if wanted in fields:
+        return [wanted]
+    distance = {name: _edits(wanted, name) for name in fields}
+    best = min(distance.values())
+    typos = [n for n in fields if distance[n] == best <= max(1, round(len(n) / 4))]
+    if typos:
+        return typos
+
+    def starts(name: str) -> bool:
+        if len(wanted) >= 3 and name.startswith(wanted):
+            return True
+        widths = (len(wanted) - 1, len(wanted), len(wanted) + 1)
+        return len(wanted) >= 5 and min(_edits(wanted, name[:w]) for w in widths) <= 1
+
+    prefixed = [name for name in fields if starts(name)]
+    if prefixed:
+        return prefixed[:3]
+    words = wanted.split("_")
+
+    def shares_words(name: str) -> bool:
+        theirs = name.split("_")
+        if _in_order(words, theirs):
+            return True
+        # A field's words at the start or end of the key: keep_last_k, num_train_epochs.
+        return words[: len(theirs)] == theirs or words[-len(theirs) :] == theirs
+
+    return [name for name in fields if shares_words(name)][:3]
+
+
+def _edits(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap two neighbours) that turn a into b."""
+    before, previous = [0] * (len(b) + 1), list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, previous = previous, current
+    return previous[-1]
+
+
+def _in_order(part: list[str], whole: list[str]) -> bool:
+    rest = iter(whole)
+    return all(word in rest for word in part)
+
+
+def _rule(model: type[BaseModel], name: str) -> str:
+    """What field `name` accepts, in words, from its type and bounds ('a whole number ≥ 1')."""
+    if name in _RULES:
+        return _RULES[name]
+    info = model.model_fields[name]
+    return _join_or(_type_words(info.annotation, info.metadata))
+
+
+def _type_words(annotation: Any, bounds: list[Any]) -> list[str]:
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        inner, *metadata = get_args(annotation)
+        return _type_words(inner, [*bounds, *metadata])
+    if origin in (Union, types.UnionType):
+        return [word for arg in get_args(annotation) for word in _type_words(arg, bounds)]
+    if origin is Literal:
+        return [_show(value) for value in get_args(annotation)]
+    if annotation is type(None):
+        return ["null"]
+    if annotation is bool:
+        return ["true", "false"]
+    if annotation is int:
+        return ["a whole number" + _bounds_words(bounds)]
+    if annotation is float:
+        return ["a number" + _bounds_words(bounds)]
+    if annotation is str:
+        return ["text"]
+    return [getattr(annotation, "__name__", str(annotation))]
+
+
+def _bounds_words(bounds: list[Any]) -> str:
+    words = []
+    for bound in bounds:
+        for item in bound.metadata if isinstance(bound, FieldInfo) else [bound]:
+            if isinstance(item, annotated_types.Ge):
+                words.append(f" ≥ {item.ge}")
+            elif isinstance(item, annotated_types.Gt):
+                words.append(f" > {item.gt}")
+            elif isinstance(item, annotated_types.Le):
+                words.append(f" ≤ {item.le}")
+            elif isinstance(item, annotated_types.Lt):
+                words.append(f" < {item.lt}")
+    return " and".join(words)
+
+
+def _flat_types(annotation: Any) -> set[Any]:
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _flat_types(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return {t for arg in get_args(annotation) for t in _flat_types(arg)}
+    if origin is Literal:
+        return {type(value) for value in get_args(annotation)}
+    return {annotation}
+
+
+def _join_or(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in JSON or YAML: 'text', 12, true, null; long ones cut."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        shown = repr(value)
+    else:
+        try:
+            shown = json.dumps(value, default=str)
+        except ValueError:
+            shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _type_name(value: Any) -> str:
+    return {
+        list: "a list",
+        str: "text",
+        int: "a number",
+        float: "a number",
+        bool: "true/false",
+    }.get(type(value), type(value).__name__)
+
+
+def _first_sentence(text: str | None) -> str:
+    first = (text or "").split(". ")[0].rstrip(".")
+    return first[:1].lower() + first[1:]
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKeyError(f"key {key!r} appears twice; keep one")
+        data[key] = value
+    return data
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """yaml.SafeLoader that refuses a key given twice (plain PyYAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: construct_mapping reports it
+                continue
+            if duplicate:
+                line = key_node.start_mark.line + 1
+                raise _DuplicateKeyError(
+                    f"key {key!r} appears twice (again at line {line}); keep one"
+                )
+        return loader.construct_mapping(node)
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeyLoader
+
+
+def _yaml_problem(exc: Exception) -> str:
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None)
+    if problem is None or mark is None:
+        return str(exc).replace("\n", " ")
+    context = getattr(exc, "context", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}"
+    return problem + where + (f" ({context})" if context else "")
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- reference page -------------------------------------------------------------------------------
 
 
 def reference_markdown() -> str:
-    """The config reference page, generated from the field descriptions above."""
+    """The config reference page, generated from the field definitions above."""
     lines = [
         "# Config reference",
         "",
         "Generated from `src/steadytrain/config.py` by `python -m steadytrain.config`; do not edit.",
         "The same fields are accepted as Python keyword arguments (`TrainConfig(...)`), as JSON and",
-        "as YAML. Unknown fields are errors, with the closest valid name suggested.",
+        "as YAML (`.json` files are read as JSON, any other as YAML). Unknown fields are errors,",
+        "with the closest valid name suggested; every problem is reported at once.",
         "",
-        "| field | default | meaning |",
-        "| --- | --- | --- |",
+        "Check a file and see it with every default filled in: `steadytrain config FILE`; change a",
+        "field for one check with `--set field=value` (the value is read as YAML: `4`, `null`,",
+        "`true`, `12GiB`). A bad config exits with code 2.",
+        "",
+        "| field | default | accepts | meaning |",
+        "| --- | --- | --- | --- |",
     ]
     for name, info in TrainConfig.model_fields.items():
-        default = "required" if info.is_required() else json.dumps(info.default)
-        lines.append(f"| `{name}` | `{default}` | {info.description} |")
+        default = "required" if info.is_required() else f"`{json.dumps(info.default)}`"
+        lines.append(f"| `{name}` | {default} | {_rule(TrainConfig, name)} | {info.description} |")
+    lines += [
+        "",
+        "Rules between fields:",
+        "",
+        "- a `micro_batch_size` number must divide `effective_batch_size`;",
+        "- `save_every_steps` must be at most `max_steps` when `max_steps` is set.",
+    ]
     return "\n".join(lines) + "\n"
 
 

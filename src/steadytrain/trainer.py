@@ -49,16 +49,24 @@ class Trainer:
     and workers are used; batching is steadytrain's).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerLike,
-                 loss_fn: Callable[[torch.nn.Module, Any], Any], train_data: Dataset | DataLoader,
-                 config: TrainConfig | dict, scheduler: Any = None,
-                 callbacks: Iterable[Callback] = (), collate_fn: Callable | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerLike,
+        loss_fn: Callable[[torch.nn.Module, Any], Any],
+        train_data: Dataset | DataLoader,
+        config: TrainConfig | dict,
+        scheduler: Any = None,
+        callbacks: Iterable[Callback] = (),
+        collate_fn: Callable | None = None,
+    ):
         self.config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
         self.model, self.loss_fn, self.scheduler = model, loss_fn, scheduler
         self._optimizer = optimizer
         self.user_callbacks = list(callbacks)
         self.dataset, self.collate_fn, self.workers, self.worker_init_fn = _data_source(
-            train_data, collate_fn, self.config.num_workers)
+            train_data, collate_fn, self.config.num_workers
+        )
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
@@ -79,8 +87,9 @@ class Trainer:
         model.train()
         optimizer = self._build_optimizer(model)
 
-        sampler = OptimizerBatchSampler(len(self.dataset), cfg.effective_batch_size, cfg.seed,
-                                        cfg.shuffle, cfg.drop_last)
+        sampler = OptimizerBatchSampler(
+            len(self.dataset), cfg.effective_batch_size, cfg.seed, cfg.shuffle, cfg.drop_last
+        )
         if sampler.steps_per_epoch == 0:
             raise BadInputError(
                 f"train_data: {len(self.dataset)} sample(s), fewer than one optimizer batch of "
@@ -91,7 +100,8 @@ class Trainer:
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
             max_steps=cfg.max_steps or cfg.epochs * sampler.steps_per_epoch,
-            effective_batch_size=cfg.effective_batch_size, micro_batch_size=micro,
+            effective_batch_size=cfg.effective_batch_size,
+            micro_batch_size=micro,
         )
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,21 +110,39 @@ class Trainer:
         callbacks = [RunFiles(run_dir), ConsoleLog(cfg.log_every_steps), *self.user_callbacks]
         emit = Dispatcher(callbacks, state, Control())
         runner = StepRunner(
-            model=model, optimizer=optimizer, loss_fn=self.loss_fn, device=device,
-            precision=precision, state=state, emit=emit, scheduler=self.scheduler,
-            max_grad_norm=cfg.max_grad_norm, checkpointing=cfg.activation_checkpointing,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=self.loss_fn,
+            device=device,
+            precision=precision,
+            state=state,
+            emit=emit,
+            scheduler=self.scheduler,
+            max_grad_norm=cfg.max_grad_norm,
+            checkpointing=cfg.activation_checkpointing,
         )
         loop = Loop(
-            runner=runner, emit=emit,
+            runner=runner,
+            emit=emit,
             batches=lambda epoch, start: self._batches(sampler, epoch, start, device),
-            fit_info={"device": str(device.torch_device), "precision": precision.name,
-                      "budget": device.budget, "micro_batch_size": micro,
-                      "config": cfg.model_dump(mode="json")},
+            fit_info={
+                "device": str(device.torch_device),
+                "precision": precision.name,
+                "budget": device.budget,
+                "micro_batch_size": micro,
+                "config": cfg.model_dump(mode="json"),
+            },
         )
         reason, code = loop.run()
-        return FitResult(steps=state.step, final_loss=state.last_loss,
-                         micro_batch_size=state.micro_batch_size, reason=reason, exit_code=code,
-                         run_dir=str(run_dir), oom_count=state.oom_count)
+        return FitResult(
+            steps=state.step,
+            final_loss=state.last_loss,
+            micro_batch_size=state.micro_batch_size,
+            reason=reason,
+            exit_code=code,
+            run_dir=str(run_dir),
+            oom_count=state.oom_count,
+        )
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(self._optimizer, torch.optim.Optimizer):
@@ -123,14 +151,20 @@ class Trainer:
             optimizer = self._optimizer([p for p in model.parameters() if p.requires_grad])
             if isinstance(optimizer, torch.optim.Optimizer):
                 return optimizer
-        raise BadInputError("optimizer: expected a torch.optim.Optimizer or a function "
-                            "params -> optimizer")
+        raise BadInputError(
+            "optimizer: expected a torch.optim.Optimizer or a function params -> optimizer"
+        )
 
-    def _batches(self, sampler: OptimizerBatchSampler, epoch: int, start: int, device) -> DataLoader:
+    def _batches(
+        self, sampler: OptimizerBatchSampler, epoch: int, start: int, device
+    ) -> DataLoader:
         sampler.set_position(epoch, start)
         return DataLoader(
-            self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
-            num_workers=self.workers, worker_init_fn=self.worker_init_fn,
+            self.dataset,
+            batch_sampler=sampler,
+            collate_fn=self.collate_fn,
+            num_workers=self.workers,
+            worker_init_fn=self.worker_init_fn,
             pin_memory=device.type == "cuda",
             generator=torch.Generator().manual_seed(self.config.seed * 7919 + epoch),
         )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from steadytrain import Trainer, TrainConfig, entrypoint
+from steadytrain import TrainConfig, Trainer, entrypoint
 
 FEATURES, WIDTH = 64, 2048
 
@@ -33,14 +33,16 @@ def vm_size() -> int:
 def build(tokens: int, samples: int = 256):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, WIDTH), torch.nn.GELU(),
-        torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
+        torch.nn.Linear(FEATURES, WIDTH),
+        torch.nn.GELU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.GELU(),
         torch.nn.Linear(WIDTH, FEATURES),
     )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(samples, tokens, FEATURES, generator=g)
     y = torch.randn(samples, tokens, FEATURES, generator=g)
-    return model, list(zip(x, y))
+    return model, list(zip(x, y, strict=True))
 
 
 def loss_fn(model, batch):
@@ -68,18 +70,32 @@ def main() -> None:
         limit = vm_size() + args.limit_mib * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     config = TrainConfig(
-        run_dir=args.run_dir, effective_batch_size=args.batch,
+        run_dir=args.run_dir,
+        effective_batch_size=args.batch,
         micro_batch_size=args.micro if args.micro == "auto" else int(args.micro),
-        max_steps=args.steps, save_every_steps=args.steps, device="cpu", precision="fp32",
+        max_steps=args.steps,
+        save_every_steps=args.steps,
+        device="cpu",
+        precision="fp32",
         log_every_steps=1,
     )
-    result = Trainer(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), loss_fn, data,
-                     config).fit()
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-               Path(args.run_dir) / "params.pt")
-    (Path(args.run_dir) / "result.json").write_text(json.dumps(
-        {"steps": result.steps, "micro_batch_size": result.micro_batch_size,
-         "final_loss": result.final_loss, "oom_count": result.oom_count}))
+    result = Trainer(
+        model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), loss_fn, data, config
+    ).fit()
+    torch.save(
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        Path(args.run_dir) / "params.pt",
+    )
+    (Path(args.run_dir) / "result.json").write_text(
+        json.dumps(
+            {
+                "steps": result.steps,
+                "micro_batch_size": result.micro_batch_size,
+                "final_loss": result.final_loss,
+                "oom_count": result.oom_count,
+            }
+        )
+    )
     return result
 
 

@@ -1,12 +1,15 @@
 """One small class per device type. Everything device-specific goes through a `Backend`; tests
-substitute a double (see `steadytrain.device.testing`)."""
+substitute a double (`steadytrain.device.testing.FakeMPSBackend`, `FakeCUDABackend`)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-import psutil
 import torch
+
+from steadytrain.device.autocast import run_autocast_matmul
+from steadytrain.device.budget import capped, cpu_usable
+from steadytrain.device.system import SystemProbe
 
 
 class Backend(Protocol):
@@ -17,24 +20,41 @@ class Backend(Protocol):
     def is_built(self) -> bool: ...
     def is_available(self) -> bool: ...
     def device_count(self) -> int: ...
+    def device_name(self, index: int) -> str: ...
     def probe(self, index: int) -> None:
         """Allocate, compute and synchronize a small tensor; raise if the device does not work."""
+
     def allocated(self, index: int) -> int | None: ...
     def reserved(self, index: int) -> int | None:
         """Bytes held by the allocator or driver (CUDA reserved, MPS driver-allocated)."""
+
     def peak(self, index: int) -> int | None: ...
     def reset_peak(self, index: int) -> None: ...
     def total(self, index: int) -> int | None: ...
     def usable(self, index: int) -> int | None:
-        """What one process may reasonably use: CUDA total, MPS recommended_max_memory, CPU
-        available RAM."""
+        """What one process may reasonably use in total (see `steadytrain.device.budget`)."""
+
     def alloc_retries(self, index: int) -> int | None: ...
     def empty_cache(self) -> None: ...
     def synchronize(self, index: int) -> None: ...
+    def autocast_probe(self, index: int, dtype: torch.dtype) -> torch.dtype:
+        """Run a tiny matmul + backward under autocast; return the matmul's output dtype."""
+
+
+def check_matmul(torch_device: torch.device) -> None:
+    """8×8 ones squared sums to 512 exactly: a device that allocates but computes garbage (the
+    paravirtual GPU of macOS VMs returned zeros, mps.md §9) fails here."""
+    x = torch.ones(8, 8, device=torch_device)
+    value = float((x @ x).sum().cpu())
+    if value != 512.0:
+        raise RuntimeError(f"{torch_device} matmul returned a wrong result ({value}, expected 512)")
 
 
 class CPUBackend:
     name = "cpu"
+
+    def __init__(self, system: SystemProbe | None = None) -> None:
+        self.system = system or SystemProbe()
 
     def is_built(self) -> bool:
         return True
@@ -45,10 +65,11 @@ class CPUBackend:
     def device_count(self) -> int:
         return 1
 
+    def device_name(self, index: int) -> str:
+        return self.system.chip_name()
+
     def probe(self, index: int) -> None:
-        x = torch.ones(8, 8)
-        if float((x @ x).sum()) != 512.0:
-            raise RuntimeError("CPU matmul returned a wrong result")
+        check_matmul(torch.device("cpu"))
 
     def allocated(self, index: int) -> int | None:
         return None  # torch keeps no CPU allocation counter; process RSS stands in
@@ -63,10 +84,10 @@ class CPUBackend:
         pass
 
     def total(self, index: int) -> int | None:
-        return psutil.virtual_memory().total
+        return self.system.memory_total()
 
     def usable(self, index: int) -> int | None:
-        return psutil.virtual_memory().available + psutil.Process().memory_info().rss
+        return cpu_usable(self.system)
 
     def alloc_retries(self, index: int) -> int | None:
         return None
@@ -76,6 +97,9 @@ class CPUBackend:
 
     def synchronize(self, index: int) -> None:
         pass
+
+    def autocast_probe(self, index: int, dtype: torch.dtype) -> torch.dtype:
+        return run_autocast_matmul(torch.device("cpu"), dtype)
 
 
 class CUDABackend:
@@ -90,12 +114,12 @@ class CUDABackend:
     def device_count(self) -> int:
         return torch.cuda.device_count() if self.is_available() else 0
 
+    def device_name(self, index: int) -> str:
+        return torch.cuda.get_device_name(index)
+
     def probe(self, index: int) -> None:
-        x = torch.ones(8, 8, device=f"cuda:{index}")
-        value = float((x @ x).sum())
+        check_matmul(torch.device("cuda", index))
         torch.cuda.synchronize(index)
-        if value != 512.0:
-            raise RuntimeError(f"cuda:{index} matmul returned a wrong result ({value})")
 
     def allocated(self, index: int) -> int | None:
         return torch.cuda.memory_allocated(index)
@@ -113,12 +137,8 @@ class CUDABackend:
         return torch.cuda.get_device_properties(index).total_memory
 
     def usable(self, index: int) -> int | None:
-        # A cap set with set_per_process_memory_fraction is what this process may really use.
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        total = self.total(index)
-        if fraction is not None and total is not None:
-            return int(total * fraction(index))
-        return total
+        return capped(self.total(index), fraction(index) if fraction is not None else None)
 
     def alloc_retries(self, index: int) -> int | None:
         return torch.cuda.memory_stats(index).get("num_alloc_retries")
@@ -129,5 +149,5 @@ class CUDABackend:
     def synchronize(self, index: int) -> None:
         torch.cuda.synchronize(index)
 
-
-BACKENDS: dict[str, type] = {"cpu": CPUBackend, "cuda": CUDABackend}
+    def autocast_probe(self, index: int, dtype: torch.dtype) -> torch.dtype:
+        return run_autocast_matmul(torch.device("cuda", index), dtype)

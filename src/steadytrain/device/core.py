@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-import psutil
 import torch
 
+from steadytrain.device.autocast import CANDIDATES, AutocastResult, check_autocast
 from steadytrain.device.backends import Backend, CPUBackend, CUDABackend
+from steadytrain.device.budget import DEFAULT_FRACTION, budget_bytes, check_budget_spec
 from steadytrain.device.mps import MPSBackend
+from steadytrain.device.system import SystemProbe
 from steadytrain.errors import DeviceUnavailableError
 
-AUTO_BUDGET_FRACTION = 0.9
+AUTO_BUDGET_FRACTION = DEFAULT_FRACTION
+ACCELERATORS = ("cuda", "mps")  # the order "auto" tries them in
+_SPEC = re.compile(r"^(cuda|mps|cpu)(?::(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -20,8 +25,8 @@ class MemoryReading:
     """One reading, in bytes; None where the device keeps no such counter."""
 
     allocated: int | None  # tensor bytes on the device
-    reserved: int | None  # allocator cache (CUDA) or driver-allocated (MPS)
-    peak: int | None  # peak allocated since the last reset
+    reserved: int | None  # allocator cache (CUDA) or driver-allocated (MPS, includes the cache)
+    peak: int | None  # peak allocated since the last reset (CUDA only)
     total: int | None  # device memory (unified: system RAM)
     budget: int | None  # what this run may use
     rss: int  # process resident set size
@@ -29,6 +34,7 @@ class MemoryReading:
     swap_used: int
     alloc_retries: int | None = None  # CUDA allocator retries (rises when memory is tight)
     pressure: int | None = None  # macOS memory pressure: 1 normal, 2 warning, 4 critical
+    usable: int | None = None  # what this process may reach in total; the budget is a share of it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,34 +43,60 @@ class MemoryReading:
 class Device:
     """A resolved, working device: `torch_device`, `type`, memory readings and controls."""
 
-    def __init__(self, backend: Backend, index: int = 0, budget_spec: int | float = AUTO_BUDGET_FRACTION):
+    def __init__(
+        self,
+        backend: Backend,
+        index: int = 0,
+        budget_spec: int | float = AUTO_BUDGET_FRACTION,
+        system: SystemProbe | None = None,
+        skipped: tuple[str, ...] = (),
+    ) -> None:
         self.backend = backend
         self.index = index
         self.type = backend.name
-        self.torch_device = torch.device(self.type, index) if self.type == "cuda" else torch.device(self.type)
-        self.budget_spec = budget_spec
+        self.torch_device = (
+            torch.device(self.type, index) if self.type == "cuda" else torch.device(self.type)
+        )
+        self.budget_spec = check_budget_spec(budget_spec)
+        self.system = system or SystemProbe()
+        self.skipped = skipped
+        """Why "auto" passed over an accelerator on the way here (empty when none was skipped)."""
 
     def __repr__(self) -> str:
         return f"Device({self.torch_device})"
 
+    @property
+    def name(self) -> str:
+        """What the hardware calls itself: GPU name, Apple chip, CPU model."""
+        return self.backend.device_name(self.index)
+
     def with_budget(self, spec: int | float) -> Device:
-        return Device(self.backend, self.index, spec)
+        return Device(self.backend, self.index, spec, self.system, self.skipped)
+
+    @property
+    def usable(self) -> int | None:
+        return self.backend.usable(self.index)
 
     @property
     def budget(self) -> int | None:
         """Bytes this run may use: an explicit size wins; a fraction multiplies usable memory."""
-        if isinstance(self.budget_spec, int) and not isinstance(self.budget_spec, bool):
-            return self.budget_spec
-        usable = self.backend.usable(self.index)
-        return int(usable * float(self.budget_spec)) if usable is not None else None
+        return budget_bytes(self.budget_spec, self.usable)
 
     def memory(self) -> MemoryReading:
-        vm, swap = psutil.virtual_memory(), psutil.swap_memory()
-        b, i = self.backend, self.index
+        b, i, s = self.backend, self.index, self.system
+        usable = b.usable(i)
         return MemoryReading(
-            allocated=b.allocated(i), reserved=b.reserved(i), peak=b.peak(i), total=b.total(i),
-            budget=self.budget, rss=psutil.Process().memory_info().rss,
-            system_available=vm.available, swap_used=swap.used, alloc_retries=b.alloc_retries(i),
+            allocated=b.allocated(i),
+            reserved=b.reserved(i),
+            peak=b.peak(i),
+            total=b.total(i),
+            budget=budget_bytes(self.budget_spec, usable),
+            rss=s.process_rss(),
+            system_available=s.memory_available(),
+            swap_used=s.swap_used(),
+            alloc_retries=b.alloc_retries(i),
+            pressure=s.pressure_level(),
+            usable=usable,
         )
 
     def empty_cache(self) -> None:
@@ -77,75 +109,125 @@ class Device:
         self.backend.reset_peak(self.index)
 
     @cached_property
+    def autocast_results(self) -> tuple[AutocastResult, ...]:
+        """For bf16 and fp16: whether autocast really runs here, and if not, why."""
+        return tuple(self._autocast_result(dtype) for dtype in CANDIDATES)
+
+    @cached_property
     def autocast_dtypes(self) -> tuple[torch.dtype, ...]:
         """Low-precision dtypes autocast really runs here, found by running a tiny matmul and a
         backward under autocast; a dtype that only warns and silently disables autocast is out."""
-        import warnings
+        return tuple(r.dtype for r in self.autocast_results if r.works)
 
-        found = []
-        for dtype in (torch.bfloat16, torch.float16):
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error")
-                    a = torch.randn(8, 8, device=self.torch_device, requires_grad=True)
-                    with torch.autocast(self.type, dtype=dtype):
-                        out = a @ a
-                    out.float().sum().backward()
-                if out.dtype == dtype and a.grad is not None and torch.isfinite(a.grad).all():
-                    found.append(dtype)
-            except Exception:  # noqa: BLE001 - any failure means "not supported here"
-                continue
-        return tuple(found)
+    def _autocast_result(self, dtype: torch.dtype) -> AutocastResult:
+        if self.type == "mps" and dtype == torch.bfloat16:
+            version = self.system.macos_version()
+            if version is not None and version < (14, 0):
+                return AutocastResult(
+                    dtype,
+                    False,
+                    f"bf16 on MPS needs macOS 14 or newer; this is macOS {self.system.mac_ver()}",
+                )
+        return check_autocast(dtype, lambda d: self.backend.autocast_probe(self.index, d))
 
 
-def _backends() -> dict[str, Backend]:
-    return {"cuda": CUDABackend(), "mps": MPSBackend(), "cpu": CPUBackend()}
+def default_backends(system: SystemProbe | None = None) -> dict[str, Backend]:
+    system = system or SystemProbe()
+    return {"cuda": CUDABackend(), "mps": MPSBackend(system), "cpu": CPUBackend(system)}
 
 
-def resolve_device(spec: str = "auto", budget_spec: int | float = AUTO_BUDGET_FRACTION,
-                   backends: dict[str, Backend] | None = None) -> Device:
-    """'auto' prefers cuda, then mps (confirmed by computing on it), then cpu. A requested device
-    that is missing or broken raises `DeviceUnavailableError` naming what is available."""
-    backends = backends or _backends()
+def resolve_device(
+    spec: str = "auto",
+    budget_spec: int | float = AUTO_BUDGET_FRACTION,
+    backends: dict[str, Backend] | None = None,
+    system: SystemProbe | None = None,
+) -> Device:
+    """'auto' prefers cuda, then mps, then cpu, taking an accelerator only after it computed a
+    small matmul (MPS can report available and fail on its first allocation, mps.md §9). A
+    requested device that is missing or broken raises `DeviceUnavailableError` naming what is
+    available. `backends` replaces some or all of the real ones (tests pass doubles)."""
+    system = system or SystemProbe()
+    backends = {**default_backends(system), **(backends or {})}
+    check_budget_spec(budget_spec)
     if spec == "auto":
-        for name in ("cuda", "mps"):
+        skipped = []
+        for name in ACCELERATORS:
             backend = backends[name]
-            if backend.is_available() and backend.device_count() > 0:
-                try:
-                    backend.probe(0)
-                except Exception:  # noqa: BLE001 - a broken accelerator falls back to the next
-                    continue
-                return Device(backend, 0, budget_spec)
-        return Device(backends["cpu"], 0, budget_spec)
+            if not backend.is_available() or backend.device_count() < 1:
+                continue
+            try:
+                backend.probe(0)
+            except Exception as exc:  # noqa: BLE001 - a broken accelerator falls back to the next
+                skipped.append(
+                    f"{name}: reports available but failed a small computation ({_one_line(exc)})"
+                )
+                continue
+            return Device(backend, 0, budget_spec, system, tuple(skipped))
+        return Device(backends["cpu"], 0, budget_spec, system, tuple(skipped))
 
-    name, _, idx = spec.partition(":")
-    index = int(idx) if idx else 0
-    backend = backends.get(name)
-    if backend is None:
-        raise DeviceUnavailableError(f"device: unknown device {spec!r}; use auto, cpu, mps, cuda or cuda:N")
-    if not backend.is_available() or index >= backend.device_count():
+    match = _SPEC.match(spec)
+    if match is None or (match.group(1) != "cuda" and match.group(2) not in (None, "0")):
         raise DeviceUnavailableError(
-            f"device: {spec!r} is not available on this machine; available: "
-            f"{', '.join(available_devices(backends))}. Set device to one of those, or 'auto'."
+            f"device: unknown device {spec!r}; use auto, cpu, mps, cuda or cuda:N"
         )
-    try:
-        backend.probe(index)
-    except Exception as exc:  # noqa: BLE001
+    name, index = match.group(1), int(match.group(2) or 0)
+    backend = backends[name]
+    why = _why_unavailable(backend, index)
+    if why is None:
+        try:
+            backend.probe(index)
+        except Exception as exc:  # noqa: BLE001
+            why = f"it reports available but failed a small computation ({_one_line(exc)})"
+    if why is not None:
         raise DeviceUnavailableError(
-            f"device: {spec!r} reports available but failed a small computation ({exc}); "
-            f"available: {', '.join(available_devices(backends))}. "
-            "Run `steadytrain doctor` for a diagnosis."
-        ) from None
-    return Device(backend, index, budget_spec)
+            f"device: {spec!r} is not usable on this machine: {why}. Available here: "
+            f"{', '.join(available_devices(backends, system))}. Set device to one of those or to "
+            "'auto', and run `steadytrain doctor` for a diagnosis."
+        )
+    return Device(backend, index, budget_spec, system)
 
 
-def available_devices(backends: dict[str, Backend] | None = None) -> list[str]:
-    backends = backends or _backends()
+def available_devices(
+    backends: dict[str, Backend] | None = None, system: SystemProbe | None = None
+) -> list[str]:
+    """Device specs that are available and pass the small computation, best first."""
+    backends = {**default_backends(system), **(backends or {})}
     names = []
-    cuda = backends["cuda"]
-    if cuda.is_available():
-        names += [f"cuda:{i}" for i in range(cuda.device_count())]
-    if backends["mps"].is_available():
-        names.append("mps")
+    for name in ACCELERATORS:
+        backend = backends[name]
+        if not backend.is_available():
+            continue
+        for index in range(backend.device_count()):
+            try:
+                backend.probe(index)
+            except Exception:  # noqa: BLE001 - broken means not available
+                continue
+            names.append(f"cuda:{index}" if name == "cuda" else name)
     names.append("cpu")
     return names
+
+
+def _why_unavailable(backend: Backend, index: int) -> str | None:
+    name = backend.name
+    if not backend.is_built():
+        where = " (MPS is in the macOS arm64 wheels only)" if name == "mps" else ""
+        return f"this torch build has no {name.upper()} support{where}"
+    if not backend.is_available():
+        if name == "mps":
+            return (
+                "MPS is built but not available: it needs an Apple Silicon Mac with macOS 14 "
+                "or newer, an arm64 Python, and a reachable Metal device (not a VM or sandbox)"
+            )
+        return (
+            f"torch was built with {name.upper()} but sees no device (check the driver and "
+            "CUDA_VISIBLE_DEVICES)"
+        )
+    count = backend.device_count()
+    if index >= count:
+        return f"there is no {name}:{index}; this machine has {count} {name.upper()} device(s)"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -14,8 +14,14 @@ import torch
 class OptimizerBatchSampler:
     """Yields lists of dataset indices, one optimizer batch each, from (epoch, start) on."""
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch, self.start = 0, 0
@@ -37,7 +43,7 @@ class OptimizerBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self.epoch)
         for step in range(self.start, self.steps_per_epoch):
-            yield order[step * self.batch_size:(step + 1) * self.batch_size]
+            yield order[step * self.batch_size : (step + 1) * self.batch_size]
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start

@@ -45,10 +45,20 @@ class OptimizerStateTouched(SteadytrainError):
 class StepRunner:
     """Runs optimizer steps on collated batches; owns the micro size and the OOM ladder."""
 
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, device: Device, precision: Precision, state: TrainState,
-                 emit: Emit, scheduler: Any = None, max_grad_norm: float | None = None,
-                 checkpointing: str | bool = "auto"):
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        device: Device,
+        precision: Precision,
+        state: TrainState,
+        emit: Emit,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        checkpointing: str | bool = "auto",
+    ):
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.device, self.precision, self.state, self.emit = device, precision, state, emit
         self.scheduler, self.max_grad_norm = scheduler, max_grad_norm
@@ -99,8 +109,10 @@ class StepRunner:
             if token_mode is None:
                 token_mode = is_pair
             elif token_mode != is_pair:
-                raise BadInputError("loss_fn: returned a mean on one micro-batch and (loss_sum, "
-                                    "count) on another; return one form always")
+                raise BadInputError(
+                    "loss_fn: returned a mean on one micro-batch and (loss_sum, "
+                    "count) on another; return one form always"
+                )
             if is_pair:
                 loss_sum, count = out
                 count = torch.as_tensor(count, device=loss_sum.device, dtype=torch.float32)
@@ -116,8 +128,9 @@ class StepRunner:
             self._phase = "backward"
             scaled.backward()
             del out, scaled
-            self.emit(Event.MICRO_STEP_END, {"index": i, "count": len(pieces),
-                                             "size": batch_len(piece)})
+            self.emit(
+                Event.MICRO_STEP_END, {"index": i, "count": len(pieces), "size": batch_len(piece)}
+            )
         compute_time = time.perf_counter() - start
 
         self._phase = "optimizer"
@@ -179,13 +192,16 @@ class StepRunner:
         self.device.empty_cache()
         memory = self.device.memory().to_dict()
         self.state.oom_count += 1
-        self.emit(Event.OOM, {**failure, "micro_batch_size": self.state.micro_batch_size,
-                              "memory": memory})
+        self.emit(
+            Event.OOM,
+            {**failure, "micro_batch_size": self.state.micro_batch_size, "memory": memory},
+        )
         old = self.state.micro_batch_size
         if old > 1:
             self.shrink(f"out of memory in {failure['phase']}", memory)
         elif self.checkpointing_allowed and self.enable_activation_checkpointing(
-                reason="out of memory at micro-batch 1", memory=memory):
+            reason="out of memory at micro-batch 1", memory=memory
+        ):
             pass
         else:
             raise DoesNotFitError(self._does_not_fit(failure, memory))
@@ -197,8 +213,15 @@ class StepRunner:
             return False
         self.state.micro_batch_size = max(1, old // 2)
         self.state.shrink_count += 1
-        self.emit(Event.SHRINK, {"old": old, "new": self.state.micro_batch_size, "reason": reason,
-                                 "memory": memory or self.device.memory().to_dict()})
+        self.emit(
+            Event.SHRINK,
+            {
+                "old": old,
+                "new": self.state.micro_batch_size,
+                "reason": reason,
+                "memory": memory or self.device.memory().to_dict(),
+            },
+        )
         return True
 
     def enable_activation_checkpointing(self, reason: str, memory: dict | None = None) -> bool:
@@ -208,8 +231,14 @@ class StepRunner:
             return False
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.state.activation_checkpointing = True
-        self.emit(Event.MEMORY_SAVER, {"saver": "activation_checkpointing", "reason": reason,
-                                       "memory": memory or self.device.memory().to_dict()})
+        self.emit(
+            Event.MEMORY_SAVER,
+            {
+                "saver": "activation_checkpointing",
+                "reason": reason,
+                "memory": memory or self.device.memory().to_dict(),
+            },
+        )
         return True
 
     def _versions(self) -> dict[int, int]:
@@ -227,9 +256,11 @@ class StepRunner:
             return  # failed before optimizer.step (unscale, clipping): nothing changed
         touched = [p for p in self.params if p._version != before.get(id(p))]
         for slot in self.optimizer.state.values():
-            touched += [v for v in slot.values()
-                        if isinstance(v, torch.Tensor) and id(v) in before
-                        and v._version != before[id(v)]]
+            touched += [
+                v
+                for v in slot.values()
+                if isinstance(v, torch.Tensor) and id(v) in before and v._version != before[id(v)]
+            ]
         if touched:
             raise OptimizerStateTouched(
                 f"out of memory inside optimizer.step at step {self.state.step + 1}, after it had "
@@ -238,8 +269,11 @@ class StepRunner:
                 "memory_budget so the optimizer state is allocated with room to spare."
             )
         for param in list(self.optimizer.state):
-            if not any(id(v) in before for v in self.optimizer.state[param].values()
-                       if isinstance(v, torch.Tensor)):
+            if not any(
+                id(v) in before
+                for v in self.optimizer.state[param].values()
+                if isinstance(v, torch.Tensor)
+            ):
                 del self.optimizer.state[param]
 
     def _does_not_fit(self, failure: dict, memory: dict) -> str:
@@ -249,8 +283,11 @@ class StepRunner:
         need = f"{format_bytes(in_use)} in use"
         if requested:
             need += f", and the failed allocation asked for {format_bytes(requested)} more"
-        savers = "activation checkpointing on" if self.state.activation_checkpointing else \
-            "the model has no activation checkpointing to turn on"
+        savers = (
+            "activation checkpointing on"
+            if self.state.activation_checkpointing
+            else "the model has no activation checkpointing to turn on"
+        )
         return (
             f"does not fit: one sample per micro-batch ({savers}) runs out of memory in "
             f"{failure['phase']} on {self.device.torch_device}.\n"

@@ -19,6 +19,8 @@ class ConsoleLog(Callback):
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         self._start = time.perf_counter()
+        for reason in info.get("device_skipped", ()):
+            self.console.print(f"[yellow]device auto skipped[/] {reason}")
         self.console.print(
             f"steadytrain: {state.max_steps} steps of {state.effective_batch_size} samples on "
             f"{info.get('device')} ({info.get('precision')}), micro-batch "
@@ -40,17 +42,23 @@ class ConsoleLog(Callback):
         )
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
-        self.console.print(f"[yellow]out of memory[/] in {info['phase']} at micro-batch "
-                           f"{info['micro_batch_size']} (step {state.step + 1})")
+        self.console.print(
+            f"[yellow]out of memory[/] in {info['phase']} at micro-batch "
+            f"{info['micro_batch_size']} (step {state.step + 1})"
+        )
 
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None:
-        self.console.print(f"[yellow]micro-batch {info['old']} → {info['new']}[/] "
-                           f"({info['reason']}); effective batch stays {state.effective_batch_size}")
+        self.console.print(
+            f"[yellow]micro-batch {info['old']} → {info['new']}[/] "
+            f"({info['reason']}); effective batch stays {state.effective_batch_size}"
+        )
 
     def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None:
         self.console.print(f"[yellow]{info['saver'].replace('_', ' ')} on[/] ({info['reason']})")
 
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
         took = time.perf_counter() - self._start
-        self.console.print(f"{info['reason']} at step {state.step} in {took:.1f}s; final micro-batch "
-                           f"{state.micro_batch_size}, {state.oom_count} out-of-memory event(s)")
+        self.console.print(
+            f"{info['reason']} at step {state.step} in {took:.1f}s; final micro-batch "
+            f"{state.micro_batch_size}, {state.oom_count} out-of-memory event(s)"
+        )

@@ -72,8 +72,9 @@ class RunFiles(Callback):
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         metrics = dict(info["metrics"])
         memory = metrics.pop("memory", {}) or {}
-        self.metrics.write({"time": time.time(), **metrics,
-                            **{f"mem_{k}": v for k, v in memory.items()}})
+        self.metrics.write(
+            {"time": time.time(), **metrics, **{f"mem_{k}": v for k, v in memory.items()}}
+        )
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
         self.event("oom", state, info)

@@ -1,0 +1,29 @@
+# The few commands people type. Each target installs what it needs into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On Linux without an NVIDIA GPU take the CPU build of torch: a plain `pip install torch`
+# would pull a multi-GB CUDA build.
+CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo torch==2.13.0)
+
+.PHONY: demo test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(if $(CPU_TORCH),$(PY) -m pip install -q $(CPU_TORCH))
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed  ## train through the engine, surviving a real out-of-memory
+	$(PY) examples/quickstart.py runs/quickstart
+
+test: $(VENV)/.installed  ## lint and the whole test suite (GPU tests skip without CUDA)
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(PY) -m pytest -q
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix src tests bench examples
+	$(VENV)/bin/ruff format src tests bench examples
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -93,6 +93,7 @@ def _shape_error() -> RuntimeError:
         pytest.param(torch.AcceleratorError(CUDA_DRIVER_OOM), None, id="cuda-driver"),
         pytest.param(RuntimeError(CPU_OOM), 4294967296, id="cpu"),
         pytest.param(RuntimeError(CPU_OOM_WINDOWS), 1073741824, id="cpu-windows"),
+        pytest.param(RuntimeError("could not create a primitive"), None, id="cpu-onednn"),
         pytest.param(MemoryError(), None, id="python-memoryerror"),
     ],
 )

@@ -319,3 +319,14 @@ def test_oom_after_the_optimizer_changed_parameters_stops_instead_of_double_appl
     model, data = regression()
     with pytest.raises(OptimizerStateTouched, match="cannot be redone exactly"):
         Trainer(model, lambda p: TouchingAdam(p, lr=1e-2), mse, data, config(tmp_path)).fit()
+
+
+def test_batchnorm_models_get_a_warning_that_splitting_changes_them(tmp_path):
+    from steadytrain.trainer import BatchDependentModelWarning
+
+    _, data = regression()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+    )
+    with pytest.warns(BatchDependentModelWarning, match="BatchNorm"):
+        Trainer(model, sgd, mse, data, config(tmp_path, micro_batch_size=8)).fit()

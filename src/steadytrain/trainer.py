@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -97,6 +98,7 @@ class Trainer:
                 "or set drop_last: false"
             )
         micro = cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+        _warn_if_batch_dependent(model, cfg)
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
             max_steps=cfg.max_steps or cfg.epochs * sampler.steps_per_epoch,
@@ -192,6 +194,24 @@ def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):
     if size == 0:
         raise BadInputError("train_data: the dataset is empty")
     return train_data, collate_fn or default_collate, workers, worker_init_fn
+
+
+class BatchDependentModelWarning(UserWarning):
+    """The model's forward depends on the batch, so splitting a batch changes the result."""
+
+
+def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    norms = [
+        n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    if norms and cfg.micro_batch_size != cfg.effective_batch_size:
+        warnings.warn(
+            f"model: {len(norms)} BatchNorm layer(s) (first: {norms[0]}) compute statistics per "
+            "micro-batch, so accumulation over micro-batches is not exactly the full batch. Set "
+            "micro_batch_size equal to effective_batch_size if it fits, or use GroupNorm/LayerNorm.",
+            BatchDependentModelWarning,
+            stacklevel=3,
+        )
 
 
 def _keep_traceback(run_dir: Path) -> None:

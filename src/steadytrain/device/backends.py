@@ -3,6 +3,8 @@ substitute a double (`steadytrain.device.testing.FakeMPSBackend`, `FakeCUDABacke
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Protocol
 
 import torch
@@ -93,7 +95,11 @@ class CPUBackend:
         return None
 
     def empty_cache(self) -> None:
-        pass
+        # Freed CPU tensors go back to glibc's heap, which keeps the pages; after an
+        # out-of-memory, hand them back to the OS so memory limits see the real use.
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
 
     def synchronize(self, index: int) -> None:
         pass
@@ -151,3 +157,12 @@ class CUDABackend:
 
     def autocast_probe(self, index: int, dtype: torch.dtype) -> torch.dtype:
         return run_autocast_matmul(torch.device("cuda", index), dtype)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl, Windows)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None

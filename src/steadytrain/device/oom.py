@@ -26,6 +26,11 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
         "CPU allocator: can't allocate memory (Linux, macOS) / not enough "
         "memory (Windows, Android)",
     ),
+    (
+        "could not create a primitive",
+        "oneDNN (CPU kernels) failing to allocate a primitive's scratchpad: seen under a memory "
+        "cap (RLIMIT_AS) where the allocator itself still had room",
+    ),
 )
 """(text to find in the message, where it comes from). The CPU prefix is matched from
 "DefaultCPUAllocator: " because the `alloc_cpu.cpp:<line>` before it varies between releases."""

@@ -186,3 +186,20 @@ def test_sample_weighting_of_a_token_mean_would_be_biased():
         whole = token_mean_loss(model, batch).item()
         halves = [token_mean_loss(model, part).item() for part in split_batch(batch, 8)]
     assert abs(sum(halves) / 2 - whole) > 1e-6
+
+
+def test_token_division_and_clipping_match_torch_clip_grad_norm():
+    torch.manual_seed(0)
+    model, data = TinyLM(), token_data()
+    ref_model = copy.deepcopy(model)
+    token_mean_loss(ref_model, torch.utils.data.default_collate(data)).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+    assert want_norm > 0.05  # clipping is active
+    trained = copy.deepcopy(model)
+    before = [p.detach().clone() for p in trained.parameters()]
+    runner = runner_for(trained, token_sum_loss, 5)
+    runner.max_grad_norm = 0.05
+    metrics = runner.run(torch.utils.data.default_collate(data))
+    assert metrics["grad_norm"] == pytest.approx(float(want_norm), rel=1e-12)
+    for b, p, ref in zip(before, trained.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(b - p.detach(), ref.grad, rtol=1e-12, atol=1e-12)

@@ -73,8 +73,10 @@ class Device:
     def with_budget(self, spec: int | float) -> Device:
         return Device(self.backend, self.index, spec, self.system, self.skipped)
 
-    @property
+    @cached_property
     def usable(self) -> int | None:
+        """Read once: a run's budget is fixed at its start (and reading it on CPU costs cgroup
+        and /proc reads that have no place in every step's memory reading)."""
         return self.backend.usable(self.index)
 
     @property
@@ -84,7 +86,7 @@ class Device:
 
     def memory(self) -> MemoryReading:
         b, i, s = self.backend, self.index, self.system
-        usable = b.usable(i)
+        usable = self.usable
         return MemoryReading(
             allocated=b.allocated(i),
             reserved=b.reserved(i),

@@ -31,6 +31,61 @@ LossFn = Callable[[torch.nn.Module, Any], Any]
 Emit = Callable[[Event, dict], None]
 
 
+class _Count:
+    """Sum of the counts `loss_fn` returned: Python ints stay on the host (no device copy per
+    micro-batch), tensors stay on the device (no sync); int64, exact at any token count."""
+
+    def __init__(self) -> None:
+        self.host = 0
+        self.device: torch.Tensor | None = None
+
+    def add(self, count: int | torch.Tensor) -> None:
+        if isinstance(count, torch.Tensor):
+            count = count.detach().to(torch.int64)
+            self.device = count if self.device is None else self.device + count
+        else:
+            self.host += int(count)
+
+    def total(self) -> int | torch.Tensor:
+        """At least 1, so an all-padding batch divides by 1 rather than 0."""
+        if self.device is None:
+            return max(self.host, 1)
+        return (self.device + self.host).clamp(min=1)
+
+
+def _divide_and_clip(
+    params: list[torch.Tensor], divisor: int | torch.Tensor | None, max_norm: float | None
+) -> torch.Tensor | None:
+    """Divide the summed gradients by the token count and clip them by norm in one pass over
+    the gradients; returns the norm before clipping (of the divided gradients), or None."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or (divisor is None and max_norm is None):
+        return None
+    if len({(g.device, g.dtype) for g in grads}) > 1:  # rare: fall back to torch's grouping
+        if divisor is not None:
+            for g in grads:
+                g.div_(divisor)
+        if max_norm is None:
+            return None
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(grads[0].dtype)
+    norm = None
+    if max_norm is not None:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if divisor is not None:
+            norm = norm / divisor
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
+        if divisor is not None:
+            scale = scale / divisor
+    else:
+        scale = 1.0 / divisor if isinstance(divisor, int) else divisor.reciprocal()
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(grads[0].dtype)
+    torch._foreach_mul_(grads, scale)
+    return norm
+
+
 def _full(loss: torch.Tensor) -> torch.Tensor:
     """A detached loss in at least float32, for the reported value."""
     loss = loss.detach()
@@ -97,7 +152,7 @@ class StepRunner:
         self.device.reset_peak()
         start = time.perf_counter()
         loss_total: torch.Tensor | float = 0.0
-        count_total: torch.Tensor | None = None
+        count = _Count()
         token_mode: bool | None = None
         self._versions_before_optimizer = None
         for i, piece in enumerate(pieces):
@@ -114,9 +169,8 @@ class StepRunner:
                     "count) on another; return one form always"
                 )
             if is_pair:
-                loss_sum, count = out
-                count = torch.as_tensor(count, device=loss_sum.device, dtype=torch.float32)
-                count_total = count if count_total is None else count_total + count
+                loss_sum, piece_count = out
+                count.add(piece_count)
                 loss_total = loss_total + _full(loss_sum)
                 scaled = loss_sum
             else:
@@ -138,22 +192,16 @@ class StepRunner:
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        if token_mode:
-            total = max(float(count_total), 1.0)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, total)
-            loss_total = loss_total / total
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        divisor = count.total() if token_mode else None
+        if divisor is not None:
+            loss_total = loss_total / divisor
+        grad_norm = _divide_and_clip(self.params, divisor, self.max_grad_norm)
         self._versions_before_optimizer = self._versions()
-        skipped = False
+        scale_before = None
         if scaler is not None:
-            scale_before = scaler.get_scale()
+            scale_before = scaler._scale.clone()  # compared after update, without a sync here
             scaler.step(self.optimizer)
             scaler.update()
-            skipped = scaler.get_scale() < scale_before
         else:
             self.optimizer.step()
         self._versions_before_optimizer = None
@@ -161,8 +209,9 @@ class StepRunner:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._phase = "idle"
-        loss = float(loss_total)  # synchronizes: the step's device work is done after this
-        tokens = int(count_total) if token_mode else 0
+        # The step's only synchronisation: everything above is queued on the device.
+        loss = float(loss_total)
+        skipped = bool(scaler._scale < scale_before) if scale_before is not None else False
         if skipped:
             self.state.skipped_steps += 1
         return {
@@ -172,7 +221,7 @@ class StepRunner:
             "micro_batch_size": micro,
             "micro_steps": len(pieces),
             "samples": n,
-            "tokens": tokens,
+            "tokens": int(divisor) if divisor is not None else 0,
             "compute_time": compute_time,
             "optimizer_time": time.perf_counter() - opt_start,
             "skipped": skipped,

@@ -240,6 +240,16 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, An
         row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in rs]
         out[arm] = row
     base = out.get("plain", {})
+    plain_rounds = [r["tokens_per_s"] for r in rounds.get("plain", [])]
+    for arm, row in out.items():
+        # Paired: each round's arm against the plain run beside it, so drift between rounds
+        # cancels; the median of those ratios.
+        ratios = [
+            r["tokens_per_s"] / p
+            for r, p in zip(rounds[arm], plain_rounds, strict=False)
+            if p and r.get("tokens_per_s")
+        ]
+        row["overhead_paired_pct"] = 100.0 * (1.0 - C.median(ratios)) if ratios else None
     for row in out.values():
         row["overhead_pct"] = C.pct(row["tokens_per_s"], base.get("tokens_per_s"))
         row["overhead_incl_setup_pct"] = C.pct(row["fit_tokens_per_s"], base.get("tokens_per_s"))
@@ -287,6 +297,7 @@ def report(summary, rounds, args, spec, n_params, env) -> str:
 
     rows = [
         row("tokens/s, steady steps (median of rounds)", "tokens_per_s", _num(0)),
+        row("  overhead vs plain, paired by round", "overhead_paired_pct", _signed, False),
         row("  overhead vs plain", "overhead_pct", _signed, False),
         row("step time, median (ms)", "step_s_median", _ms),
         row("  vs plain", "step_time_vs_plain_pct", _signed, False),
@@ -306,7 +317,7 @@ def report(summary, rounds, args, spec, n_params, env) -> str:
         f"steadytrain engine overhead vs plain PyTorch: {spec.name} "
         f"({n_params / 1e6:.1f}M params), seq {spec.seq}, micro {args.micro} x "
         f"{args.effective // args.micro} = {args.effective}, {args.precision} on {device}\n"
-        f"{args.steps} optimizer steps per round, {args.rounds} rounds per arm, alternated; "
+        f"{args.steps} optimizer steps per round, {args.rounds} rounds per arm, ABBA order; "
         "median over rounds.\nSteady step time: plain from CUDA events (host clock on CPU), "
         "steadytrain from metrics.jsonl time deltas (steps 2..N).\n"
         "Overhead = (plain - arm) / plain on tokens/s; positive = slower than plain."
@@ -404,7 +415,8 @@ def main() -> None:
             run(arm, args.warmup, f"warmup-{arm}")
         rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
         for i in range(args.rounds):
-            for arm in arms:
+            # ABBA order: a slow drift (clocks, neighbours) favours neither arm.
+            for arm in arms if i % 2 == 0 else arms[::-1]:
                 r = run(arm, args.steps, f"round{i + 1}-{arm}")
                 rounds[arm].append(r)
                 print(f"round {i + 1} {arm}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)

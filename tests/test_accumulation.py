@@ -11,6 +11,7 @@ from steadytrain import TrainConfig, Trainer
 from steadytrain.device import resolve_device
 from steadytrain.engine import StepRunner, resolve_precision
 from steadytrain.engine.batching import split_batch
+from steadytrain.engine.metrics import StepMetrics
 from steadytrain.events import Control, Dispatcher, TrainState
 
 # Everything runs in float64, so "equal up to rounding" can be checked tightly.
@@ -86,7 +87,9 @@ def test_uneven_split_weights_by_sample_share(micro):
     ref = reference_grad(model, data)
     trained = copy.deepcopy(model)
     before = [p.detach().clone() for p in trained.parameters()]
-    metrics = runner_for(trained, mse, micro).run(torch.utils.data.default_collate(data))
+    metrics = StepMetrics(
+        runner_for(trained, mse, micro).run(torch.utils.data.default_collate(data))
+    )
     assert metrics["micro_steps"] == -(-24 // micro)
     for b, p, want in zip(before, trained.parameters(), ref, strict=True):
         torch.testing.assert_close(b - p.detach(), want, rtol=1e-12, atol=1e-12)
@@ -167,7 +170,7 @@ def test_token_weighted_split_equals_one_shot_token_mean(micro):
     trained = copy.deepcopy(model)
     before = [p.detach().clone() for p in trained.parameters()]
     batch = torch.utils.data.default_collate(data)
-    metrics = runner_for(trained, token_sum_loss, micro).run(batch)
+    metrics = StepMetrics(runner_for(trained, token_sum_loss, micro).run(batch))
     assert metrics["tokens"] == int((batch["labels"] != PAD).sum())
     with torch.no_grad():
         want_loss = token_mean_loss(model, batch).item()
@@ -199,7 +202,7 @@ def test_token_division_and_clipping_match_torch_clip_grad_norm():
     before = [p.detach().clone() for p in trained.parameters()]
     runner = runner_for(trained, token_sum_loss, 5)
     runner.max_grad_norm = 0.05
-    metrics = runner.run(torch.utils.data.default_collate(data))
+    metrics = StepMetrics(runner.run(torch.utils.data.default_collate(data)))
     assert metrics["grad_norm"] == pytest.approx(float(want_norm), rel=1e-12)
     for b, p, ref in zip(before, trained.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(b - p.detach(), ref.grad, rtol=1e-12, atol=1e-12)

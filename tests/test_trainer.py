@@ -330,3 +330,32 @@ def test_batchnorm_models_get_a_warning_that_splitting_changes_them(tmp_path):
     )
     with pytest.warns(BatchDependentModelWarning, match="BatchNorm"):
         Trainer(model, sgd, mse, data, config(tmp_path, micro_batch_size=8)).fit()
+
+
+def test_step_metrics_wait_for_the_device_only_when_read():
+    from steadytrain.engine.metrics import StepMetrics
+
+    seen = []
+    m = StepMetrics({"loss": torch.tensor(2.5), "tokens": torch.tensor(7), "lr": 0.1}, seen.append)
+    assert not m.resolved and seen == []
+    assert m["lr"] == 0.1 and not m.resolved  # host values do not resolve
+    assert m["loss"] == 2.5 and m.resolved
+    assert isinstance(dict.__getitem__(m, "tokens"), int)
+    assert seen == [m]
+    m.resolve()
+    assert len(seen) == 1
+
+
+def test_state_counts_tokens_and_last_loss_after_lazy_metrics(tmp_path):
+    def token_loss(model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y, reduction="sum"), torch.tensor(len(x))
+
+    model, data = regression()
+    rec = Recorder()
+    result = Trainer(model, sgd, token_loss, data, config(tmp_path), callbacks=[rec]).fit()
+    fit_end_state = [step for n, step, _ in rec.seen if n == "fit_end"]
+    assert fit_end_state == [8]
+    lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["tokens"] for m in lines] == [16] * 8
+    assert result.final_loss == lines[-1]["loss"]

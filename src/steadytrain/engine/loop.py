@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from steadytrain.engine.metrics import StepMetrics
 from steadytrain.engine.step import StepRunner
 from steadytrain.events import Dispatcher, Event
 
@@ -23,12 +24,23 @@ class Loop:
     ):
         self.runner, self.batches, self.emit, self.fit_info = runner, batches, emit, fit_info
         self.state, self.control = emit.state, emit.control
+        self.last_metrics: StepMetrics | None = None
+        self._last_loss_step = 0
+
+    def _account(self, metrics: StepMetrics) -> None:
+        """Counters that need the device's values, updated when a step's metrics resolve."""
+        self.state.tokens_seen += metrics["tokens"]
+        if metrics["step"] >= self._last_loss_step:
+            self._last_loss_step = metrics["step"]
+            self.state.last_loss = metrics["loss"]
 
     def run(self) -> tuple[str, int]:
         """Train until max_steps or a stop request. Returns (reason, exit_code)."""
         self.emit(Event.FIT_START, self.fit_info)
         try:
             self._train()
+            if self.last_metrics is not None:
+                self.last_metrics.resolve()
         except BaseException as exc:
             code = 130 if isinstance(exc, KeyboardInterrupt) else getattr(exc, "exit_code", 1)
             first_line = (str(exc).strip().splitlines() or [""])[0]
@@ -50,20 +62,20 @@ class Loop:
             for batch in self.batches(state.epoch, state.batch_in_epoch):
                 data_time = time.perf_counter() - data_start
                 self.emit(Event.STEP_START)
-                metrics = self.runner.run(batch)
+                values = self.runner.run(batch)
                 state.step += 1
                 state.batch_in_epoch += 1
-                state.samples_seen += metrics["samples"]
-                state.tokens_seen += metrics["tokens"]
-                state.last_loss = metrics["loss"]
-                metrics.update(
+                state.samples_seen += values["samples"]
+                values.update(
+                    time=time.time(),
                     step=state.step,
                     epoch=state.epoch,
                     data_time=data_time,
-                    step_time=data_time + metrics["compute_time"] + metrics["optimizer_time"],
+                    step_time=data_time + values["compute_time"] + values["optimizer_time"],
                     memory=self.runner.device.memory().to_dict(),
                 )
-                self.emit(Event.STEP_END, {"metrics": metrics})
+                self.last_metrics = StepMetrics(values, self._account)
+                self.emit(Event.STEP_END, {"metrics": self.last_metrics})
                 if control.shrink_reason:
                     self.runner.shrink(control.shrink_reason)
                     control.shrink_reason = None

@@ -209,19 +209,16 @@ class StepRunner:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._phase = "idle"
-        # The step's only synchronisation: everything above is queued on the device.
-        loss = float(loss_total)
-        skipped = bool(scaler._scale < scale_before) if scale_before is not None else False
-        if skipped:
-            self.state.skipped_steps += 1
+        # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
+        skipped = scaler._scale < scale_before if scale_before is not None else False
         return {
-            "loss": loss,
+            "loss": loss_total,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "grad_norm": grad_norm,
             "micro_batch_size": micro,
             "micro_steps": len(pieces),
             "samples": n,
-            "tokens": int(divisor) if divisor is not None else 0,
+            "tokens": divisor if divisor is not None else 0,
             "compute_time": compute_time,
             "optimizer_time": time.perf_counter() - opt_start,
             "skipped": skipped,

@@ -62,6 +62,7 @@ class RunFiles(Callback):
         run_dir = Path(run_dir)
         self.metrics = JsonlFile(run_dir / "metrics.jsonl")
         self.events = JsonlFile(run_dir / "events.jsonl")
+        self._pending = None
 
     def event(self, name: str, state: TrainState, info: dict) -> None:
         self.events.write({"time": time.time(), "event": name, "step": state.step, **info})
@@ -70,11 +71,18 @@ class RunFiles(Callback):
         self.event("fit_start", state, info)
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
-        metrics = dict(info["metrics"])
+        # Step k's line is written once step k+1 is queued, so reading its loss does not make
+        # the host wait for the device (see steadytrain.engine.metrics).
+        self._write_pending()
+        self._pending = info["metrics"]
+
+    def _write_pending(self) -> None:
+        if self._pending is None:
+            return
+        metrics = dict(self._pending.resolve())
+        self._pending = None
         memory = metrics.pop("memory", {}) or {}
-        self.metrics.write(
-            {"time": time.time(), **metrics, **{f"mem_{k}": v for k, v in memory.items()}}
-        )
+        self.metrics.write({**metrics, **{f"mem_{k}": v for k, v in memory.items()}})
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
         self.event("oom", state, info)
@@ -89,6 +97,7 @@ class RunFiles(Callback):
         self.event("epoch_end", state, info)
 
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
+        self._write_pending()
         self.event("fit_end", state, info)
         self.metrics.close()
         self.events.close()

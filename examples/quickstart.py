@@ -4,7 +4,8 @@ Trains a small byte-level transformer language model on the docstrings of Python
 library (no download). On Linux the process's address space is capped a little above its size
 after a warm-up step, so starting at the whole effective batch of 64 runs out of memory for real;
 steadytrain halves the micro-batch and redoes the same optimizer step until it fits, and the
-optimizer still sees 64 samples per step. Elsewhere it runs without the cap.
+optimizer still sees 64 samples per step. Elsewhere (or with --no-cap) it runs without the cap,
+on the best device (cuda, mps, cpu).
 
     python examples/quickstart.py [RUN_DIR] [--no-cap]
 """
@@ -133,7 +134,7 @@ def main():
         micro_batch_size="auto",
         max_steps=args.steps,
         save_every_steps=args.steps,
-        device="cpu",
+        device="cpu" if capped else "auto",  # the cap is on host memory
         log_every_steps=5,
     )
     result = Trainer(model, lambda p: torch.optim.AdamW(p, lr=3e-3), loss_fn, windows, config).fit()

@@ -14,7 +14,7 @@ from steadytrain.events import Callback, Control, TrainState
 class ConsoleLog(Callback):
     def __init__(self, every: int = 10, console: Console | None = None):
         self.every = every
-        self.console = console or Console(file=sys.stderr, highlight=False)
+        self.console = console or Console(file=sys.stderr, highlight=False, soft_wrap=True)
         self._start = time.perf_counter()
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:

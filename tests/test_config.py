@@ -43,7 +43,21 @@ def test_defaults():
         "num_workers": 0,
         "activation_checkpointing": "auto",
         "log_every_steps": 10,
+        "async_save": "auto",
+        "resume_overrides": [],
     }
+
+
+def test_async_save_needs_two_checkpoints_kept():
+    (line,) = problems_of(effective_batch_size=8, keep_last=1, async_save=True)
+    assert line.startswith("keep_last: must be at least 2 with async_save true")
+    assert "half-written" in line
+    assert TrainConfig(effective_batch_size=8, keep_last=1).async_save == "auto"
+
+
+def test_resume_overrides_names_only_run_defining_fields():
+    (line,) = problems_of(effective_batch_size=8, resume_overrides=["lr"])
+    assert line.startswith("resume_overrides")
 
 
 def test_every_field_is_documented():
@@ -147,8 +161,9 @@ def test_save_interval_longer_than_the_run_is_refused():
     assert line.startswith("save_every_steps: ")
     assert "found 20" in line
     assert "max_steps 10" in line
-    (line,) = problems_of(effective_batch_size=8, max_steps=10)
-    assert "found 250, the default" in line
+    # Left at its default, the interval is simply longer than the run: the final checkpoint
+    # written at the end covers it.
+    assert TrainConfig(effective_batch_size=8, max_steps=10).save_every_steps == 250
 
 
 def test_missing_required_field():

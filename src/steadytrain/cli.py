@@ -67,6 +67,58 @@ def config_command(
     typer.echo(config.to_json(), nl=False)
 
 
+@app.command("run", context_settings={"allow_interspersed_args": False})
+def run_command(
+    ctx: typer.Context,
+    command: list[str] | None = typer.Argument(  # noqa: B008 (typer reads the default)
+        None, metavar="-- CMD", help="The training command; it resumes from its checkpoint."
+    ),
+    max_restarts: int | None = typer.Option(
+        None,
+        "--max-restarts",
+        help="Give up (exit 4) after this many restarts in a row without a new checkpoint "
+        "(default 5).",
+    ),
+    run_dir: str | None = typer.Option(
+        None,
+        "--run-dir",
+        help="The run directory, to see new checkpoints and write restart events "
+        "(default $STEADYTRAIN_RUN_DIR).",
+    ),
+    backoff_initial: float | None = typer.Option(
+        None, "--backoff-initial", help="Seconds before the first restart (default 1)."
+    ),
+    backoff_max: float | None = typer.Option(
+        None, "--backoff-max", help="The delay doubles up to this many seconds (default 60)."
+    ),
+    stop_timeout: float | None = typer.Option(
+        None,
+        "--stop-timeout",
+        help="Seconds the child has to stop after a forwarded SIGINT/SIGTERM before SIGKILL "
+        "(default 120).",
+    ),
+) -> None:
+    """Supervise CMD: restart it after a crash, an OS kill or a hang, with backoff.
+
+    Exits with the child's code (0, 2, 3, 130, 143), or 4 when it fails again and again.
+    """
+    import os
+
+    from steadytrain.safety.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
+
+    if not command:
+        ctx.fail("give the command to supervise after --: steadytrain run [OPTIONS] -- CMD ...")
+    given = {
+        "max_restarts": max_restarts,
+        "backoff_initial": backoff_initial,
+        "backoff_max": backoff_max,
+        "stop_timeout": stop_timeout,
+        "run_dir": resolve_run_dir(run_dir, os.environ),
+    }
+    options = SupervisorOptions(**{k: v for k, v in given.items() if v is not None})
+    raise typer.Exit(Supervisor(command, options).run())
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, standalone_mode=False)

@@ -46,6 +46,11 @@ _RULES = {
 }
 
 
+RunDefiningField = Literal[
+    "effective_batch_size", "seed", "model", "optimizer", "schedule", "data", "drop_last", "shuffle"
+]
+
+
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
 
@@ -91,8 +96,9 @@ class TrainConfig(BaseModel):
     save_every_steps: int = Field(
         250,
         ge=1,
-        description="Optimizer steps between checkpoints: the most work a crash can cost. Must "
-        "not exceed max_steps when that is set.",
+        description="Optimizer steps between checkpoints: the most work a crash can cost. A "
+        "checkpoint is also written at the end of training and when a signal stops it. Set "
+        "explicitly, it must not exceed max_steps.",
     )
     keep_last: int = Field(
         2,
@@ -150,6 +156,20 @@ class TrainConfig(BaseModel):
         10,
         ge=1,
         description="Optimizer steps between progress lines when not on a terminal.",
+    )
+    async_save: Literal["auto"] | bool = Field(
+        "auto",
+        description="Write checkpoints in a background thread after copying the state to host "
+        "memory at the step boundary, so training goes on during the write. 'auto': on when "
+        "keep_last is at least 2; true needs keep_last of at least 2, because the newest "
+        "checkpoint may be half-written when the process dies and the one before it must stay.",
+    )
+    resume_overrides: list[RunDefiningField] = Field(
+        default_factory=list,
+        description="Run-defining values allowed to differ from the checkpoint being resumed "
+        "(effective_batch_size, seed, model, optimizer, schedule, data, drop_last, shuffle); "
+        "each difference is recorded as an event. Any other difference stops the resume with "
+        "a list of what changed, old -> new.",
     )
 
     def __init__(self, /, **data: Any) -> None:
@@ -338,12 +358,19 @@ def _combination_problems(values: Mapping[str, Any], given: set[str]) -> list[st
             f"'auto'"
         )
     every, steps = values.get("save_every_steps"), values.get("max_steps")
-    if isinstance(every, int) and isinstance(steps, int) and every > steps:
-        default = "" if "save_every_steps" in given else ", the default"
+    explicit = "save_every_steps" in given
+    if isinstance(every, int) and isinstance(steps, int) and every > steps and explicit:
         problems.append(
             f"save_every_steps: must be at most max_steps {steps}, or no checkpoint would be "
-            f"written before the end (found {every}{default}); set save_every_steps to {steps} "
+            f"written before the end (found {every}); set save_every_steps to {steps} "
             f"or less"
+        )
+    keep, async_save = values.get("keep_last"), values.get("async_save")
+    if async_save is True and isinstance(keep, int) and keep < 2:
+        problems.append(
+            f"keep_last: must be at least 2 with async_save true (found {keep}): the newest "
+            "checkpoint may be half-written when the process dies, so the one before it must "
+            "stay; set keep_last to 2 or more, or async_save to false"
         )
     return problems
 
@@ -669,7 +696,8 @@ def reference_markdown() -> str:
         "| --- | --- | --- | --- |",
     ]
     for name, info in TrainConfig.model_fields.items():
-        default = "required" if info.is_required() else f"`{json.dumps(info.default)}`"
+        value = info.get_default(call_default_factory=True)
+        default = "required" if info.is_required() else f"`{json.dumps(value)}`"
         lines.append(f"| `{name}` | {default} | {_rule(TrainConfig, name)} | {info.description} |")
     lines += [
         "",

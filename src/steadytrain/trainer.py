@@ -17,10 +17,33 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from steadytrain.config import TrainConfig
-from steadytrain.device import resolve_device, seed_everything
+from steadytrain.device import get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
+from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
+from steadytrain.safety.checkpoint import CheckpointStore, Payload
+from steadytrain.safety.checkpointing import Checkpointing
+from steadytrain.safety.continuity import ContinuityCheck
+from steadytrain.safety.lock import RunLock
+from steadytrain.safety.signals import SignalStop
+from steadytrain.safety.state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    capture_payload,
+    data_fingerprint,
+    differences,
+    frozen_fingerprint,
+    load_model_tensors,
+    model_shape,
+    optimizer_identity,
+    rng_from_files,
+    schedule_identity,
+)
 from steadytrain.telemetry.console import ConsoleLog
 from steadytrain.telemetry.files import RunFiles
 
@@ -46,7 +69,8 @@ class Trainer:
 
     `loss_fn` returns a mean loss tensor, or ``(loss_sum, count)`` for token-weighted losses.
     `optimizer` is an optimizer or a factory ``params -> optimizer`` (params: those that require
-    grad). `train_data` is a map-style dataset or a DataLoader over one (its dataset, collate_fn
+    grad); `scheduler` likewise a scheduler or a factory ``optimizer -> scheduler``, stepped once
+    per optimizer step. `train_data` is a map-style dataset or a DataLoader over one (its dataset, collate_fn
     and workers are used; batching is steadytrain's).
     """
 
@@ -80,6 +104,12 @@ class Trainer:
             raise
 
     def _fit(self) -> FitResult:
+        run_dir = Path(self.config.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with RunLock(run_dir):
+            return self._fit_locked(run_dir)
+
+    def _fit_locked(self, run_dir: Path) -> FitResult:
         cfg = self.config
         device = resolve_device(cfg.device, cfg.budget_bytes_or_fraction())
         precision = resolve_precision(cfg.precision, device)
@@ -87,6 +117,9 @@ class Trainer:
         model = self.model.to(device.torch_device)
         model.train()
         optimizer = self._build_optimizer(model)
+        scheduler = self.scheduler
+        if callable(scheduler) and not hasattr(scheduler, "state_dict"):
+            scheduler = scheduler(optimizer)  # a factory: optimizer -> scheduler
 
         sampler = OptimizerBatchSampler(
             len(self.dataset), cfg.effective_batch_size, cfg.seed, cfg.shuffle, cfg.drop_last
@@ -97,20 +130,41 @@ class Trainer:
                 f"effective_batch_size {cfg.effective_batch_size}; lower effective_batch_size "
                 "or set drop_last: false"
             )
-        micro = cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
         _warn_if_batch_dependent(model, cfg)
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
             max_steps=cfg.max_steps or cfg.epochs * sampler.steps_per_epoch,
             effective_batch_size=cfg.effective_batch_size,
-            micro_batch_size=micro,
+            micro_batch_size=(
+                cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
+            ),
         )
-        run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        identity = self._identity(model, optimizer, scheduler)
+
+        files = RunFiles(run_dir)
+        store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
+        expected_loss = None
+        found = store.latest()
+        if found is not None:
+            expected_loss = self._restore(
+                store, found, identity, state, model, optimizer, scheduler, precision, files
+            )
+        cap = _micro_cap_from_supervisor()
+        if cap is not None and cap < state.micro_batch_size:
+            files.record(
+                "micro_batch_cap",
+                {
+                    "old": state.micro_batch_size,
+                    "new": cap,
+                    "reason": f"{MICRO_CAP_ENV}={cap} (supervisor)",
+                },
+            )
+            state.micro_batch_size = cap
         cfg.dump(run_dir / "config.json")
 
-        callbacks = [RunFiles(run_dir), ConsoleLog(cfg.log_every_steps), *self.user_callbacks]
-        emit = Dispatcher(callbacks, state, Control())
+        control = Control()
+        callbacks: list[Callback] = []
+        emit = Dispatcher(callbacks, state, control)
         runner = StepRunner(
             model=model,
             optimizer=optimizer,
@@ -119,23 +173,48 @@ class Trainer:
             precision=precision,
             state=state,
             emit=emit,
-            scheduler=self.scheduler,
+            scheduler=scheduler,
             max_grad_norm=cfg.max_grad_norm,
             checkpointing=cfg.activation_checkpointing,
         )
+        if state.activation_checkpointing:  # it was on when the checkpoint was written
+            state.activation_checkpointing = False
+            runner.enable_activation_checkpointing(reason="restored from the checkpoint")
+
+        def capture(state: TrainState) -> Payload:
+            next_loss = self._probe_next_loss(runner, sampler, state)
+            return capture_payload(
+                state, model, optimizer, scheduler, precision.scaler, identity, next_loss
+            )
+
+        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
+        callbacks += [
+            Checkpointing(store, capture, cfg.save_every_steps, async_save, files.record),
+            SignalStop(files.record),
+            ContinuityCheck(expected_loss, state.micro_batch_size, device.type, files.record)
+            if expected_loss is not None
+            else None,
+            ConsoleLog(cfg.log_every_steps),
+            *self.user_callbacks,
+            files,  # last: at fit_end it closes the files the others write to
+        ]
+        callbacks[:] = [c for c in callbacks if c is not None]
         loop = Loop(
             runner=runner,
             emit=emit,
             batches=lambda epoch, start: self._batches(sampler, epoch, start, device),
             fit_info={
                 "device": str(device.torch_device),
+                "device_skipped": list(device.skipped),
                 "precision": precision.name,
                 "budget": device.budget,
-                "micro_batch_size": micro,
+                "micro_batch_size": state.micro_batch_size,
+                "resumed_from": state.step if found is not None else None,
                 "config": cfg.model_dump(mode="json"),
             },
         )
         reason, code = loop.run()
+        committed = store.committed()
         return FitResult(
             steps=state.step,
             final_loss=state.last_loss,
@@ -143,8 +222,93 @@ class Trainer:
             reason=reason,
             exit_code=code,
             run_dir=str(run_dir),
+            checkpoint=str(committed[-1][1]) if committed else None,
             oom_count=state.oom_count,
         )
+
+    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
+        """What defines this run; a checkpoint of a different run must not be resumed into it."""
+        cfg = self.config
+        return {
+            "effective_batch_size": cfg.effective_batch_size,
+            "seed": cfg.seed,
+            "drop_last": cfg.drop_last,
+            "shuffle": cfg.shuffle,
+            "model": model_shape(model),
+            "frozen_base": frozen_fingerprint(model),
+            "optimizer": optimizer_identity(optimizer),
+            "schedule": schedule_identity(scheduler),
+            "data": data_fingerprint(self.dataset),
+        }
+
+    def _restore(
+        self, store, found, identity, state, model, optimizer, scheduler, precision, files
+    ) -> float | None:
+        """Load the newest verified checkpoint into the fresh objects. Returns the loss the first
+        resumed step must reproduce (None when it cannot be checked)."""
+        step, path = found
+        payload = store.load(path)
+        doc = payload.json[STATE_FILE]
+        changed = differences(doc["identity"], identity)
+        allowed = set(self.config.resume_overrides)
+        overridden = [
+            d
+            for d in changed
+            if _field(d) in allowed or (_field(d) == "frozen_base" and "model" in allowed)
+        ]
+        refused = [d for d in changed if d not in overridden]
+        if refused:
+            raise BadInputError(
+                f"resume: {path} belongs to a different run; what changed (old -> new):\n  "
+                + "\n  ".join(refused)
+                + "\nUse the settings, model, optimizer and data of that run, start a new run_dir, "
+                "or allow a change explicitly with resume_overrides (e.g. ['seed'])."
+            )
+        for difference in overridden:
+            files.record("resume_override", {"step": step, "change": difference})
+        load_model_tensors(model, payload.tensors[MODEL_FILE])
+        optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
+        if scheduler is not None:
+            scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
+        if precision.scaler is not None and SCALER_FILE in payload.objects:
+            precision.scaler.load_state_dict(payload.objects[SCALER_FILE])
+        saved = doc["state"]
+        for key in (
+            "step",
+            "epoch",
+            "batch_in_epoch",
+            "micro_batch_size",
+            "samples_seen",
+            "tokens_seen",
+            "oom_count",
+            "shrink_count",
+            "skipped_steps",
+            "activation_checkpointing",
+            "last_loss",
+        ):
+            setattr(state, key, saved[key])
+        set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
+        files.record(
+            "resume",
+            {"step": step, "checkpoint": path.name, "micro_batch_size": state.micro_batch_size},
+        )
+        return None if overridden else doc.get("next_loss")
+
+    def _probe_next_loss(self, runner, sampler, state: TrainState) -> float | None:
+        """The loss the next step will report, computed now without changing anything, so that a
+        resume from this checkpoint can prove it restored everything (see ContinuityCheck)."""
+        if state.step >= state.max_steps:
+            return None
+        epoch, position = state.epoch, state.batch_in_epoch
+        if position >= state.steps_per_epoch:
+            epoch, position = epoch + 1, 0
+        indices = sampler.batch_at(epoch, position)
+        batch = self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
+        rng = get_rng_state()
+        try:
+            return runner.evaluate(batch)
+        finally:
+            set_rng_state(rng)
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(self._optimizer, torch.optim.Optimizer):
@@ -162,7 +326,7 @@ class Trainer:
     ) -> DataLoader:
         sampler.set_position(epoch, start)
         return DataLoader(
-            self.dataset,
+            SeededFetch(self.dataset),
             batch_sampler=sampler,
             collate_fn=self.collate_fn,
             num_workers=self.workers,
@@ -170,6 +334,24 @@ class Trainer:
             pin_memory=device.type == "cuda",
             generator=torch.Generator().manual_seed(self.config.seed * 7919 + epoch),
         )
+
+
+MICRO_CAP_ENV = "STEADYTRAIN_MAX_MICRO_BATCH"
+
+
+def _micro_cap_from_supervisor() -> int | None:
+    """`steadytrain run` sets this after an OS kill, to start the restarted run smaller."""
+    value = os.environ.get(MICRO_CAP_ENV)
+    if not value:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise BadInputError(f"{MICRO_CAP_ENV}: {value!r} is not a whole number") from None
+
+
+def _field(difference: str) -> str:
+    return difference.split(":", 1)[0]
 
 
 def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):

@@ -2,13 +2,33 @@
 
 Each epoch's order is a permutation drawn from its own generator seeded by (seed, epoch), so the
 order of epoch e never depends on what ran before, and resuming at (epoch, position) is exact.
+
+Random draws a dataset makes while loading (augmentation, random crops) are made exact the same
+way: each batch carries its own seed, and `SeededFetch` seeds the RNG streams with it before
+loading the batch — in a worker process as in the training process, where the training's own
+streams are put back afterwards. So a batch's draws do not depend on which worker loads it, how
+many workers there are, or where the run was resumed.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import torch
+from torch.utils.data import get_worker_info
+
+
+class SeededBatch(list):
+    """The indices of one optimizer batch, with the seed its loading draws from."""
+
+    seed: int = 0
+
+
+def batch_seed(seed: int, epoch: int, step: int) -> int:
+    return (seed * 1_000_003 + epoch) * 1_000_033 + step
 
 
 class OptimizerBatchSampler:
@@ -43,7 +63,52 @@ class OptimizerBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self.epoch)
         for step in range(self.start, self.steps_per_epoch):
-            yield order[step * self.batch_size : (step + 1) * self.batch_size]
+            yield self._batch(order, self.epoch, step)
+
+    def batch_at(self, epoch: int, step: int) -> SeededBatch:
+        """The batch the sampler yields at (epoch, step), without moving it."""
+        return self._batch(self.order(epoch), epoch, step)
+
+    def _batch(self, order: list[int], epoch: int, step: int) -> SeededBatch:
+        batch = SeededBatch(order[step * self.batch_size : (step + 1) * self.batch_size])
+        batch.seed = batch_seed(self.seed, epoch, step) % 2**63
+        return batch
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start
+
+
+class SeededFetch(torch.utils.data.Dataset):
+    """Loads a `SeededBatch` with every RNG stream seeded from the batch's seed."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        seed = getattr(indices, "seed", None)
+        if seed is None:
+            return [self.dataset[i] for i in indices]
+        if get_worker_info() is not None:  # a worker process: its streams serve only loading
+            _seed_host(seed)
+            return [self.dataset[i] for i in indices]
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            _seed_host(seed)
+            return [self.dataset[i] for i in indices]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
+
+
+def _seed_host(seed: int) -> None:
+    """The host streams a dataset draws from while loading (device streams are not touched)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.default_generator.manual_seed(seed)

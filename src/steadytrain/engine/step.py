@@ -224,6 +224,37 @@ class StepRunner:
             "skipped": skipped,
         }
 
+    def evaluate(self, batch: Any) -> float | None:
+        """The loss `run(batch)` would report, without a backward or an update: the same split,
+        autocast and weighting. Random draws (dropout) are the caller's to save and restore.
+        None when it runs out of memory (the caller's check is then skipped, not the step)."""
+        n = batch_len(batch)
+        loss_total: torch.Tensor | float = 0.0
+        count = _Count()
+        token_mode = False
+        try:
+            with torch.no_grad():
+                for piece in split_batch(batch, self.state.micro_batch_size):
+                    piece = to_device(piece, self.device.torch_device, self.non_blocking)
+                    with self.precision.autocast():
+                        out = self.loss_fn(self.model, piece)
+                    if isinstance(out, (tuple, list)):
+                        token_mode = True
+                        count.add(out[1])
+                        loss_total = loss_total + _full(out[0])
+                    else:
+                        loss_total = loss_total + _full(out) * (batch_len(piece) / n)
+                    del out
+                if token_mode:
+                    loss_total = loss_total / count.total()
+                return float(loss_total)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+        gc.collect()
+        self.device.empty_cache()
+        return None
+
     # -- out-of-memory ladder -------------------------------------------------------------
 
     def _recover(self, failure: dict, versions: dict | None) -> None:

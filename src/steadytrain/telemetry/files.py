@@ -1,5 +1,8 @@
 """metrics.jsonl and events.jsonl: append-only, one JSON object a line, flushed per line.
 
+After a crash and resume, the steps between the last checkpoint and the crash appear twice in
+metrics.jsonl (first run, then the resumed one); readers keep the last line of each step.
+
 A process killed mid-write can leave a torn last line; `read_jsonl` skips a line that does not
 parse only when it is the last one (anything else is real corruption and is reported).
 """
@@ -32,6 +35,8 @@ class JsonlFile:
                 self._handle.write("\n")  # end the torn line so the next record starts clean
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._handle.closed:  # a late record (a store log line after fit_end)
+            self._handle = open(self.path, "a", buffering=1)  # noqa: SIM115
         self._handle.write(json.dumps(record, default=str) + "\n")
 
     def close(self) -> None:
@@ -66,6 +71,10 @@ class RunFiles(Callback):
 
     def event(self, name: str, state: TrainState, info: dict) -> None:
         self.events.write({"time": time.time(), "event": name, "step": state.step, **info})
+
+    def record(self, name: str, info: dict) -> None:
+        """An event from outside the loop's dispatch (checkpoint store, signal handler, resume)."""
+        self.events.write({"time": time.time(), "event": name, **info})
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         self.event("fit_start", state, info)

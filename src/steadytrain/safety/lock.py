@@ -1,0 +1,118 @@
+"""One process per run directory: RUN_DIR/.lock.
+
+On POSIX the lock is `flock(LOCK_EX | LOCK_NB)` on the file, so the kernel releases it when the
+holder dies in any way (kill -9, OOM kill): a stale lock cannot exist and the next run takes over
+without asking. The file holds the holder's PID, host and start time, for the error message.
+Elsewhere (Windows) the file is created with O_EXCL and a lock whose PID no longer runs is taken
+over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+
+from steadytrain.errors import BadInputError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """`with RunLock(run_dir): ...` holds the run directory for this process.
+
+    A second holder, in this process or another, gets BadInputError naming the holder.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path} is already held by this RunLock")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if fcntl is not None:
+            self._fd = self._acquire_flock()
+        else:
+            self._fd = self._acquire_exclusive()
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, json.dumps(_holder()).encode())
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)  # a reader never sees a finished run's PID as the holder
+        finally:
+            os.close(fd)  # closing releases the flock
+        if fcntl is None:
+            os.unlink(self.path)
+
+    def _acquire_flock(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._in_use() from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _acquire_exclusive(self) -> int:
+        import psutil
+
+        for _ in range(2):
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                pid = _read_holder(self.path).get("pid")
+                if isinstance(pid, int) and psutil.pid_exists(pid):
+                    raise self._in_use() from None
+                os.unlink(self.path)  # its holder is gone
+        raise self._in_use()
+
+    def _in_use(self) -> BadInputError:
+        holder = _read_holder(self.path)
+        pid = holder.get("pid", "unknown")
+        host = f" on {holder['host']}" if holder.get("host") else ""
+        started = f" (started {holder['started']})" if holder.get("started") else ""
+        return BadInputError(
+            f"run directory {self.run_dir} is in use by PID {pid}{host}{started}; wait for it, "
+            "stop it, or use another run_dir"
+        )
+
+
+def _holder() -> dict:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _read_holder(path: Path) -> dict:
+    """What the holder wrote; {} while it has not written yet, or when unreadable."""
+    try:
+        value = json.loads(path.read_bytes() or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

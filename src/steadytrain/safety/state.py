@@ -1,0 +1,220 @@
+"""The whole state of a run at an optimizer-step boundary, as checkpoint files, and back.
+
+model.safetensors   what training changes: every parameter, or only the trainable ones (plus
+                    persistent buffers) when the base is frozen; the frozen base is identified
+                    by a fingerprint instead of being copied
+optimizer.pt        optimizer.state_dict()        (torch.save, loaded with weights_only=True)
+scheduler.pt        scheduler.state_dict()        (when there is a scheduler)
+scaler.pt           GradScaler.state_dict()       (fp16)
+rng.safetensors     torch CPU, every CUDA device and MPS generator states
+trainer_state.json  TrainState, python and numpy RNG streams, the run's identity, the loss check
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from steadytrain.device import get_rng_state
+from steadytrain.errors import BadInputError
+from steadytrain.safety.checkpoint import Payload
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+SCALER_FILE = "scaler.pt"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "trainer_state.json"
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of `obj` whose tensors live in host memory (the async writer's snapshot)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_host(v) for v in obj)
+    return obj
+
+
+def frozen_base(model: torch.nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What training changes, copied to host memory (shared storage becomes separate copies)."""
+    if not frozen_base(model):
+        return {k: to_host(v) for k, v in model.state_dict().items()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    params = {n for n, _ in model.named_parameters()}
+    return {
+        k: to_host(v)
+        for k, v in model.state_dict().items()
+        if k in trainable or k not in params  # trainable parameters and persistent buffers
+    }
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> str | None:
+    """Names, shapes, dtypes and a sample of the values of the frozen parameters: enough to tell
+    that a checkpoint of trainable parts belongs to this base model, without hashing all of it."""
+    digest = hashlib.sha256()
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    for name, param in frozen:
+        sample = param.detach().flatten()[:: max(1, param.numel() // 64)][:64]
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+        digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_shape(model: torch.nn.Module) -> str:
+    """A fingerprint of the model's parameter names, shapes, dtypes and trainability."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+    return digest.hexdigest()[:16]
+
+
+def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    expected = set(model_tensors_names(model))
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    if missing or unexpected:
+        raise BadInputError(
+            f"{MODEL_FILE}: does not match the model (missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}); resume with the model that wrote it, or use a new run_dir"
+        )
+    model.load_state_dict(tensors, strict=not frozen_base(model))
+
+
+def model_tensors_names(model: torch.nn.Module) -> list[str]:
+    if not frozen_base(model):
+        return list(model.state_dict())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    params = {n for n, _ in model.named_parameters()}
+    return [k for k in model.state_dict() if k in trainable or k not in params]
+
+
+# -- RNG streams: tensors to safetensors, the rest to JSON (no pickle) ------------------------
+
+
+def rng_to_files() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state = get_rng_state()
+    tensors = {"torch": state["torch"].clone()}
+    for i, cuda in enumerate(state.get("cuda", [])):
+        tensors[f"cuda.{i}"] = cuda.clone()
+    if "mps" in state:
+        tensors["mps"] = state["mps"].clone()
+    version, internal, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    plain = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+    return tensors, plain
+
+
+def rng_from_files(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> dict[str, Any]:
+    version, internal, gauss = plain["python"]
+    kind, keys, pos, has_gauss, cached = plain["numpy"]
+    state: dict[str, Any] = {
+        "python": (version, tuple(internal), gauss),
+        "numpy": (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached),
+        "torch": tensors["torch"],
+    }
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
+    if cuda:
+        state["cuda"] = [v for _, v in cuda]
+    if "mps" in tensors:
+        state["mps"] = tensors["mps"]
+    return state
+
+
+# -- the run's identity: what must not change across a resume ---------------------------------
+
+
+def data_fingerprint(dataset: Any) -> str:
+    """Length and the contents of a few samples (first, middle, last): a changed or reordered
+    dataset shows, without reading all of it."""
+    digest = hashlib.sha256(f"len={len(dataset)}".encode())
+    n = len(dataset)
+    for index in sorted({0, n // 2, n - 1}):
+        _digest_leaves(digest, dataset[index])
+    return digest.hexdigest()[:16]
+
+
+def _digest_leaves(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            digest.update(str(key).encode())
+            _digest_leaves(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _digest_leaves(digest, item)
+    elif isinstance(value, np.ndarray):
+        digest.update(value.tobytes())
+    else:
+        digest.update(repr(value).encode())
+
+
+def optimizer_identity(optimizer: torch.optim.Optimizer) -> str:
+    """Class and hyperparameters of a freshly built optimizer, per parameter group."""
+    groups = [
+        {k: v for k, v in group.items() if k != "params"} | {"size": len(group["params"])}
+        for group in optimizer.param_groups
+    ]
+    return f"{type(optimizer).__name__}{groups}"
+
+
+def schedule_identity(scheduler: Any) -> str | None:
+    if scheduler is None:
+        return None
+    state = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
+    return f"{type(scheduler).__name__}{sorted(state.items(), key=lambda kv: kv[0])}"
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [
+        f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key)
+    ]
+
+
+def capture_payload(
+    state: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    identity: dict[str, Any],
+    next_loss: float | None,
+) -> Payload:
+    """Everything a resume needs, copied to host memory at this step boundary."""
+    rng_tensors, rng_plain = rng_to_files()
+    objects: dict[str, Any] = {OPTIMIZER_FILE: to_host(optimizer.state_dict())}
+    if scheduler is not None:
+        objects[SCHEDULER_FILE] = to_host(scheduler.state_dict())
+    if scaler is not None:
+        objects[SCALER_FILE] = to_host(scaler.state_dict())
+    document = {
+        "state": state.to_dict(),
+        "rng": rng_plain,
+        "identity": identity,
+        "next_loss": next_loss,
+        "torch": torch.__version__,
+    }
+    return Payload(
+        tensors={MODEL_FILE: model_tensors(model), RNG_FILE: rng_tensors},
+        objects=objects,
+        json={STATE_FILE: document},
+    )

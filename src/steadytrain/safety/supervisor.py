@@ -1,0 +1,633 @@
+"""`steadytrain run -- CMD ...`: run a training command and restart it when it dies.
+
+The supervisor is a separate process that imports nothing of the training loop (no torch): it
+must outlive whatever kills the trainer. One pass of its loop::
+
+    read the checkpoint step (RUN_DIR/checkpoints/latest) and the cgroup oom_kill counter
+    start CMD in its own session (process group), with STEADYTRAIN_SUPERVISED=1,
+      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill)
+    wait; SIGINT / SIGTERM (SIGHUP as SIGTERM) to us are forwarded to the child's group, and
+      no restart follows; SIGKILL if the child is still there --stop-timeout later
+    child exit:
+      0                       -> exit 0
+      130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
+      2, 3                    -> bad input / does not fit: the same input fails the same way,
+                                 so exit with that code
+      anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
+                                 (75): read the checkpoint step again; a newer one is progress
+                                 and resets the count and the backoff; after more than
+                                 max_restarts failures in a row without progress, exit 4;
+                                 else SIGKILL what is left of the child's group, append a
+                                 "restart" event, sleep the backoff, go again
+
+The child resumes from its checkpoint by itself; the supervisor only restarts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from steadytrain.errors import BadInputError
+
+GAVE_UP = 4
+HANG = 75
+STOPPED = (130, 143)
+NOT_RESTARTABLE = {2: "bad input", 3: "does not fit even at micro-batch 1"}
+# Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A shell or launcher between us and the trainer reports a process killed by signal N as exit
+# 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
+SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+
+ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"
+ENV_RESTART = "STEADYTRAIN_RESTART"
+ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"
+ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"
+
+POLL_S = 0.1  # how often the wait loop looks at forwarded signals and the stop deadline
+LEFTOVER_WAIT_S = 2.0  # killed processes go in milliseconds; a zombie counts until it is reaped
+METRICS_TAIL_BYTES = 64 * 1024  # enough for the last few metrics lines, however long the run
+_STEP_NAME = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class SupervisorOptions:
+    max_restarts: int = 5
+    """Give up (exit 4) after this many restarts in a row without a new checkpoint. Five, as
+    systemd's StartLimitBurst: enough for bad luck, few enough that a broken job stops soon."""
+    backoff_initial: float = 1.0
+    """Seconds before the first restart: quick, the usual crash is a one-off."""
+    backoff_max: float = 60.0
+    """The delay doubles on each failure in a row without progress, up to this many seconds."""
+    stop_timeout: float = 120.0
+    """After forwarding SIGINT/SIGTERM, how long the child may take to save and exit before it
+    gets SIGKILL. Saving a large checkpoint takes a while; two minutes covers most."""
+    healthy_run_s: float = 600.0
+    """A child that ran this long before dying resets the backoff (not the no-progress count),
+    as Kubernetes resets CrashLoopBackOff after 10 minutes of running."""
+    run_dir: Path | None = None
+    """Where the run writes checkpoints/latest, metrics.jsonl and events.jsonl; None: unknown."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_restarts < 0:
+            problems.append(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not self.backoff_initial >= 0:
+            problems.append(f"--backoff-initial must be 0 s or more, got {self.backoff_initial}")
+        if not self.backoff_max >= self.backoff_initial:
+            problems.append(
+                f"--backoff-max ({self.backoff_max} s) must be at least --backoff-initial "
+                f"({self.backoff_initial} s)"
+            )
+        if not self.stop_timeout > 0:
+            problems.append(f"--stop-timeout must be more than 0 s, got {self.stop_timeout}")
+        if problems:
+            raise BadInputError("; ".join(problems))
+
+
+def resolve_run_dir(value: str | os.PathLike | None, environ: Mapping[str, str]) -> Path | None:
+    """--run-dir, else $STEADYTRAIN_RUN_DIR, else None (progress cannot be seen)."""
+    if value is None:
+        value = environ.get(ENV_RUN_DIR) or None
+    return None if value is None else Path(value)
+
+
+# ---- what the run directory says -----------------------------------------------------------
+
+
+def checkpoint_step(run_dir: Path | None) -> int | None:
+    """The step of the newest committed checkpoint (RUN_DIR/checkpoints/latest holds its folder
+    name, e.g. step-00000250); None when there is none or the pointer cannot be read."""
+    if run_dir is None:
+        return None
+    try:
+        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def last_micro_batch_size(run_dir: Path | None) -> int | None:
+    """micro_batch_size of the last complete line of RUN_DIR/metrics.jsonl, read from its tail
+    (the file grows by a line per step). A torn last line (the child was killed mid-write) is
+    skipped."""
+    if run_dir is None:
+        return None
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - METRICS_TAIL_BYTES))
+            tail = handle.read()
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            value = json.loads(line).get("micro_batch_size")
+        except (ValueError, AttributeError):
+            continue  # torn, or the partial first line of the tail
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def append_event(run_dir: Path, record: dict[str, Any]) -> None:
+    """One line appended to RUN_DIR/events.jsonl with a single write in O_APPEND mode, so it
+    cannot interleave with the child's own lines. A torn last line (the child was killed while
+    writing it) is ended first, inside the same write."""
+    path = run_dir / "events.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(record, default=str) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+# ---- the OS out-of-memory killer's counter -------------------------------------------------
+
+
+def read_oom_kill_count(
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+    cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+) -> int | None:
+    """How many processes of our cgroup the kernel's OOM killer has killed, or None where no
+    counter can be read (macOS, no cgroup, permissions). The child inherits our cgroup, and the
+    counter includes descendant cgroups, so a kill of the child or its workers shows here.
+
+    cgroup v2: ``oom_kill`` in ``<root>/<path>/memory.events`` (also under ``<root>/unified``,
+    the hybrid layout). cgroup v1: ``oom_kill`` in ``<root>/memory/<path>/memory.oom_control``.
+    Where the path from /proc/self/cgroup is not under the mount (a container without a cgroup
+    namespace sees its own cgroup as the mount's root), the root is tried too.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    root = Path(cgroup_root)
+    candidates: list[Path] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        relative = path.strip().lstrip("/")
+        if hierarchy == "0" and controllers == "":
+            for mount in (root, root / "unified"):
+                candidates += [mount / relative / "memory.events", mount / "memory.events"]
+        elif "memory" in controllers.split(","):
+            mount = root / "memory"
+            candidates += [mount / relative / "memory.oom_control", mount / "memory.oom_control"]
+    for candidate in dict.fromkeys(candidates):  # ordered, without repeats
+        count = _oom_kill_field(candidate)
+        if count is not None:
+            return count
+    return None
+
+
+def _oom_kill_field(path: Path) -> int | None:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+# ---- how a child ended ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), and how
+    much the cgroup's oom_kill counter rose meanwhile (None: not readable)."""
+
+    returncode: int
+    oom_kill_delta: int | None = None
+
+    @property
+    def killed_by(self) -> signal.Signals | None:
+        """The signal that killed the child, directly or as reported by a shell (128 + N)."""
+        if self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode)
+            except ValueError:
+                return None
+        if self.returncode - 128 in SHELL_REPORTED:
+            return signal.Signals(self.returncode - 128)
+        return None
+
+    @property
+    def via_shell(self) -> bool:
+        return self.returncode > 0 and self.killed_by is not None
+
+    @property
+    def kind(self) -> str:
+        """One of finished, stopped, not_restartable, restart."""
+        if self.returncode == 0:
+            return "finished"
+        if self.returncode in STOPPED or -self.returncode in STOP_SIGNALS:
+            return "stopped"
+        if self.returncode in NOT_RESTARTABLE:
+            return "not_restartable"
+        return "restart"
+
+    @property
+    def memory_kill_suspected(self) -> bool:
+        return self.killed_by == signal.SIGKILL or bool(self.oom_kill_delta)
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell would report: the code, or 128 + the signal."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def describe(self) -> str:
+        rc, sig = self.returncode, self.killed_by
+        if rc == 0:
+            text = "child finished (exit 0)"
+        elif self.kind == "stopped":
+            name = sig.name if sig else signal.Signals(rc - 128).name
+            text = (
+                f"child stopped by {name} after saving (exit {rc})"
+                if rc > 0
+                else f"child stopped by {name} (exit {rc}); it did not handle the signal, so it "
+                "saved nothing on the way out"
+            )
+        elif rc in NOT_RESTARTABLE:
+            text = f"child exited {rc}: {NOT_RESTARTABLE[rc]}"
+        elif rc == HANG:
+            text = f"hang detected by the watchdog (exit {HANG})"
+        elif sig is None:
+            text = f"child crashed with exit {rc}"
+        else:
+            text = self._describe_signal(sig)
+        if self.oom_kill_delta:
+            text += f"; cgroup oom_kill count +{self.oom_kill_delta}"
+        return text
+
+    def _describe_signal(self, sig: signal.Signals) -> str:
+        if self.via_shell:
+            head = (
+                f"child exited {self.returncode} = 128 + {sig.name} "
+                "(a shell or launcher reporting a kill)"
+            )
+        elif sig == signal.SIGKILL:
+            head = f"child killed by SIGKILL (exit {self.returncode}, shell {128 + sig})"
+        elif sig == signal.SIGABRT:
+            head = f"child aborted (exit {self.returncode}, SIGABRT)"
+        else:
+            head = f"child killed by {sig.name} (exit {self.returncode})"
+        why = {
+            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta),
+            signal.SIGABRT: "on a Mac often a Metal assertion",
+            signal.SIGSEGV: "a crash in native code",
+            signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
+        }.get(sig)
+        return f"{head}: {why}" if why else head
+
+
+def _sigkill_cause(oom_kill_delta: int | None) -> str:
+    if oom_kill_delta is None:  # no counter (macOS, no cgroup): the usual sender is the OS
+        return "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
+    if oom_kill_delta > 0:
+        return "the OS out-of-memory killer"
+    return (
+        "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
+        "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
+    )
+
+
+# ---- the supervisor ------------------------------------------------------------------------
+
+
+class Supervisor:
+    """Runs `command` until it finishes, is stopped, cannot succeed, or keeps failing without
+    progress. `run()` returns the exit code for the `steadytrain run` process.
+
+    `environ` is the child's base environment, `out` where the supervisor's lines go,
+    `oom_kill_count` reads the OS OOM killer's counter (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        options: SupervisorOptions,
+        *,
+        environ: Mapping[str, str] | None = None,
+        out: TextIO | None = None,
+        oom_kill_count: Callable[[], int | None] = read_oom_kill_count,
+    ):
+        if not command:
+            raise BadInputError("give the command to supervise after --: steadytrain run -- CMD")
+        self.command = list(command)
+        self.options = options
+        self.environ = dict(os.environ if environ is None else environ)
+        self.out = out if out is not None else sys.stderr
+        self.oom_kill_count = oom_kill_count
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._pending: list[int] = []  # signals received, not yet forwarded
+        self._stop_signal: int | None = None
+        self._forwarded = 0
+        self._sent_kill = False  # the stop timeout ran out and we sent SIGKILL
+
+    # -- the loop, top to bottom --
+
+    def run(self) -> int:
+        # SIGINT and SIGTERM are always ours, as the trainer's own handlers take them even where
+        # they were ignored (a background job); SIGHUP ignored by nohup stays ignored.
+        previous = {
+            sig: signal.signal(sig, self._on_signal)
+            for sig in _HANDLED
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+        }
+        try:
+            return self._supervise()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self._proc is not None and self._proc.poll() is None:
+                self._signal_child(signal.SIGTERM)  # we are failing: let the child save
+
+    def _supervise(self) -> int:
+        run_dir = self.options.run_dir
+        max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
+        no_progress = 0  # failures in a row without a newer checkpoint
+        delay = self.options.backoff_initial
+        self._say_start()
+        while True:
+            step_before = checkpoint_step(run_dir)
+            oom_before = self._oom_kill_count()
+            started = time.monotonic()
+            returncode = self._run_child(max_micro)
+            ran_s = time.monotonic() - started
+            oom_after = self._oom_kill_count()
+            delta = None if None in (oom_before, oom_after) else oom_after - oom_before
+            death = ChildExit(returncode, delta)
+            step = checkpoint_step(run_dir)
+
+            if self._stop_signal is not None:
+                how = (
+                    f"child killed by our SIGKILL (exit {returncode}): it did not stop within "
+                    f"{_seconds(self.options.stop_timeout)} s"
+                    if self._sent_kill and returncode == -signal.SIGKILL
+                    else death.describe()
+                )
+                self._say(f"{how}; not restarting: we were asked to stop")
+                return self._end(death.exit_code, step, f"stopped: {how}")
+            if death.kind == "finished":
+                return self._end(0, step, death.describe())
+            if death.kind == "stopped":
+                self._say(f"{death.describe()}; not restarting")
+                return self._end(death.exit_code, step, death.describe())
+            if death.kind == "not_restartable":
+                self._say(
+                    f"{death.describe()}; not restarting: the same input fails the same way "
+                    "(see the child's message above)"
+                )
+                return self._end(death.exit_code, step, death.describe())
+
+            progressed = step is not None and (step_before is None or step > step_before)
+            no_progress = 0 if progressed else no_progress + 1
+            if progressed or ran_s >= self.options.healthy_run_s:
+                delay = self.options.backoff_initial
+            if no_progress > self.options.max_restarts:
+                return self._give_up(death, step)
+            if death.memory_kill_suspected:
+                max_micro = self._smaller_micro_batch(max_micro)
+            self._kill_leftovers()
+
+            self.restarts += 1
+            self._record(
+                "restart",
+                step,
+                attempt=self.restarts,
+                exit_code=returncode,
+                signal=death.killed_by.name if death.killed_by else None,
+                reason=death.describe(),
+                oom_kill_delta=delta,
+                delay_s=delay,
+                max_micro_batch=max_micro,
+                progressed=progressed,
+                restarts_without_progress=no_progress,
+            )
+            self._say(death.describe())
+            self._say(
+                f"starting attempt {self.restarts + 1} in {_seconds(delay)} s after "
+                f"{_short(death)}; {self._progress_note(progressed, step, no_progress)}"
+                + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
+            )
+            if not self._sleep(delay):
+                name = signal.Signals(self._stop_signal).name
+                self._say(f"{name} while waiting to restart: stopping")
+                return self._end(
+                    128 + self._stop_signal, step, f"stopped by {name} while waiting to restart"
+                )
+            delay = min(delay * 2, self.options.backoff_max)
+
+    # -- one child --
+
+    def _run_child(self, max_micro: int | None) -> int:
+        env = {**self.environ, ENV_SUPERVISED: "1", ENV_RESTART: str(self.restarts)}
+        if max_micro is not None:
+            env[ENV_MAX_MICRO_BATCH] = str(max_micro)
+        try:
+            # Own session: a terminal's Ctrl-C reaches only us, and we forward it once.
+            self._proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+        except OSError as exc:
+            raise BadInputError(f"cannot start {shlex.join(self.command)}: {exc}") from exc
+        return self._wait(self._proc)
+
+    def _wait(self, proc: subprocess.Popen) -> int:
+        deadline: float | None = None
+        while True:
+            self._forward_pending()
+            if self._stop_signal is not None and deadline is None:
+                deadline = time.monotonic() + self.options.stop_timeout
+            if deadline is not None and not self._sent_kill and time.monotonic() >= deadline:
+                name = signal.Signals(self._stop_signal).name
+                self._say(
+                    f"child still running {_seconds(self.options.stop_timeout)} s after {name}: "
+                    "sending SIGKILL"
+                )
+                self._signal_child(signal.SIGKILL)
+                self._sent_kill = True
+            try:
+                return proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        # Only record: the wait loop forwards within POLL_S (no race with starting a child).
+        self._pending.append(signum)
+        if self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM if signum == signal.SIGHUP else signum
+
+    def _forward_pending(self) -> None:
+        while self._pending:
+            signum = self._pending.pop(0)
+            forward = signal.SIGTERM if signum == signal.SIGHUP else signal.Signals(signum)
+            self._forwarded += 1
+            if self._forwarded == 1:
+                self._say(
+                    f"got {signal.Signals(signum).name}: forwarding {forward.name} to the child "
+                    f"(pid {self._proc.pid if self._proc else '-'}) and not restarting it; "
+                    f"waiting up to {_seconds(self.options.stop_timeout)} s for it to save and stop"
+                )
+            else:
+                self._say(f"got {signal.Signals(signum).name} again: forwarding {forward.name}")
+            self._signal_child(forward)
+
+    def _signal_child(self, signum: int) -> None:
+        """Send to the child's process group: the child and what it started (data workers,
+        torchrun's workers), as a terminal's Ctrl-C would."""
+        if self._proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+            os.killpg(self._proc.pid, signum)
+
+    def _kill_leftovers(self) -> None:
+        """Processes the dead child left in its group (data workers) would hold memory the next
+        attempt needs, and inherited file descriptors such as the run directory's lock. The
+        group id stays reserved while any member lives, so this cannot hit an unrelated
+        process. Waits (briefly: members not yet reaped still count) until they are gone."""
+        if self._proc is None:
+            return
+        self._signal_child(signal.SIGKILL)
+        end = time.monotonic() + LEFTOVER_WAIT_S
+        while time.monotonic() < end:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.01)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, unless a stop signal comes first (then False)."""
+        end = time.monotonic() + seconds
+        while self._stop_signal is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, POLL_S))
+        self._pending.clear()  # no child to forward to
+        return False
+
+    # -- decisions and records --
+
+    def _smaller_micro_batch(self, cap: int | None) -> int | None:
+        """Half the micro-batch in force when the child was killed: the last one metrics.jsonl
+        shows, no more than the cap already set; None (no cap) when neither is known."""
+        known = [v for v in (last_micro_batch_size(self.options.run_dir), cap) if v is not None]
+        return max(1, min(known) // 2) if known else None
+
+    def _give_up(self, death: ChildExit, step: int | None) -> int:
+        run_dir = self.options.run_dir
+        n = self.options.max_restarts
+        reason = f"gave up after {_restarts(n)} without a new checkpoint; last: {death.describe()}"
+        where = (
+            f"; see {run_dir / 'events.jsonl'}"
+            if run_dir
+            else " (no run dir, so progress could not be seen: pass --run-dir)"
+        )
+        self._say(reason + where)
+        self._record(
+            "supervisor_gave_up",
+            step,
+            exit_code=GAVE_UP,
+            restarts=self.restarts,
+            last_exit_code=death.returncode,
+            signal=death.killed_by.name if death.killed_by else None,
+            reason=reason,
+        )
+        return GAVE_UP
+
+    def _end(self, code: int, step: int | None, reason: str) -> int:
+        self._record("supervisor_end", step, exit_code=code, restarts=self.restarts, reason=reason)
+        return code
+
+    def _record(self, event: str, step: int | None, **fields: Any) -> None:
+        if self.options.run_dir is None:
+            return
+        try:
+            append_event(
+                self.options.run_dir, {"time": time.time(), "event": event, "step": step, **fields}
+            )
+        except OSError as exc:  # a full disk must not stop the supervising
+            self._say(f"could not write {self.options.run_dir / 'events.jsonl'}: {exc}")
+
+    def _oom_kill_count(self) -> int | None:
+        try:
+            return self.oom_kill_count()
+        except Exception:  # noqa: BLE001 - a counter we cannot read is only a missing detail
+            return None
+
+    def _progress_note(self, progressed: bool, step: int | None, no_progress: int) -> str:
+        limit = self.options.max_restarts
+        if progressed:
+            return f"new checkpoint at step {step}, so the count without progress starts again"
+        return f"restart {no_progress} of {limit} without a new checkpoint"
+
+    def _say_start(self) -> None:
+        opts = self.options
+        self._say(
+            f"starting attempt 1: {shlex.join(self.command)} (gives up after "
+            f"{_restarts(opts.max_restarts)} without a new checkpoint)"
+        )
+        if opts.run_dir is None:
+            self._say(
+                "no run dir (--run-dir or $STEADYTRAIN_RUN_DIR): checkpoints cannot be seen, so "
+                "every restart counts as one without progress"
+            )
+        elif not opts.run_dir.exists():
+            self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")
+
+    def _say(self, text: str) -> None:
+        print(f"steadytrain run: {text}", file=self.out, flush=True)
+
+
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _short(death: ChildExit) -> str:
+    if death.killed_by is not None:
+        return f"{death.killed_by.name} (exit {death.returncode})"
+    if death.returncode == HANG:
+        return "a hang (exit 75)"
+    return f"exit {death.returncode}"
+
+
+def _restarts(n: int) -> str:
+    return f"{n} restart{'' if n == 1 else 's'}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"
+
+
+def _positive_int(text: str | None) -> int | None:
+    try:
+        value = int(text) if text else None
+    except ValueError:
+        return None
+    return value if value and value >= 1 else None

@@ -1,0 +1,147 @@
+"""A small training run that draws from every RNG stream, for resume and signal tests.
+
+    python resumable.py RUN_DIR [--workers N] [--kill-at STEP] [--kill-mid-step STEP]
+                        [--signal-at STEP --signal TERM|INT] [--double-sigint] [--seed S]
+                        [--perturb-data] [--override FIELD] [--async-save|--sync-save]
+
+The dataset draws from python's random, numpy and torch while loading (augmentation); the model
+has dropout. Writes RUN_DIR/params.pt when training finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from steadytrain import Callback, TrainConfig, Trainer, entrypoint
+
+N, FEATURES = 40, 6  # effective batch 8 -> 5 steps an epoch; 3 epochs = 15 steps
+
+
+class NoisyData(torch.utils.data.Dataset):
+    def __init__(self, perturb: bool = False):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(N, FEATURES, generator=g)
+        self.y = self.x.sum(1, keepdim=True)
+        if perturb:  # all but the samples the data fingerprint reads (first, middle, last)
+            keep = {0, N // 2, N - 1}
+            for i in range(N):
+                if i not in keep:
+                    self.x[i] += 0.5
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        noise = random.random() * 0.01 + float(np.random.rand()) * 0.01
+        return self.x[i] + torch.rand(FEATURES) * 0.01 + noise, self.y[i]
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.2),
+            torch.nn.Linear(32, 1),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+class Faults(Callback):
+    def __init__(self, args):
+        self.args = args
+
+    def on_step_end(self, state, control, info):
+        if state.step == self.args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if state.step == self.args.signal_at:
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.args.signal}"))
+
+    def on_micro_step_end(self, state, control, info):
+        if state.step + 1 == self.args.kill_mid_step and info["index"] == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@entrypoint
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--kill-mid-step", type=int)
+    p.add_argument("--signal-at", type=int)
+    p.add_argument("--signal", default="TERM")
+    p.add_argument("--double-sigint", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--perturb-data", action="store_true")
+    p.add_argument("--override", action="append", default=[])
+    p.add_argument("--sync-save", action="store_true")
+    p.add_argument("--save-every", type=int, default=3)
+    args = p.parse_args()
+
+    if args.double_sigint:  # a second Ctrl-C arrives while the final checkpoint is written
+        from steadytrain.safety.checkpoint import CheckpointStore
+
+        real_save = CheckpointStore.save
+
+        def save(self, step, payload):
+            os.kill(os.getpid(), signal.SIGINT)
+            return real_save(self, step, payload)
+
+        CheckpointStore.save = save
+
+    torch.manual_seed(123)
+    model = Model()
+    config = TrainConfig(
+        run_dir=args.run_dir,
+        effective_batch_size=8,
+        micro_batch_size=4,
+        epochs=3,
+        save_every_steps=args.save_every,
+        keep_last=2,
+        device="cpu",
+        seed=args.seed,
+        num_workers=args.workers,
+        log_every_steps=100,
+        resume_overrides=args.override,
+        async_save=not args.sync_save,
+    )
+
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def scheduler(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+
+    result = Trainer(
+        model,
+        optimizer,
+        loss_fn,
+        NoisyData(args.perturb_data),
+        config,
+        scheduler=scheduler,
+        callbacks=[Faults(args)],
+    ).fit()
+    if result.exit_code == 0:
+        torch.save(model.state_dict(), Path(args.run_dir) / "params.pt")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

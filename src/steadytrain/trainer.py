@@ -195,8 +195,8 @@ class Trainer:
             if expected_loss is not None
             else None,
             ConsoleLog(cfg.log_every_steps),
+            files,  # a late record after its fit_end reopens the file
             *self.user_callbacks,
-            files,  # last: at fit_end it closes the files the others write to
         ]
         callbacks[:] = [c for c in callbacks if c is not None]
         loop = Loop(
@@ -238,7 +238,7 @@ class Trainer:
             "frozen_base": frozen_fingerprint(model),
             "optimizer": optimizer_identity(optimizer),
             "schedule": schedule_identity(scheduler),
-            "data": data_fingerprint(self.dataset),
+            "data": data_fingerprint(SeededFetch(self.dataset)),
         }
 
     def _restore(

@@ -144,9 +144,25 @@ def data_fingerprint(dataset: Any) -> str:
     dataset shows, without reading all of it."""
     digest = hashlib.sha256(f"len={len(dataset)}".encode())
     n = len(dataset)
-    for index in sorted({0, n // 2, n - 1}):
-        _digest_leaves(digest, dataset[index])
+    indices = sorted({0, n // 2, n - 1})
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:  # SeededFetch: random draws while loading are seeded, so repeatable
+        samples = getitems(_fixed_seed(indices))
+    else:
+        samples = [dataset[i] for i in indices]
+    for sample in samples:
+        _digest_leaves(digest, sample)
     return digest.hexdigest()[:16]
+
+
+class _SeededIndices(list):
+    """Indices carrying a loading seed, as the engine's sampler yields them."""
+
+    seed = 0
+
+
+def _fixed_seed(indices: list[int]) -> list[int]:
+    return _SeededIndices(indices)
 
 
 def _digest_leaves(digest: Any, value: Any) -> None:

@@ -84,6 +84,8 @@ class RunFiles(Callback):
         # the host wait for the device (see steadytrain.engine.metrics).
         self._write_pending()
         self._pending = info["metrics"]
+        if self._pending.resolved:  # already read (a checkpoint step): write it now
+            self._write_pending()
 
     def _write_pending(self) -> None:
         if self._pending is None:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,8 @@ class Faults(Callback):
         self.args = args
 
     def on_step_end(self, state, control, info):
+        if self.args.step_sleep:
+            time.sleep(self.args.step_sleep)
         if state.step == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if state.step == self.args.signal_at:
@@ -93,7 +96,12 @@ def main():
     p.add_argument("--override", action="append", default=[])
     p.add_argument("--sync-save", action="store_true")
     p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--pid-file")
     args = p.parse_args()
+    if args.pid_file:
+        Path(args.pid_file).write_text(str(os.getpid()))
 
     if args.double_sigint:  # a second Ctrl-C arrives while the final checkpoint is written
         from steadytrain.safety.checkpoint import CheckpointStore
@@ -112,7 +120,7 @@ def main():
         run_dir=args.run_dir,
         effective_batch_size=8,
         micro_batch_size=4,
-        epochs=3,
+        epochs=args.epochs,
         save_every_steps=args.save_every,
         keep_last=2,
         device="cpu",

@@ -254,7 +254,11 @@ class ChildExit:
 
     @property
     def memory_kill_suspected(self) -> bool:
-        return self.killed_by == signal.SIGKILL or bool(self.oom_kill_delta)
+        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam).
+        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start."""
+        if self.oom_kill_delta:
+            return True
+        return self.killed_by == signal.SIGKILL and self.oom_kill_delta is None
 
     @property
     def exit_code(self) -> int:

@@ -34,6 +34,7 @@ from steadytrain.safety.state import (
     SCALER_FILE,
     SCHEDULER_FILE,
     STATE_FILE,
+    HostBuffers,
     capture_payload,
     data_fingerprint,
     differences,
@@ -181,10 +182,12 @@ class Trainer:
             state.activation_checkpointing = False
             runner.enable_activation_checkpointing(reason="restored from the checkpoint")
 
+        host = HostBuffers()
+
         def capture(state: TrainState) -> Payload:
             next_loss = self._probe_next_loss(runner, sampler, state)
             return capture_payload(
-                state, model, optimizer, scheduler, precision.scaler, identity, next_loss
+                state, model, optimizer, scheduler, precision.scaler, identity, next_loss, host
             )
 
         async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2

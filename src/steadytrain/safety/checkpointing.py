@@ -48,6 +48,7 @@ class Checkpointing(Callback):
 
     def save(self, state: TrainState, final: bool) -> None:
         start = time.perf_counter()
+        self.store.wait()  # the capture reuses host buffers the last async save may still read
         payload = self.capture(state)
         if self.async_save and not final:
             self.store.save_async(state.step, payload)

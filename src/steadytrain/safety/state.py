@@ -30,16 +30,52 @@ RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
 
 
-def to_host(obj: Any) -> Any:
-    """A copy of `obj` whose tensors live in host memory (the async writer's snapshot)."""
+class HostBuffers:
+    """Host copies of device tensors, allocated once and reused by every save.
+
+    Fresh host memory for each save costs a page fault per page (a 1 GB checkpoint copied at
+    about 1.2 GB/s on an H100 host); reused buffers, pinned on CUDA, copy at bus speed. The
+    buffers of one save must not be overwritten while it is written: the caller waits for an
+    async save in flight before capturing the next (`Checkpointing` does).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pending = False
+
+    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda"
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor, non_blocking=buffer.is_pinned())
+        self._pending = self._pending or buffer.is_pinned()
+        return buffer
+
+    def finish(self) -> None:
+        """Wait for the non-blocking copies to land."""
+        if self._pending:
+            torch.cuda.synchronize()
+            self._pending = False
+
+
+def to_host(obj: Any, buffers: HostBuffers | None = None, key: str = "") -> Any:
+    """A copy of `obj` whose tensors live in host memory (the async writer's snapshot). With
+    `buffers`, call `buffers.finish()` before reading the copies."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        if buffers is None:
+            return obj.detach().to("cpu", copy=True)
+        return buffers.copy(key, obj)
     if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
+        return {k: to_host(v, buffers, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, list):
-        return [to_host(v) for v in obj]
+        return [to_host(v, buffers, f"{key}/{i}") for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(to_host(v) for v in obj)
+        return tuple(to_host(v, buffers, f"{key}/{i}") for i, v in enumerate(obj))
     return obj
 
 
@@ -47,16 +83,13 @@ def frozen_base(model: torch.nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def model_tensors(
+    model: torch.nn.Module, buffers: HostBuffers | None = None
+) -> dict[str, torch.Tensor]:
     """What training changes, copied to host memory (shared storage becomes separate copies)."""
-    if not frozen_base(model):
-        return {k: to_host(v) for k, v in model.state_dict().items()}
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    params = {n for n, _ in model.named_parameters()}
+    names = set(model_tensors_names(model))
     return {
-        k: to_host(v)
-        for k, v in model.state_dict().items()
-        if k in trainable or k not in params  # trainable parameters and persistent buffers
+        k: to_host(v, buffers, f"model/{k}") for k, v in model.state_dict().items() if k in names
     }
 
 
@@ -214,14 +247,18 @@ def capture_payload(
     scaler: Any,
     identity: dict[str, Any],
     next_loss: float | None,
+    buffers: HostBuffers | None = None,
 ) -> Payload:
     """Everything a resume needs, copied to host memory at this step boundary."""
     rng_tensors, rng_plain = rng_to_files()
-    objects: dict[str, Any] = {OPTIMIZER_FILE: to_host(optimizer.state_dict())}
+    objects: dict[str, Any] = {OPTIMIZER_FILE: to_host(optimizer.state_dict(), buffers, "opt")}
     if scheduler is not None:
         objects[SCHEDULER_FILE] = to_host(scheduler.state_dict())
     if scaler is not None:
         objects[SCALER_FILE] = to_host(scaler.state_dict())
+    model_copy = model_tensors(model, buffers)
+    if buffers is not None:
+        buffers.finish()
     document = {
         "state": state.to_dict(),
         "rng": rng_plain,
@@ -230,7 +267,7 @@ def capture_payload(
         "torch": torch.__version__,
     }
     return Payload(
-        tensors={MODEL_FILE: model_tensors(model), RNG_FILE: rng_tensors},
+        tensors={MODEL_FILE: model_copy, RNG_FILE: rng_tensors},
         objects=objects,
         json={STATE_FILE: document},
     )

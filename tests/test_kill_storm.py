@@ -21,10 +21,12 @@ from conftest import WORKLOADS, run_workload
 
 from steadytrain.telemetry.files import read_jsonl
 
-ARGS = ("--epochs", "120", "--step-sleep", "0.03", "--save-every", "3")
+def workload_args(kills: int) -> tuple[str, ...]:
+    """Long enough that `kills` kills land before the end (about 30 steps survive each)."""
+    return ("--epochs", str(6 * kills), "--step-sleep", "0.03", "--save-every", "3")
 
 
-def storm(tmp_path: Path, kills: int, seed: int) -> Path:
+def storm(tmp_path: Path, kills: int, seed: int, args: tuple[str, ...]) -> Path:
     run_dir = tmp_path / "storm"
     pid_file = tmp_path / "child.pid"
     cmd = [
@@ -35,7 +37,7 @@ def storm(tmp_path: Path, kills: int, seed: int) -> Path:
         "--run-dir",
         str(run_dir),
         "--max-restarts",
-        "50",
+        "100",
         "--backoff-initial",
         "0.01",
         "--backoff-max",
@@ -44,7 +46,7 @@ def storm(tmp_path: Path, kills: int, seed: int) -> Path:
         sys.executable,
         str(WORKLOADS / "resumable.py"),
         str(run_dir),
-        *ARGS,
+        *args,
         "--pid-file",
         str(pid_file),
     ]
@@ -82,8 +84,9 @@ def storm(tmp_path: Path, kills: int, seed: int) -> Path:
 )
 def test_kill_storm_finishes_with_the_uninterrupted_result(tmp_path, kills):
     golden = tmp_path / "golden"
-    assert run_workload("resumable.py", str(golden), *ARGS).returncode == 0
-    run_dir = storm(tmp_path, kills, seed=kills)
+    args = workload_args(kills)
+    assert run_workload("resumable.py", str(golden), *args, timeout=900).returncode == 0
+    run_dir = storm(tmp_path, kills, seed=kills, args=args)
 
     want = torch.load(golden / "params.pt", weights_only=True)
     got = torch.load(run_dir / "params.pt", weights_only=True)

@@ -359,3 +359,11 @@ def test_state_counts_tokens_and_last_loss_after_lazy_metrics(tmp_path):
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["tokens"] for m in lines] == [16] * 8
     assert result.final_loss == lines[-1]["loss"]
+
+
+def test_nan_in_the_data_stops_with_the_step_named(tmp_path):
+    model, data = regression()
+    data[5] = (torch.full((4,), float("nan")), data[5][1])
+    with pytest.raises(BadInputError, match=r"loss is nan at step \d+ .*NaN or Inf"):
+        Trainer(model, sgd, mse, data, config(tmp_path)).fit()
+    assert read_jsonl(tmp_path / "run" / "events.jsonl")[-1]["exit_code"] == 2

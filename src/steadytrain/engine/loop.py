@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from steadytrain.engine.metrics import StepMetrics
 from steadytrain.engine.step import StepRunner
+from steadytrain.errors import BadInputError
 from steadytrain.events import Dispatcher, Event
 
 
@@ -29,6 +31,12 @@ class Loop:
 
     def _account(self, metrics: StepMetrics) -> None:
         """Counters that need the device's values, updated when a step's metrics resolve."""
+        if not math.isfinite(metrics["loss"]):
+            raise BadInputError(
+                f"loss is {metrics['loss']} at step {metrics['step']} (epoch {metrics['epoch']}): "
+                "look for NaN or Inf in that batch's inputs or targets, or lower the learning rate"
+                + (" (fp16: try bf16)" if metrics.get("skipped") else "")
+            )
         self.state.tokens_seen += metrics["tokens"]
         if metrics["step"] >= self._last_loss_step:
             self._last_loss_step = metrics["step"]

@@ -21,6 +21,7 @@ from conftest import WORKLOADS, run_workload
 
 from steadytrain.telemetry.files import read_jsonl
 
+
 def workload_args(kills: int) -> tuple[str, ...]:
     """Long enough that `kills` kills land before the end (about 30 steps survive each)."""
     return ("--epochs", str(6 * kills), "--step-sleep", "0.03", "--save-every", "3")

@@ -367,3 +367,12 @@ def test_nan_in_the_data_stops_with_the_step_named(tmp_path):
     with pytest.raises(BadInputError, match=r"loss is nan at step \d+ .*NaN or Inf"):
         Trainer(model, sgd, mse, data, config(tmp_path)).fit()
     assert read_jsonl(tmp_path / "run" / "events.jsonl")[-1]["exit_code"] == 2
+
+
+def test_a_second_trainer_on_a_run_directory_in_use_is_refused(tmp_path):
+    from steadytrain.safety.lock import RunLock
+
+    model, data = regression()
+    (tmp_path / "run").mkdir()
+    with RunLock(tmp_path / "run"), pytest.raises(BadInputError, match=r"in use by PID \d+"):
+        Trainer(model, sgd, mse, data, config(tmp_path)).fit()

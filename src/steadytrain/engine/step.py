@@ -53,6 +53,44 @@ class _Count:
         return (self.device + self.host).clamp(min=1)
 
 
+class _BatchLoss:
+    """The batch loss as a step reports it, built one micro-batch at a time. `run()` and
+    `evaluate()` both use it, so the resume loss check compares the very same arithmetic."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.value: torch.Tensor | float = 0.0
+        self.count = _Count()
+        self.token_mode: bool | None = None
+
+    def add(self, out: Any, size: int) -> torch.Tensor:
+        """Account one micro-batch's `loss_fn` output; returns the tensor to backpropagate."""
+        is_pair = isinstance(out, (tuple, list))
+        if self.token_mode is None:
+            self.token_mode = is_pair
+        elif self.token_mode != is_pair:
+            raise BadInputError(
+                "loss_fn: returned a mean on one micro-batch and (loss_sum, "
+                "count) on another; return one form always"
+            )
+        if is_pair:
+            loss_sum, count = out
+            self.count.add(count)
+            self.value = self.value + _full(loss_sum)
+            return loss_sum
+        share = size / self.n
+        self.value = self.value + _full(out) * share
+        return out * share
+
+    def divisor(self) -> int | torch.Tensor | None:
+        """The batch's token count for `(loss_sum, count)` losses; None for mean losses."""
+        return self.count.total() if self.token_mode else None
+
+    def mean(self) -> torch.Tensor | float:
+        divisor = self.divisor()
+        return self.value / divisor if divisor is not None else self.value
+
+
 def _divide_and_clip(
     params: list[torch.Tensor], divisor: int | torch.Tensor | None, max_norm: float | None
 ) -> torch.Tensor | None:
@@ -151,32 +189,14 @@ class StepRunner:
         pieces = split_batch(batch, micro)
         self.device.reset_peak()
         start = time.perf_counter()
-        loss_total: torch.Tensor | float = 0.0
-        count = _Count()
-        token_mode: bool | None = None
+        loss = _BatchLoss(n)
         self._versions_before_optimizer = None
         for i, piece in enumerate(pieces):
             self._phase = "forward"
             piece = to_device(piece, self.device.torch_device, self.non_blocking)
             with self.precision.autocast():
                 out = self.loss_fn(self.model, piece)
-            is_pair = isinstance(out, (tuple, list))
-            if token_mode is None:
-                token_mode = is_pair
-            elif token_mode != is_pair:
-                raise BadInputError(
-                    "loss_fn: returned a mean on one micro-batch and (loss_sum, "
-                    "count) on another; return one form always"
-                )
-            if is_pair:
-                loss_sum, piece_count = out
-                count.add(piece_count)
-                loss_total = loss_total + _full(loss_sum)
-                scaled = loss_sum
-            else:
-                share = batch_len(piece) / n
-                loss_total = loss_total + _full(out) * share
-                scaled = out * share
+            scaled = loss.add(out, batch_len(piece))
             if self.precision.scaler is not None:
                 scaled = self.precision.scaler.scale(scaled)
             self._phase = "backward"
@@ -192,9 +212,7 @@ class StepRunner:
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        divisor = count.total() if token_mode else None
-        if divisor is not None:
-            loss_total = loss_total / divisor
+        divisor = loss.divisor()
         grad_norm = _divide_and_clip(self.params, divisor, self.max_grad_norm)
         self._versions_before_optimizer = self._versions()
         scale_before = None
@@ -212,7 +230,7 @@ class StepRunner:
         # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
         skipped = scaler._scale < scale_before if scale_before is not None else False
         return {
-            "loss": loss_total,
+            "loss": loss.mean(),
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm,
             "micro_batch_size": micro,
@@ -228,26 +246,14 @@ class StepRunner:
         """The loss `run(batch)` would report, without a backward or an update: the same split,
         autocast and weighting. Random draws (dropout) are the caller's to save and restore.
         None when it runs out of memory (the caller's check is then skipped, not the step)."""
-        n = batch_len(batch)
-        loss_total: torch.Tensor | float = 0.0
-        count = _Count()
-        token_mode = False
+        loss = _BatchLoss(batch_len(batch))
         try:
             with torch.no_grad():
                 for piece in split_batch(batch, self.state.micro_batch_size):
                     piece = to_device(piece, self.device.torch_device, self.non_blocking)
                     with self.precision.autocast():
-                        out = self.loss_fn(self.model, piece)
-                    if isinstance(out, (tuple, list)):
-                        token_mode = True
-                        count.add(out[1])
-                        loss_total = loss_total + _full(out[0])
-                    else:
-                        loss_total = loss_total + _full(out) * (batch_len(piece) / n)
-                    del out
-                if token_mode:
-                    loss_total = loss_total / count.total()
-                return float(loss_total)
+                        loss.add(self.loss_fn(self.model, piece), batch_len(piece))
+                return float(loss.mean())
         except Exception as exc:
             if not is_oom(exc):
                 raise

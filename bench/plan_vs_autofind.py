@@ -141,6 +141,7 @@ def run_hf(args, spec, device, data, loaded_at: float, work: Path) -> dict[str, 
 
 def run_steadytrain(args, spec, device, data, loaded_at: float, work: Path) -> dict[str, Any]:
     from steadytrain import TrainConfig, Trainer
+    from steadytrain.memory.chunked_loss import CausalLMLoss
 
     run_dir = work / "steadytrain"
     config = TrainConfig(
@@ -159,7 +160,7 @@ def run_steadytrain(args, spec, device, data, loaded_at: float, work: Path) -> d
     result = Trainer(
         args.model,
         lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda"),
-        args.loss_fn,
+        CausalLMLoss(),  # steadytrain's causal-LM loss, whose chunked mode the plan may choose
         data,
         config=config,
     ).fit()
@@ -181,6 +182,16 @@ def run_steadytrain(args, spec, device, data, loaded_at: float, work: Path) -> d
         "oom_count": result.oom_count,
         "peak_allocated_metrics": max(peaks) if peaks else None,
         "plan": plan,
+        "savers": ", ".join(
+            name
+            for name, on in (
+                ("checkpointing", plan and plan["activation_checkpointing"]),
+                ("chunked loss", plan and plan["chunked_loss"]),
+            )
+            if on
+        )
+        or "none",
+        "plan_seconds": plan["probe"]["seconds"] if plan and plan.get("probe") else None,
         "events": [e for e in events if e["event"] in ("oom", "shrink", "memory_saver", "plan")],
     }
 
@@ -259,6 +270,7 @@ def main() -> None:
         ["tokens/s, steady steps", *[cell(a, "tokens_per_s", lambda v: f"{v:,.0f}") for a in arms]],
         ["micro-batch", *[cell(a, "micro_batch_size", str) for a in arms]],
         ["accumulation", *[cell(a, "accumulation", str) for a in arms]],
+        ["memory savers (plan)", *[cell(a, "savers", str) for a in arms]],
         ["effective batch per step", *[cell(a, "effective_batch_size", str) for a in arms]],
         [
             "first step after model load (s)",

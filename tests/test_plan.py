@@ -367,3 +367,90 @@ def test_peak_readings_say_what_they_are():
     region.close()
     reading = cpu.peak_reading()
     assert reading.kind == "resident" and reading.bytes >= before + 60 * MiB
+
+
+# -- the chunked loss as a candidate -----------------------------------------------------------
+
+
+def plan_event(run_dir: Path) -> dict:
+    (chosen,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "plan"]
+    return chosen
+
+
+def test_the_plan_offers_the_chunked_loss_and_measures_what_it_saves(tmp_path: Path):
+    """A tiny Llama whose fp32 logits are most of each sample's memory, with `CausalLMLoss`:
+    the chunked mode is probed beside the plain one, its measured growth per sample is a
+    fraction of the plain loss's, and whichever is chosen runs without an out-of-memory."""
+    run = run_workload(
+        "plan_chunked.py", str(tmp_path / "run"), "--room-mib", "1200", env=MALLOC_ENV
+    )
+    assert run.returncode == 0, run.stderr
+    chosen = plan_event(tmp_path / "run")
+    peaks = {(c["mode"], c["micro"]): c["peak"] for c in chosen["candidates"]}
+    plain = peaks[("plain", 8)] - peaks[("plain", 1)]
+    chunked = peaks[("plain, chunked loss", 8)] - peaks[("plain, chunked loss", 1)]
+    assert chunked < 0.4 * plain, chosen["reasons"]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["oom_count"] == 0
+    assert result["micro_batch_size"] == chosen["micro_batch_size"]
+    assert result["chunk_tokens"] == (1024 if chosen["chunked_loss"] else None)
+    assert any("chunked loss" in r for r in chosen["reasons"])
+
+
+def test_a_resumed_run_computes_its_loss_as_the_run_it_resumes(tmp_path: Path):
+    """Stopped while its loss was chunked, resumed with a loss object that starts plain: the
+    trainer switches the chunking back on from the checkpoint, and the run is the
+    uninterrupted one to the bit."""
+    common = ("--micro", "1", "--effective", "2", "--save-every", "1")
+    first = run_workload(
+        "plan_chunked.py", str(tmp_path / "cut"), *common, "--chunk", "512", "--steps", "2"
+    )
+    assert first.returncode == 0, first.stderr
+    resumed = run_workload("plan_chunked.py", str(tmp_path / "cut"), *common, "--steps", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run_workload(
+        "plan_chunked.py", str(tmp_path / "whole"), *common, "--chunk", "512", "--steps", "4"
+    )
+    assert whole.returncode == 0, whole.stderr
+    cut = json.loads((tmp_path / "cut" / "result.json").read_text())
+    assert cut["chunk_tokens"] == 512
+    events = [e["event"] for e in read_jsonl(tmp_path / "cut" / "events.jsonl")]
+    assert "resume" in events
+    assert [m["loss"] for m in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [
+        m["loss"] for m in read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    ]
+    a = torch.load(tmp_path / "cut" / "params.pt", weights_only=True)
+    b = torch.load(tmp_path / "whole" / "params.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_on_cuda_each_mode_is_timed_at_its_own_largest_size():
+    """A GPU-like pass: bound by launches up to 4 samples (every small size takes 40 ms), then
+    10 ms a sample plain and 12 ms checkpointed. The line through the small sizes makes large
+    micro-batches look almost free, which would pick checkpointed micro 16; timed at the
+    finalists, plain micro 4 (100 samples/s) beats checkpointed micro 16 (83). On the CUDA
+    double of steadytrain.device.testing, whose allocations are real bookkeeping: 2 GiB of
+    weights, 2.5 GiB a sample plain and 0.6 GiB checkpointed, a 14.4 GiB budget."""
+    from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
+
+    cuda = FakeCUDABackend([("GPU", 16 * GiB)])
+    device = resolve_device(
+        "cuda", backends={"mps": FakeMPSBackend(), "cuda": cuda}, system=FakeMPSBackend().system
+    )
+    cuda.allocate(2 * GiB)  # the weights
+    timed = []
+
+    def run(size: int, checkpointing: bool) -> None:
+        need = int(size * (0.6 if checkpointing else 2.5) * GiB)
+        cuda.allocate(need)
+        time.sleep(max(0.04, size * (0.012 if checkpointing else 0.010)))
+        cuda.free(need)
+        cuda.empty_cache()  # the double does not reuse freed blocks; the caching allocator does
+        timed.append((size, checkpointing))
+
+    chosen = plan(run, device, effective_batch_size=64, checkpointing="auto", can_checkpoint=True)
+    assert (chosen.micro_batch_size, chosen.checkpointing) == (4, False), chosen.reasons
+    assert {(4, False), (16, True)} <= set(timed)
+    assert any("measured" in r and "micro 16" in r for r in chosen.reasons), chosen.reasons
+    best = next(c for c in chosen.candidates if c.micro == 4 and c.mode == Mode(False))
+    assert best.samples_per_second == pytest.approx(100, rel=0.3)

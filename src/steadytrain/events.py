@@ -79,6 +79,7 @@ class TrainState:
     shrink_count: int = 0
     skipped_steps: int = 0  # steps the fp16 grad scaler skipped for inf/NaN gradients
     activation_checkpointing: bool = False
+    chunked_loss: int | None = None  # tokens per chunk of a chunked loss in force, None: plain
     last_loss: float | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
+from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import analytic_for, first_step_bytes, plan
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.checkpointing import Checkpointing
@@ -187,6 +188,17 @@ class Trainer:
             if state.activation_checkpointing:  # it was on when the checkpoint was written
                 state.activation_checkpointing = False
                 runner.enable_activation_checkpointing(reason="restored from the checkpoint")
+            chunk = getattr(self.loss_fn, "chunk_tokens", None)
+            if found is None:
+                state.chunked_loss = chunk
+            elif state.chunked_loss != chunk and not runner.set_chunked_loss(state.chunked_loss):
+                # the loss arithmetic of the run before the stop cannot be restored
+                raise BadInputError(
+                    f"resume: the checkpoint's run computed its loss in chunks of "
+                    f"{state.chunked_loss} tokens, and this loss_fn has no chunked mode for "
+                    "this model; use the loss of that run (memory.chunked_loss."
+                    "CausalLMLoss) or start a new run_dir"
+                )
 
             host = HostBuffers()
 
@@ -314,6 +326,7 @@ class Trainer:
             "last_loss",
         ):
             setattr(state, key, saved[key])
+        state.chunked_loss = saved.get("chunked_loss")  # absent in checkpoints before it existed
         set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
         files.record(
             "resume",
@@ -335,21 +348,31 @@ class Trainer:
             model, batch, precision=precision.name, optimizer=optimizer, device_type=device.type
         )
 
-        def run(size: int, checkpointing: bool) -> None:
-            if checkpointing != state.activation_checkpointing:
-                runner.set_activation_checkpointing(checkpointing)
-            runner.trial_pass(batch, size)
+        was, was_chunked = state.activation_checkpointing, state.chunked_loss
 
+        def passes(chunk: int | None):
+            def run(size: int, checkpointing: bool) -> None:
+                if checkpointing != state.activation_checkpointing:
+                    runner.set_activation_checkpointing(checkpointing)
+                if chunk != state.chunked_loss:
+                    runner.set_chunked_loss(chunk)
+                runner.trial_pass(batch, size)
+
+            return run
+
+        # The chunked loss is a candidate when the loss has a chunked mode for this model and
+        # the caller did not choose chunking already.
+        offer_chunked = was_chunked is None and runner.can_chunk_loss
         rng = get_rng_state()
         buffers = [b.detach().clone() for b in model.buffers()]
-        was = state.activation_checkpointing
         try:
             chosen = plan(
-                run,
+                passes(was_chunked),
                 device,
                 effective_batch_size=cfg.effective_batch_size,
                 checkpointing=cfg.activation_checkpointing,
                 can_checkpoint=runner.can_checkpoint,
+                chunked_run=passes(DEFAULT_CHUNK_TOKENS) if offer_chunked else None,
                 margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
                 policy=cfg.micro_batch_sizes,
                 cap=state.micro_batch_size,
@@ -363,9 +386,13 @@ class Trainer:
                     buffer.copy_(saved)
             if state.activation_checkpointing != was:
                 runner.set_activation_checkpointing(was)
+            if state.chunked_loss != was_chunked:
+                runner.set_chunked_loss(was_chunked)
         state.micro_batch_size = chosen.micro_batch_size
         if chosen.checkpointing and not state.activation_checkpointing:
             runner.set_activation_checkpointing(True)
+        if chosen.chunked_loss and state.chunked_loss is None:
+            runner.set_chunked_loss(DEFAULT_CHUNK_TOKENS)
         estimate = chosen.estimate_event()
         return [("plan", chosen.to_event())] + ([("estimate", estimate)] if estimate else [])
 

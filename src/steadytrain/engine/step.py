@@ -27,6 +27,7 @@ from steadytrain.engine.metrics import DeviceSpan
 from steadytrain.engine.precision import Precision
 from steadytrain.errors import BadInputError, DoesNotFitError, SteadytrainError
 from steadytrain.events import Event, TrainState
+from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.probe import checkpointing_switch as _switch
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -343,11 +344,12 @@ class StepRunner:
         old = self.state.micro_batch_size
         if old > 1:
             self.shrink(f"out of memory in {failure['phase']}", memory)
-        elif self.checkpointing_allowed and self.enable_activation_checkpointing(
-            reason="out of memory at micro-batch 1", memory=memory
-        ):
-            pass
-        else:
+            return
+        why = "out of memory at micro-batch 1"
+        checkpointed = self.checkpointing_allowed and self.enable_activation_checkpointing(
+            reason=why, memory=memory
+        )
+        if not checkpointed and not self.enable_chunked_loss(reason=why, memory=memory):
             raise DoesNotFitError(self._does_not_fit(failure, memory))
 
     def shrink(self, reason: str, memory: dict | None = None) -> bool:
@@ -399,6 +401,42 @@ class StepRunner:
             return False
         switch()
         self.state.activation_checkpointing = on
+        return True
+
+    @property
+    def can_chunk_loss(self) -> bool:
+        """The loss has a chunked mode (`memory.chunked_loss.CausalLMLoss` and any object with
+        its `can_chunk` / `set_chunking` methods) that supports this model."""
+        can = getattr(self.loss_fn, "can_chunk", None)
+        return (
+            callable(can)
+            and callable(getattr(self.loss_fn, "set_chunking", None))
+            and bool(can(self.model))
+        )
+
+    def set_chunked_loss(self, chunk_tokens: int | None) -> bool:
+        """Compute the loss `chunk_tokens` tokens at a time (None: the plain loss), without an
+        event (the planner tries both). False when the loss has no such mode for this model."""
+        if not self.can_chunk_loss:
+            return False
+        self.loss_fn.set_chunking(chunk_tokens)
+        self.state.chunked_loss = chunk_tokens
+        return True
+
+    def enable_chunked_loss(self, reason: str, memory: dict | None = None) -> bool:
+        """The last memory saver of the ladder: the chunked loss where the loss has one. False
+        when it has none or it is already on."""
+        if self.state.chunked_loss is not None or not self.set_chunked_loss(DEFAULT_CHUNK_TOKENS):
+            return False
+        self.emit(
+            Event.MEMORY_SAVER,
+            {
+                "saver": "chunked_loss",
+                "chunk_tokens": DEFAULT_CHUNK_TOKENS,
+                "reason": reason,
+                "memory": memory or self.device.memory().to_dict(),
+            },
+        )
         return True
 
     def trial_pass(self, batch: Any, size: int) -> None:

@@ -104,10 +104,13 @@ loss's bytes per logit it is derived from): pass it as a `Trainer`'s `loss_fn`."
 
 
 class CausalLMLoss:
-    """`causal_lm_loss` as an object whose chunking can be switched on during a run, the way
-    `StepRunner.enable_activation_checkpointing` switches checkpointing on: a planner that finds
-    the logits too large, or an out-of-memory ladder at micro-batch 1, calls `enable_chunking()`
-    and redoes the step with the same loss and gradients in less memory."""
+    """`causal_lm_loss` as an object whose chunking can be switched during a run, the way
+    `StepRunner.set_activation_checkpointing` switches checkpointing: the engine's planner
+    (`micro_batch_size: "auto"`) tries the loss both ways and keeps chunking where it lets a
+    faster micro-batch fit, and the out-of-memory ladder at micro-batch 1 calls
+    `enable_chunking()` and redoes the step, with the same loss and gradients in less memory.
+    The engine finds these methods by name (`can_chunk`, `set_chunking`, `enable_chunking`,
+    `chunk_tokens`); any loss object that has them takes part."""
 
     def __init__(self, chunk_tokens: int | None = None) -> None:
         if chunk_tokens is not None:
@@ -118,6 +121,22 @@ class CausalLMLoss:
         self, model: torch.nn.Module, batch: Mapping[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens)
+
+    def can_chunk(self, model: torch.nn.Module) -> bool:
+        """Whether the chunked mode supports `model` (a family in `CHUNKED_FAMILIES`, not DDP,
+        not a prompt-learning adapter): the planner offers chunking only then."""
+        try:
+            _causal_lm(model)
+        except BadInputError:
+            return False
+        return True
+
+    def set_chunking(self, chunk_tokens: int | None) -> None:
+        """Chunk by `chunk_tokens` from the next call, or compute the plain loss (None). The
+        engine's planner tries both ways; `enable_chunking` is the one-way switch of a ladder."""
+        if chunk_tokens is not None:
+            _check_chunk_tokens(chunk_tokens)
+        self.chunk_tokens = chunk_tokens
 
     def enable_chunking(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> bool:
         """Chunk by `chunk_tokens` from the next call; False when chunks are already that small

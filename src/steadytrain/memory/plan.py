@@ -12,11 +12,14 @@ The rule (docs/plan.md has the reasons):
    bound on that size's peak (the fixed part is counted every time); when the bound is within
    half the room, that size is taken without probing further: a model that fits at the whole
    effective batch costs one extra pass.
-3. Otherwise each mode (plain; checkpointed where the model can; chunked loss where the caller
-   offers it) is probed at 1, 2 and 4 samples (`probe.py`), and every allowed size of every mode
-   whose predicted peak is within the limit is a candidate. The winner has the most predicted
-   samples per second, size / seconds(size): the fixed time of a pass is paid once per
-   micro-batch, so larger micro-batches run faster until memory stops them, and a checkpointed
+3. Otherwise each mode (plain; checkpointed where the model can; chunked loss where the loss
+   has a chunked mode for the model, and both savers together) is probed at 1, 2 and 4 samples
+   (`probe.py`), and every allowed size of every mode whose predicted peak is within the limit
+   is a candidate. The winner has the most samples per second: on CPU and MPS as predicted by
+   the time line, size / seconds(size) (the fixed time of a pass is paid once per micro-batch,
+   so larger micro-batches run faster until memory stops them); on CUDA as measured at each
+   mode's own largest fitting size (`_time_finalists`: the small probed sizes are bound by
+   kernel launches there, and their time line says little about large sizes). A checkpointed
    larger micro-batch beats a plain smaller one exactly when the measured times say so.
 4. Allowed sizes divide the effective batch (every step splits into equal micro-batches, the
    rule `micro_batch_size` has in the config) and, by default, are powers of two (kernels are
@@ -30,6 +33,7 @@ is only a lower bound there.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -49,6 +53,8 @@ SAVER_GAIN = 1.05
 plain candidate to be chosen: its recomputation cost is certain, a few per cent of timing noise
 is not."""
 SIZE_POLICIES = ("powers_of_two", "divisors")
+TIME_PASS = 0.5
+"""Seconds a finalist's timed pass may take on CUDA (`_time_finalists`)."""
 
 
 class Mode(NamedTuple):
@@ -184,18 +190,22 @@ def choose(
     policy: str = "powers_of_two",
     cap: int | None = None,
     predict: Callable[[Mode, int], float] | None = None,
+    speed: Callable[[Mode, int], float | None] | None = None,
 ) -> tuple[Candidate | None, list[Candidate], list[str]]:
     """The best candidate by predicted samples per second among those within `limit`, every
     candidate, and the reasons. `predict(mode, size)` replaces the fitted line's peak (MPS adds
-    the analytic floor). None when nothing fits, not even one sample."""
+    the analytic floor); `speed(mode, size)` the line's samples per second (CUDA's measured
+    finalists; None: not a contender). None when nothing fits, not even one sample."""
     sizes = allowed_sizes(effective, policy, cap)
     predict = predict or (lambda mode, size: fits[mode].peak(size))
+    measured, speed = speed, speed or (lambda mode, size: fits[mode].samples_per_second(size))
     candidates = [
-        Candidate(m, mode, predict(mode, m), line.samples_per_second(m), predict(mode, m) <= limit)
-        for mode, line in fits.items()
+        Candidate(m, mode, predict(mode, m), speed(mode, m), predict(mode, m) <= limit)
+        for mode in fits
         for m in sizes
     ]
-    fitting = [c for c in candidates if c.fits]
+    fitting = [c for c in candidates if c.fits and c.samples_per_second is not None]
+    how = "predicted" if measured is None else "measured"
     reasons = []
     if not fitting:
         return None, candidates, reasons
@@ -221,19 +231,19 @@ def choose(
     for mode in fits:
         inside = [c for c in fitting if c.mode == mode]
         if inside:
-            top[mode] = max(inside, key=lambda c: c.samples_per_second)
+            top[mode] = max(inside, key=lambda c: (c.samples_per_second, c.micro))
     rivals = [c for mode, c in top.items() if mode != best.mode]
     if rivals:
         beaten = ", ".join(
             f"{c.mode.describe()} micro {c.micro} {c.samples_per_second:.3g}" for c in rivals
         )
         reasons.append(
-            f"{best.mode.describe()} micro {best.micro}: predicted {best.samples_per_second:.3g} "
+            f"{best.mode.describe()} micro {best.micro}: {how} {best.samples_per_second:.3g} "
             f"samples/s, the most among those that fit (best of the others: {beaten})"
         )
     else:
         reasons.append(
-            f"{best.mode.describe()} micro {best.micro}: predicted "
+            f"{best.mode.describe()} micro {best.micro}: {how} "
             f"{best.samples_per_second:.3g} samples/s, the largest allowed size that fits"
         )
     top_size = min(effective, cap or effective)
@@ -318,7 +328,7 @@ def plan(
     state, `first_step_bytes`); added to every prediction."""
     cap = min(cap or effective_batch_size, effective_batch_size)
     margin = margin if margin is not None else MARGINS[device.type]
-    reps = reps or 2
+    reps = reps or (1 if device.type == "cuda" else 2)  # CUDA times its finalists instead
     budget = device.budget
     sizes = allowed_sizes(effective_batch_size, policy, cap)
     start = checkpointing is True
@@ -435,7 +445,7 @@ def plan(
         if line is not None:
             fits[mode] = line
         if mode.chunked_loss:
-            result.samples += [dataclasses.replace(s) for s in tried.samples]
+            result.samples += [dataclasses.replace(s, chunked_loss=True) for s in tried.samples]
             result.failed += tried.failed
             result.skipped += tried.skipped
             result.seconds += tried.seconds
@@ -470,8 +480,16 @@ def plan(
         floor = analytic.total(size, mode) if floored else None
         return (measured if floor is None else max(measured, floor)) + pending
 
+    speed = None
+    if device.type == "cuda":  # time the finalists themselves: see `_time_finalists`
+        runs = {mode: chunked_run if mode.chunked_loss else run for mode in fits}
+        timed, notes = _time_finalists(fits, runs, device, sizes, limit, predict, result)
+        reasons += notes
+        if timed:
+            speed = _measured_speed(fits, timed)
+
     best, candidates, why = choose(
-        fits, effective_batch_size, limit, policy=policy, cap=cap, predict=predict
+        fits, effective_batch_size, limit, policy=policy, cap=cap, predict=predict, speed=speed
     )
     if best is None:
         ckpt = start or (checkpointing == "auto" and can_checkpoint)
@@ -523,6 +541,108 @@ def plan(
         ),
         **common,
     )
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A mode's finalist: the largest allowed size predicted to fit, and the size and speed
+    of the pass that was timed for it."""
+
+    largest: int
+    size: int
+    samples_per_second: float
+
+
+def _time_finalists(
+    fits: dict[Mode, Fit],
+    runs: dict[Mode, RunPass],
+    device: Device,
+    sizes: list[int],
+    limit: float,
+    predict: Callable[[Mode, int], float],
+    result: ProbeResult,
+) -> tuple[dict[Mode, Timed], list[str]]:
+    """On CUDA, time each mode at its own finalist size instead of extrapolating its time line.
+
+    Small probed sizes say little about the speed of large ones on a GPU: at one or two
+    samples a pass is bound by kernel launches, not arithmetic (1B Llama on an H100: 96 ms at
+    micro 1 and 97 ms at micro 2), so a line through them predicts almost free samples. Memory
+    is linear and exact there; time is not. So each mode runs one pass at the largest size it
+    may use (after one at that size that pays for allocation), capped where a pass would take
+    longer than `TIME_PASS` (bounded with the largest probed size's time per sample, which
+    overstates it): beyond that size the GPU is busy and the measured rate is taken as the rate
+    of the larger sizes too. A mode is not timed when a mode with a subset of its memory savers
+    was timed at a size at least as large: the same size with more recomputation is slower.
+    A finalist that runs out of memory (a prediction that was wrong) is not a contender."""
+    order = sorted(fits, key=lambda m: (m.checkpointing + m.chunked_loss, m.checkpointing))
+    timed: dict[Mode, Timed] = {}
+    notes: list[str] = []
+    for mode in order:
+        fitting = [m for m in sizes if predict(mode, m) <= limit]
+        if not fitting:
+            continue
+        line = fits[mode]
+        probed = max(line.sizes)
+        per_sample = max(line.seconds(probed), 1e-9) / probed
+        size = max(
+            (m for m in fitting if m <= probed or m * per_sample <= TIME_PASS), default=fitting[0]
+        )
+        cheaper = [
+            other
+            for other, t in timed.items()
+            if other.checkpointing <= mode.checkpointing
+            and other.chunked_loss <= mode.chunked_loss
+            and t.size >= size
+        ]
+        if cheaper:
+            notes.append(
+                f"{mode.describe()}: not timed; {cheaper[0].describe()} runs micro "
+                f"{timed[cheaper[0]].size} with less recomputation"
+            )
+            continue
+        try:
+            sample = measure(runs[mode], device, size, mode.checkpointing, reps=2)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            error = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "out of memory"
+        else:
+            result.samples.append(dataclasses.replace(sample, chunked_loss=mode.chunked_loss))
+            rate = size / max(sample.seconds, 1e-9)
+            timed[mode] = Timed(fitting[-1], size, rate)
+            notes.append(
+                f"{mode.describe()}: measured {rate:.3g} samples/s at micro {size}"
+                + (f" (fits up to {fitting[-1]})" if fitting[-1] > size else "")
+            )
+            continue
+        gc.collect()  # out of the except block: its frames held the activations
+        device.empty_cache()
+        result.failed.append((size, mode.checkpointing, error))
+        notes.append(f"{mode.describe()} micro {size} ran out of memory when timed")
+    return timed, notes
+
+
+def _measured_speed(
+    fits: dict[Mode, Fit], timed: dict[Mode, Timed]
+) -> Callable[[Mode, int], float | None]:
+    """samples/s per (mode, size) from the timed finalists: the measured rate at and above the
+    timed size; below it the line's rate scaled to meet the measurement; None for a mode that
+    was not timed."""
+
+    def speed(mode: Mode, size: int) -> float | None:
+        t = timed.get(mode)
+        if t is None:
+            return None
+        if size >= t.size:
+            return t.samples_per_second
+        line = fits[mode]
+        return (
+            t.samples_per_second
+            * line.samples_per_second(size)
+            / max(line.samples_per_second(t.size), 1e-9)
+        )
+
+    return speed
 
 
 def _one_point(result: ProbeResult, mode: Mode, base: int) -> Fit | None:

@@ -41,6 +41,7 @@ class Sample:
     checkpointing: bool
     peak: int | None
     seconds: float
+    chunked_loss: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,20 @@ def in_use(device: Device) -> int | None:
 
 
 def measure(run: RunPass, device: Device, size: int, checkpointing: bool, reps: int = 1) -> Sample:
-    """Run one size `reps` times; the peak is the largest, the time the fastest (the first pass
-    of a process also pays for kernel selection and workspace allocation)."""
+    """Run one size `reps` times; the peak is the largest, the time the fastest of the passes
+    after the first when there are several (the first pass at a size also pays for kernel
+    selection and for allocating its memory, which a training step at that size does once).
+
+    CUDA's peak counter counts allocated bytes, which the allocator's cache does not change: the
+    cache is emptied before the first pass only, so the later passes run as training steps do,
+    on cached blocks. Elsewhere the reading is the process's (or the driver's) memory, which
+    a cache would inflate: it is emptied before every pass."""
     peaks: list[int] = []
     times: list[float] = []
-    for _ in range(max(reps, 1)):
-        gc.collect()
-        device.empty_cache()
+    for rep in range(max(reps, 1)):
+        if rep == 0 or device.type != "cuda":
+            gc.collect()
+            device.empty_cache()
         device.synchronize()
         device.reset_peak_reading()
         start = time.perf_counter()
@@ -156,7 +164,7 @@ def measure(run: RunPass, device: Device, size: int, checkpointing: bool, reps: 
         reading = device.peak_reading()
         if reading.bytes is not None:
             peaks.append(reading.bytes)
-    return Sample(size, checkpointing, max(peaks) if peaks else None, min(times))
+    return Sample(size, checkpointing, max(peaks) if peaks else None, min(times[1:] or times))
 
 
 def fit(samples: list[Sample], kind: str) -> Fit | None:

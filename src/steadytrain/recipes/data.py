@@ -823,6 +823,16 @@ def causal_lm_loss(
     )
 
 
+class LMLoss(chunked_loss.CausalLMLoss):
+    """`causal_lm_loss` as the engine's switchable loss (`CausalLMLoss`): the fine-tune's
+    `loss_fn`, so that the planner and the out-of-memory ladder can chunk it."""
+
+    def __call__(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens)
+
+
 # -- an offline tokenizer --------------------------------------------------------------------
 
 BYTE_CHAT_TEMPLATE = (

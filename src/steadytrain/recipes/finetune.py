@@ -28,7 +28,13 @@ from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
 from steadytrain.errors import BadInputError
-from steadytrain.recipes.data import Collator, causal_lm_loss, load_datasets, pad_token_id
+from steadytrain.recipes.data import (
+    Collator,
+    LMLoss,
+    causal_lm_loss,
+    load_datasets,
+    pad_token_id,
+)
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
 from steadytrain.recipes.model import (
     add_lora,
@@ -111,7 +117,7 @@ class FinetuneJob:
         trainer = Trainer(
             self.model,
             optimizer_factory(cfg, self.device.type),
-            causal_lm_loss,
+            LMLoss(),
             self.train_data,
             self.train_config,
             scheduler=scheduler_factory(cfg.lr_scheduler_type, warmup, total),

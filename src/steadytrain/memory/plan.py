@@ -568,7 +568,8 @@ def _time_finalists(
     samples a pass is bound by kernel launches, not arithmetic (1B Llama on an H100: 96 ms at
     micro 1 and 97 ms at micro 2), so a line through them predicts almost free samples. Memory
     is linear and exact there; time is not. So each mode runs one pass at the largest size it
-    may use (after one at that size that pays for allocation), capped where a pass would take
+    may use (after one at that size that pays for allocation, unless the probe ran that size
+    just before), capped where a pass would take
     longer than `TIME_PASS` (bounded with the largest probed size's time per sample, which
     overstates it): beyond that size the GPU is busy and the measured rate is taken as the rate
     of the larger sizes too. A mode is not timed when a mode with a subset of its memory savers
@@ -600,8 +601,11 @@ def _time_finalists(
                 f"{timed[cheaper[0]].size} with less recomputation"
             )
             continue
+        warm = any(  # this mode ran this size in the probe: kernels chosen, blocks cached
+            (s.size, s.checkpointing, s.chunked_loss) == (size, *mode) for s in result.samples
+        )
         try:
-            sample = measure(runs[mode], device, size, mode.checkpointing, reps=2)
+            sample = measure(runs[mode], device, size, mode.checkpointing, reps=1 if warm else 2)
         except Exception as exc:
             if not is_oom(exc):
                 raise

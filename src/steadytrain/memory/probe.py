@@ -145,14 +145,16 @@ def measure(run: RunPass, device: Device, size: int, checkpointing: bool, reps: 
     after the first when there are several (the first pass at a size also pays for kernel
     selection and for allocating its memory, which a training step at that size does once).
 
-    CUDA's peak counter counts allocated bytes, which the allocator's cache does not change: the
-    cache is emptied before the first pass only, so the later passes run as training steps do,
-    on cached blocks. Elsewhere the reading is the process's (or the driver's) memory, which
-    a cache would inflate: it is emptied before every pass."""
+    CUDA's peak counter counts allocated bytes, which neither the allocator's cache nor
+    uncollected garbage on the host changes: passes run as training steps do, on cached blocks
+    (the allocator frees its cache itself before it reports an out-of-memory), and the garbage
+    collector is not run (a full collection takes a quarter of a second with transformers
+    loaded, more than a pass). Elsewhere the reading is the process's (or the driver's) memory,
+    which both would inflate: garbage is collected and the cache emptied before every pass."""
     peaks: list[int] = []
     times: list[float] = []
-    for rep in range(max(reps, 1)):
-        if rep == 0 or device.type != "cuda":
+    for _ in range(max(reps, 1)):
+        if device.type != "cuda":
             gc.collect()
             device.empty_cache()
         device.synchronize()

@@ -454,3 +454,25 @@ def test_on_cuda_each_mode_is_timed_at_its_own_largest_size():
     assert any("measured" in r and "micro 16" in r for r in chosen.reasons), chosen.reasons
     best = next(c for c in chosen.candidates if c.micro == 4 and c.mode == Mode(False))
     assert best.samples_per_second == pytest.approx(100, rel=0.3)
+
+
+def test_the_ladder_turns_the_chunked_loss_on_at_micro_batch_one(tmp_path: Path):
+    """A real out-of-memory (RLIMIT_AS) at micro-batch 1 with 4,096-token sequences, whose plain
+    loss holds all the fp32 logits: without activation checkpointing to turn on, the ladder's
+    next saver is the chunked loss, and the step is redone and finishes."""
+    run = run_workload(
+        "plan_chunked.py",
+        str(tmp_path / "run"),
+        *("--micro", "1", "--effective", "1", "--seq", "4096", "--steps", "1"),
+        *("--limit-mib", "400"),
+        env=MALLOC_ENV,
+    )
+    assert run.returncode == 0, run.stderr
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds.count("oom") == 1 and "shrink" not in kinds
+    (saver,) = [e for e in events if e["event"] == "memory_saver"]
+    assert saver["saver"] == "chunked_loss" and saver["chunk_tokens"] == 1024
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["chunk_tokens"] == 1024 and len(result["losses"]) == 1
+    assert "chunked loss on" in run.stderr

@@ -2,13 +2,14 @@
 chunked mode) under micro_batch_size "auto" or a fixed size.
 
     python plan_chunked.py RUN_DIR [--micro auto|N] [--chunk T] [--room-mib M] [--steps S]
-                           [--effective B]
+                           [--effective B] [--seq N] [--limit-mib M]
 
 Sequences of 1,024 tokens and a 16,384-entry vocabulary: one sample's fp32 logits, their
 log-probabilities and gradient are about 200 MiB in the plain loss, while the chunked loss
 (1,024 tokens at a time, or --chunk) holds one chunk's worth whatever the micro-batch. --chunk
 starts the loss chunked; --room-mib sets memory_budget to the resident size plus M MiB.
-Rerunning on the same RUN_DIR with more --steps resumes. Writes RUN_DIR/result.json (micro
+Rerunning on the same RUN_DIR with more --steps resumes. --limit-mib caps the address space
+at its size after a warm-up pass plus M MiB (RLIMIT_AS), for a real out-of-memory. Writes RUN_DIR/result.json (micro
 size, losses, the loss's chunk size at the end) and RUN_DIR/params.pt.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -25,10 +27,17 @@ import torch
 from steadytrain import TrainConfig, Trainer, entrypoint
 from steadytrain.memory.chunked_loss import CausalLMLoss
 
-SEQ, VOCAB = 1024, 16384
+VOCAB = 16384
 
 
-def build():
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def build(seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -39,11 +48,11 @@ def build():
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=SEQ,
+        max_position_embeddings=seq,
     )
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (16, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (16, seq), generator=g)
     return model, [{"input_ids": row, "labels": row} for row in ids]
 
 
@@ -57,9 +66,19 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--chunk", type=int)
     parser.add_argument("--effective", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--limit-mib", type=int)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the same rounding in every process of a comparison
-    model, data = build()
+    model, data = build(args.seq)
+    if args.limit_mib:
+        # Warm up thread pools and allocator arenas before the limit (started under a tight
+        # limit they abort the process instead of raising), with the chunked loss's smaller pass.
+        batch = {k: v[None] for k, v in data[0].items()}
+        CausalLMLoss(chunk_tokens=1024)(model, batch)[0].backward()
+        model.zero_grad(set_to_none=True)
+        limit = vm_size() + args.limit_mib * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     budget = {}
     if args.room_mib:
         budget = {

@@ -19,6 +19,7 @@ from torch.utils.data._utils.collate import default_collate
 from steadytrain.config import TrainConfig
 from steadytrain.device import get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
+from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
@@ -148,6 +149,8 @@ class Trainer:
         identity = self._identity(model, optimizer, scheduler)
 
         tensorboard = TensorBoardLog.from_config(cfg, run_dir)  # refused before anything is written
+        if cfg.compile:
+            check_compiler(device.type)
         files = RunFiles(run_dir)
         try:
             store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
@@ -219,6 +222,8 @@ class Trainer:
             planned = RecordAtStart(record)
             if found is None and cfg.micro_batch_size == "auto":
                 planned.events = self._plan(runner, optimizer, sampler, state, device, precision)
+            if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
+                planned.events.append(("compile", compile_blocks(model, device.type)))
 
             callbacks += [
                 HangWatchdog.from_config(cfg, run_dir, device, record),

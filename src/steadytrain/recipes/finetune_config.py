@@ -65,6 +65,7 @@ ENGINE_NAMES = {
     "epochs": "num_train_epochs",
     "num_workers": "dataloader_num_workers",
     "activation_checkpointing": "gradient_checkpointing",
+    "compile": "torch_compile",
 }
 """steadytrain's name -> the Hugging Face field that holds the same setting."""
 
@@ -83,7 +84,8 @@ DERIVED = {
     "effective_batch_size": "it is per_device_train_batch_size × gradient_accumulation_steps × "
     "processes; set those two instead",
     "micro_batch_size": "per_device_train_batch_size is the starting micro-batch (out-of-memory "
-    "halves it); set that instead",
+    "halves it); set that instead, or micro_batch_size: auto to let the planner split the "
+    "effective batch",
 }
 """TrainConfig fields the mapping computes, so they cannot be given directly."""
 
@@ -288,6 +290,12 @@ class FinetuneConfig(BaseModel):
         "start, false never, 'auto' (default, not Hugging Face's false) only when one sample "
         "does not fit otherwise, so the out-of-memory ladder keeps this step.",
     )
+    torch_compile: bool = Field(
+        False,
+        description="Compile the model's decoder layers with torch.compile (the engine's "
+        "compile): faster steps on CUDA after a compile in the first step; needs Triton on "
+        "CUDA, a C++ compiler on CPU; eager on MPS.",
+    )
     # -- checkpoints, logging, run -----------------------------------------------------------
     save_steps: int = Field(
         250, ge=1, description="Optimizer steps between checkpoints: the most a crash can cost."
@@ -399,6 +407,7 @@ class FinetuneConfig(BaseModel):
             "max_grad_norm": self.max_grad_norm or None,
             "num_workers": self.dataloader_num_workers,
             "activation_checkpointing": self.gradient_checkpointing,
+            "compile": self.torch_compile,
             **self._engine,
             "precision": self.precision,
         }
@@ -489,6 +498,9 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
                 problems.append(f"{key}: {IGNORED[key]}; set it to false or remove it")
             else:
                 notes.append(f"{key}: ignored ({IGNORED[key]})")
+            continue
+        if key == "micro_batch_size" and value == "auto":
+            engine[key] = value  # the planner splits per_device × accumulation (docs/plan.md)
             continue
         if key in DERIVED:
             problems.append(f"{key}: not set directly here: {DERIVED[key]}")

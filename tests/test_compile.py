@@ -1,0 +1,112 @@
+"""`compile: true`: a Hugging Face model's decoder layers are compiled in place after the plan
+and before the first step; the run trains as the eager one does (to float tolerance), its
+checkpoints hold the same tensor names, and where torch.compile cannot build kernels the run is
+refused before anything is written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadytrain import TrainConfig, Trainer
+from steadytrain.engine.compiling import compile_blocks
+from steadytrain.errors import ConfigError
+from steadytrain.memory.chunked_loss import CausalLMLoss
+from steadytrain.telemetry.files import read_jsonl
+
+LAYERS = 2
+
+
+def lora_llama():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (16, 32), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def train(run_dir: Path, compile: bool):
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=4,
+        micro_batch_size=2,
+        max_steps=3,
+        save_every_steps=3,
+        device="cpu",
+        precision="fp32",
+        progress="off",
+        compile=compile,
+    )
+    model = lora_llama()
+    result = Trainer(
+        model, lambda p: torch.optim.AdamW(p, lr=1e-2), CausalLMLoss(), data(), config
+    ).fit()
+    return result, model
+
+
+def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path):
+    eager, eager_model = train(tmp_path / "eager", compile=False)
+    compiled, model = train(tmp_path / "compiled", compile=True)
+    assert compiled.exit_code == 0 and compiled.steps == 3
+    (event,) = [
+        e for e in read_jsonl(tmp_path / "compiled" / "events.jsonl") if e["event"] == "compile"
+    ]
+    assert event["compiled"] == LAYERS and event["blocks"] == "LlamaDecoderLayer"
+    assert not event["whole_model"]
+    layers = model.get_base_model().model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "compiled" / "metrics.jsonl")]
+    expected = [m["loss"] for m in read_jsonl(tmp_path / "eager" / "metrics.jsonl")]
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert losses[-1] < losses[0]
+    # In place: the parameter names, so the checkpoints, are the eager model's.
+    assert list(model.state_dict()) == list(eager_model.state_dict())
+    assert sorted(p.name for p in (tmp_path / "compiled" / "checkpoints").glob("*/*")) == sorted(
+        p.name for p in (tmp_path / "eager" / "checkpoints").glob("*/*")
+    )
+
+
+def test_without_a_compiler_the_run_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch
+):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="compile: true on CPU needs a C\\+\\+ compiler"):
+        train(tmp_path / "run", compile=True)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_on_mps_the_model_stays_eager():
+    model = lora_llama()
+    event = compile_blocks(model, "mps")
+    assert event["compiled"] == 0 and "eager" in event["message"]
+    assert all(m._compiled_call_impl is None for m in model.modules())
+
+
+def test_a_model_without_named_blocks_is_compiled_whole():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    event = compile_blocks(model, "cpu")
+    assert event["whole_model"] and event["blocks"] == "Sequential"
+    assert model._compiled_call_impl is not None
+    assert model(torch.ones(2, 4)).shape == (2, 1)

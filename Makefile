@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build.
 CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo torch==2.13.0)
 
-.PHONY: demo test lint format clean
+.PHONY: demo quickstart test lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,7 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: $(VENV)/.installed  ## train through the engine, surviving a real out-of-memory; then the report
+demo: $(VENV)/.installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report
+	rm -rf runs/demo
+	$(VENV)/bin/steadytrain demo runs/demo
+
+quickstart: $(VENV)/.installed  ## train through the engine, surviving a real out-of-memory; then the report
 	rm -rf runs/quickstart
 	$(PY) examples/quickstart.py runs/quickstart
 	$(VENV)/bin/steadytrain report runs/quickstart

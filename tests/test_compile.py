@@ -65,7 +65,7 @@ def train(run_dir: Path, compile: bool):
 
 
 def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path):
-    eager, eager_model = train(tmp_path / "eager", compile=False)
+    _, eager_model = train(tmp_path / "eager", compile=False)
     compiled, model = train(tmp_path / "compiled", compile=True)
     assert compiled.exit_code == 0 and compiled.steps == 3
     (event,) = [

@@ -307,6 +307,47 @@ def finetune_command(
     raise typer.Exit(result.exit_code)
 
 
+@app.command("demo")
+def demo_command(
+    run_dir: str = typer.Argument(
+        "runs/demo", metavar="RUN_DIR", help="A new or empty folder for the demo's run."
+    ),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, mps, cuda or cuda:N."),
+    steps: int = typer.Option(150, "--steps", help="LoRA optimizer steps (at least 10)."),
+    interrupt: bool = typer.Option(
+        True,
+        "--interrupt/--no-interrupt",
+        help="SIGKILL the training process after its first checkpoint, to show the restart "
+        "and the exact resume.",
+    ),
+    threads: int = typer.Option(
+        1,
+        "--threads",
+        help="CPU threads for torch: 1 suits a model this small, and OpenMP threads spin "
+        "against other busy processes.",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an earlier demo's RUN_DIR (only a folder the demo wrote)."
+    ),
+) -> None:
+    """Fine-tune a tiny model offline and show every feature: exit 0, 2 bad input.
+
+    A tiny Llama, LoRA on the standard library's docstrings, a SIGKILL and a resume (docs/demo.md).
+    """
+    from steadytrain.recipes.demo import demo_command as run_demo
+
+    raise typer.Exit(
+        run_demo(
+            run_dir,
+            device=device,
+            steps=steps,
+            interrupt=interrupt,
+            threads=threads,
+            force=force,
+        )
+    )
+
+
 @app.command("merge")
 def merge_command(
     adapter: str = typer.Argument(

@@ -19,6 +19,7 @@ import torch
 from conftest import MALLOC_ENV
 from rich.console import Console
 
+from steadytrain.config import TrainConfig
 from steadytrain.device import resolve_device
 from steadytrain.errors import BadInputError, DoesNotFitError
 from steadytrain.recipes.artifact import load_model, load_tokenizer, resolve_artifact
@@ -98,6 +99,10 @@ def made(tmp_path_factory):
     model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     (final / "training_config.json").write_text(json.dumps({"lora": {"r": 8}}))
+    # A run directory holds the engine's config.json beside final/: not a model's config.
+    TrainConfig(run_dir=str(root / "run"), effective_batch_size=8).dump(
+        root / "run" / "config.json"
+    )
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base_dir)
     return {

@@ -84,10 +84,22 @@ def _locate(path: Path, what: str) -> Path:
             f"{what}: {path} is a file; give the folder that holds {ADAPTER_CONFIG} (an adapter) "
             f"or {MODEL_CONFIG} (a model), or a run directory"
         )
-    has_own = (path / ADAPTER_CONFIG).is_file() or (path / MODEL_CONFIG).is_file()
+    has_own = (path / ADAPTER_CONFIG).is_file() or _is_model_config(path / MODEL_CONFIG)
     if not has_own and (path / "final").is_dir():
         return path / "final"
     return path
+
+
+def _is_model_config(path: Path) -> bool:
+    """A model's config.json (it names its model_type); a run directory's config.json is the
+    training config and does not."""
+    if not path.is_file():
+        return False
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True  # let the model loader say what is wrong with it
+    return not isinstance(value, dict) or "model_type" in value or "run_dir" not in value
 
 
 def resolve_base(adapter_dir: Path, adapter_config: dict[str, Any], base: str | None) -> str:

@@ -557,12 +557,9 @@ class Demo:
         self.console.print(text, markup=False, soft_wrap=True)
 
     def _child_env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
-        # peft reads a property transformers 5 deprecated; the warning is not the user's.
-        quiet = "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
-        env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), quiet]))
         return env
 
     def _quiet_libraries(self) -> None:

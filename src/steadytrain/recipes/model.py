@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,11 @@ def load_base_model(config: FinetuneConfig, name_or_path: str, load: BaseLoad, d
             bnb_4bit_compute_dtype=load.dtype,
         )
         kwargs["device_map"] = {"": device.torch_device}
+    from steadytrain.recipes.artifact import quiet_transformers
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        with quiet_transformers():  # its per-load progress bar would interleave with ours
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as exc:
         raise _hub_error(name_or_path, exc) from None
     except ValueError as exc:
@@ -169,7 +173,12 @@ def add_lora(model: Any, config: FinetuneConfig) -> Any:
     )
     torch.manual_seed(config.seed)
     try:
-        return get_peft_model(model, peft_config)
+        with warnings.catch_warnings():
+            # peft reads a property transformers 5 deprecated; the warning is not the user's.
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+            )
+            return get_peft_model(model, peft_config)
     except ValueError as exc:
         raise BadInputError(
             f"lora.target_modules: {str(exc).splitlines()[0]}; use 'all-linear' or names of this "

@@ -83,6 +83,13 @@ def test_leak_rule_needs_a_steady_rise_above_the_threshold():
     assert found[3].rate_per_epoch == pytest.approx(64 * MiB)
     # a dip inside the window breaks the run of rises
     assert not any(verdicts([base, base + 20 * MiB, base + 10 * MiB, base + 30 * MiB]))
+    # a counter that moves ±20 MiB by itself (it fell 24 MiB once), then four readings that
+    # happen to rise 10 MiB each: 30 MiB in all is within its own swing, no leak
+    noisy = [base, base + 20 * MiB, base - 4 * MiB, base + 6 * MiB, base + 16 * MiB]
+    assert not any(verdicts([*noisy, base + 26 * MiB]))
+    # the same noise, then a real leak of 32 MiB a reading: found once the rise outgrows it
+    leaking = verdicts([*noisy, *(base + 16 * MiB + i * 32 * MiB for i in range(1, 4))])
+    assert not any(leaking[: len(noisy) + 1]) and leaking[-1] is not None
 
 
 def test_largest_tensors_groups_live_tensors_by_kind():

@@ -61,10 +61,16 @@ class LeakDetector:
 
     Steady means: each of the last `window` readings is above the one before by more than
     `noise` bytes (a single jump, such as the optimizer's state appearing at the first step or a
-    checkpoint's buffers, is not a trend), and the least-squares slope over them is at least
-    `threshold` bytes per epoch. Only the last `window` readings are fitted, so warm-up does not
-    bend the rate of a leak found later.
+    checkpoint's buffers, is not a trend), the least-squares slope over them is at least
+    `threshold` bytes per epoch, and their whole rise is more than `FALLS` times the largest
+    fall the counter has shown between two readings. A leak never makes memory fall; a counter
+    that has fallen by 20 MiB between readings moves that much by itself (allocator caching,
+    variable-length batches), and four readings that happen to rise by 10 MiB each are no trend
+    there. Only the last `window` readings are fitted, so warm-up does not bend the rate of a
+    leak found later.
     """
+
+    FALLS = 3
 
     def __init__(
         self,
@@ -79,15 +85,20 @@ class LeakDetector:
         self.counter, self.steps_per_epoch = counter, max(steps_per_epoch, 1)
         self.threshold, self.noise = threshold, noise
         self.readings: deque[tuple[int, int]] = deque(maxlen=window)
+        self.largest_fall = 0
 
     def add(self, step: int, value: int | None) -> Leak | None:
         if value is None or (self.readings and self.readings[-1][0] >= step):
             return None
+        if self.readings:
+            self.largest_fall = max(self.largest_fall, self.readings[-1][1] - value)
         self.readings.append((step, value))
         if len(self.readings) < (self.readings.maxlen or 0):
             return None
         values = [v for _, v in self.readings]
         if any(b - a <= self.noise for a, b in itertools.pairwise(values)):
+            return None
+        if values[-1] - values[0] <= self.FALLS * self.largest_fall:
             return None
         rate = _slope(list(self.readings)) * self.steps_per_epoch
         if rate < self.threshold:

@@ -9,6 +9,7 @@ import mmap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import MALLOC_ENV, run_workload
@@ -313,6 +314,10 @@ def test_plan_command_without_a_probe_plans_from_the_estimate(tmp_path: Path, ca
     assert (event["micro_batch_size"], event["accumulation"]) == (2, 32)
     assert event["activation_checkpointing"] is False
     assert any("up to 3 would fit" in r for r in event["reasons"])
+    # The chunked loss is weighed too: it lets micro 4 fit, but without measured times its cost
+    # per sample is assumed (10 %), so plain keeps the size it fits.
+    chunked = {c["micro"]: c for c in event["candidates"] if c["mode"] == "plain, chunked loss"}
+    assert chunked[4]["fits"] and not chunked[8]["fits"]
     assert plan_command(model, 64, memory="7GiB", json_output=True, **lora) == 0
     event = json.loads(capsys.readouterr().out)  # only checkpointed micro 1 fits in 6.3 GiB
     assert (event["micro_batch_size"], event["activation_checkpointing"]) == (1, True)
@@ -476,3 +481,32 @@ def test_the_ladder_turns_the_chunked_loss_on_at_micro_batch_one(tmp_path: Path)
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["chunk_tokens"] == 1024 and len(result["losses"]) == 1
     assert "chunked loss on" in run.stderr
+
+
+def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, capsys):
+    """`steadytrain plan --probe` on this CPU: a random Llama built from the config, real passes
+    of steadytrain's causal-LM loss, plain and chunked, with and without checkpointing."""
+    from transformers import LlamaConfig
+
+    from steadytrain.memory.plan import plan_command
+
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=1024,
+    ).save_pretrained(tmp_path)
+    common = {"seq": 1024, "method": "lora", "lora_targets": "all-linear", "device_type": "cpu"}
+    # Room for a few samples above what this process holds: the whole batch does not fit.
+    memory = f"{psutil.Process().memory_info().rss // MiB + 400}MiB"
+    done = plan_command(
+        str(tmp_path), 8, memory=memory, probe_device=True, json_output=True, **common
+    )
+    assert done == 0
+    event = json.loads(capsys.readouterr().out)
+    probed = {(s["checkpointing"], s["chunked_loss"]) for s in event["probe"]["samples"]}
+    assert probed == {(False, False), (True, False), (False, True), (True, True)}, event["reasons"]
+    assert event["micro_batch_size"] * event["accumulation"] == 8

@@ -762,6 +762,9 @@ CHECKPOINTING_CHOICES = ("auto", "on", "off")
 ASSUMED_RECOMPUTE = 4 / 3
 """Without a probe the times are unknown; checkpointing is taken to cost one more forward per
 sample (a forward is about a third of forward + backward), so plain wins wherever it fits."""
+ASSUMED_CHUNKED = 1.1
+"""The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
+vocabulary (docs/benchmarks.md)."""
 
 
 def plan_command(
@@ -866,11 +869,12 @@ def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, polic
     against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`)."""
     margin = margin if margin is not None else MARGINS[device_type]
     modes = [Mode(ckpt is True)] + ([Mode(True)] if ckpt == "auto" else [])
+    modes += [Mode(m.checkpointing, True) for m in modes]
     fits = {}
     for mode in modes:
         one, two = (
-            analytic.at(1, mode.checkpointing).total,
-            analytic.at(2, mode.checkpointing).total,
+            analytic.at(1, mode.checkpointing, mode.chunked_loss).total,
+            analytic.at(2, mode.checkpointing, mode.chunked_loss).total,
         )
         if one is None or two is None:
             raise BadInputError(
@@ -882,7 +886,8 @@ def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, polic
             fixed=float(2 * one - two),
             per_sample=float(two - one),
             seconds_fixed=0.0,
-            seconds_per_sample=ASSUMED_RECOMPUTE if mode.checkpointing else 1.0,
+            seconds_per_sample=(ASSUMED_RECOMPUTE if mode.checkpointing else 1.0)
+            * (ASSUMED_CHUNKED if mode.chunked_loss else 1.0),
             sizes=(1, 2),
             residual=0.0,
             kind="analytic",
@@ -900,8 +905,8 @@ def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, polic
     reasons = [
         f"no probe: the analytic total (tensors + overhead) against {margin:.0%} of the budget "
         f"{format_bytes(budget)}, {format_bytes(limit)}; times are not measured, so a "
-        "checkpointed size is taken only where no plain one fits (run with --probe on the "
-        "training machine to compare measured speeds)"
+        "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
+        "--probe on the training machine to compare measured speeds)"
     ]
     for mode, line in fits.items():
         reasons.append(
@@ -916,7 +921,7 @@ def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, polic
         return Plan(
             micro_batch_size=1,
             checkpointing=ckpt is not False,
-            chunked_loss=False,
+            chunked_loss=True,
             predicted_peak=None,
             limit=limit,
             reasons=reasons,
@@ -929,7 +934,7 @@ def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, polic
     return Plan(
         micro_batch_size=best.micro,
         checkpointing=best.mode.checkpointing,
-        chunked_loss=False,
+        chunked_loss=best.mode.chunked_loss,
         predicted_peak=best.peak,
         limit=limit,
         reasons=reasons,
@@ -946,6 +951,8 @@ def _probe_plan(config, settings, analytic, ckpt, effective, memory, margin, pol
 
     from steadytrain._units import parse_bytes
     from steadytrain.device import resolve_device
+    from steadytrain.memory.chunked_loss import CausalLMLoss
+    from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
     from steadytrain.memory.probe import checkpointing_switch
 
     device = resolve_device("auto", parse_bytes(memory) if memory else 0.9)
@@ -965,29 +972,35 @@ def _probe_plan(config, settings, analytic, ckpt, effective, memory, margin, pol
     tokens = torch.randint(0, vocab or 2, (top, settings.seq), generator=generator)
     tokens = tokens.to(device.torch_device)
     state = {"checkpointing": False}
+    loss_fn = CausalLMLoss()
 
-    def run(size: int, checkpointing: bool) -> None:
-        if checkpointing != state["checkpointing"]:
-            switch = checkpointing_switch(model, checkpointing)
-            if switch is None:
-                raise BadInputError("plan: this model has no activation checkpointing switch")
-            switch()
-            state["checkpointing"] = checkpointing
-        ids = tokens[:size]
-        with torch.autocast(
-            device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
-        ):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        for p in params:
-            p.grad = None
+    def passes(chunk_tokens: int | None):
+        def run(size: int, checkpointing: bool) -> None:
+            if checkpointing != state["checkpointing"]:
+                switch = checkpointing_switch(model, checkpointing)
+                if switch is None:
+                    raise BadInputError("plan: this model has no activation checkpointing switch")
+                switch()
+                state["checkpointing"] = checkpointing
+            loss_fn.set_chunking(chunk_tokens)
+            ids = tokens[:size]
+            with torch.autocast(
+                device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
+            ):
+                loss_sum, _ = loss_fn(model, {"input_ids": ids, "labels": ids})
+            loss_sum.backward()
+            for p in params:
+                p.grad = None
+
+        return run
 
     return plan(
-        run,
+        passes(None),
         device,
         effective_batch_size=effective,
         checkpointing=ckpt,
         can_checkpoint=checkpointing_switch(model, True) is not None,
+        chunked_run=passes(DEFAULT_CHUNK_TOKENS) if loss_fn.can_chunk(model) else None,
         margin=margin,
         policy=policy,
         analytic=analytic,
@@ -1036,7 +1049,16 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     for name in ("mode", "micro", "accum", "predicted peak", "of limit", "samples/s", "tokens/s"):
         table.add_column(name, justify="left" if name == "mode" else "right")
     table.add_column("")
+    # Per mode, the sizes that fit and the first that does not: the rest says nothing new.
+    shown, over = [], set()
     for c in chosen.candidates:
+        if c.fits or c.mode not in over:
+            shown.append(c)
+            over |= set() if c.fits else {c.mode}
+    hidden = len(chosen.candidates) - len(shown)
+    if hidden:
+        table.caption = f"{hidden} larger size(s) over the limit not shown (--json lists them)"
+    for c in shown:
         picked = c.micro == chosen.micro_batch_size and c.mode == Mode(
             chosen.checkpointing, chosen.chunked_loss
         )

@@ -53,6 +53,10 @@ class ModelSpec:
 GPU_MODEL = ModelSpec(
     hidden=1024, intermediate=2816, layers=12, heads=16, kv_heads=8, vocab=32000, seq=512
 )
+LLAMA_1B = ModelSpec(
+    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, seq=1024
+)
+"""The Llama-3.2-1B shape (with tied embeddings) the issues' GPU figures are measured on."""
 SMOKE_MODEL = ModelSpec(
     hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=256, seq=32
 )
@@ -84,6 +88,24 @@ def build_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
     config = llama_config(spec)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
+    model.train()
+    return model
+
+
+def lora_llama(spec: ModelSpec, device: torch.device, base_dtype: torch.dtype, seed: int):
+    """The issues' LoRA model on the device: a tied-embedding Llama of `spec` with random weights,
+    the frozen base in `base_dtype`, peft LoRA r16 / alpha 32 / dropout 0 on every linear."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(spec, tied=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(base_dtype)
+    lora = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, lora)
     model.train()
     return model
 

@@ -29,9 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
-LLAMA_1B = C.ModelSpec(
-    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, seq=1024
-)
 MICROS = (4, 8)
 CHUNKS = (None, 1024, 256)
 SMOKE_MICROS = (2, 4)
@@ -182,7 +179,7 @@ def main() -> None:
     C.require_steadytrain()
 
     device = C.resolve(args.device or ("cpu" if args.smoke else "cuda"))
-    spec = C.ModelSpec(**{**C.as_dict(C.SMOKE_MODEL), "seq": 32}) if args.smoke else LLAMA_1B
+    spec = C.ModelSpec(**{**C.as_dict(C.SMOKE_MODEL), "seq": 32}) if args.smoke else C.LLAMA_1B
     micros, chunks = (SMOKE_MICROS, SMOKE_CHUNKS) if args.smoke else (MICROS, CHUNKS)
     steps = args.steps or (3 if args.smoke else 10)
     out = args.out or C.default_out("chunked_loss", args.smoke)

@@ -38,10 +38,7 @@ import torch
 LLAMA_200M = C.ModelSpec(
     hidden=1024, intermediate=2816, layers=12, heads=16, kv_heads=8, vocab=32000, seq=512
 )
-LLAMA_1B = C.ModelSpec(
-    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, seq=1024
-)
-MODELS = {"200M": (LLAMA_200M, False), "1B": (LLAMA_1B, True)}  # name: (shape, tied embeddings)
+MODELS = {"200M": (LLAMA_200M, False), "1B": (C.LLAMA_1B, True)}  # name: (shape, tied embeddings)
 ALL7 = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 QKVO = "q_proj,k_proj,v_proj,o_proj"
 

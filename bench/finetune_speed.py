@@ -47,29 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
-LLAMA_1B = C.ModelSpec(
-    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, seq=1024
-)
 ARMS = ("plain", "plain-compile", "hf", "steadytrain", "steadytrain-compile")
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 """Dense bf16 peak FLOP/s by GPU name (SXM figures; NVIDIA's data sheets)."""
-
-
-def build(spec: C.ModelSpec, device: torch.device, base_dtype: torch.dtype, seed: int):
-    """The LoRA model on the device: frozen base in `base_dtype`, r16 adapters on every linear."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    config = C.llama_config(spec, tied=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(base_dtype)
-    lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-    model = get_peft_model(model, lora)
-    model.train()
-    return model
 
 
 def flops_per_token(model: torch.nn.Module, spec: C.ModelSpec) -> float:
@@ -208,10 +188,10 @@ def run_steadytrain(args, spec, device, data, work: Path, compiled: bool) -> dic
 def child(args) -> None:
     """One arm in this process: build, train, write the result JSON."""
     device = C.resolve(args.device)
-    spec = C.SMOKE_MODEL if args.smoke else LLAMA_1B
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
     data = C.synthetic_tokens(args.effective * args.steps, spec.seq, spec.vocab, args.seed + 1)
     base_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args.model = build(spec, device, base_dtype, args.seed)
+    args.model = C.lora_llama(spec, device, base_dtype, args.seed)
     C.synchronize(device)
     C.reset_peak(device)
     started = time.perf_counter()
@@ -308,7 +288,7 @@ def main() -> None:
             *[cell(a, "first_steps_s", lambda v: f"{v:.1f}") for a in arms],
         ],
     ]
-    spec = C.SMOKE_MODEL if args.smoke else LLAMA_1B
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
     title = (
         f"{spec.name}, LoRA r16 all linear, bf16, seq {spec.seq}, micro {args.micro} × "
         f"{args.effective // args.micro} = {args.effective}, {args.steps - args.warmup} timed steps"

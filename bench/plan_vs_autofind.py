@@ -43,26 +43,6 @@ import _common as C
 import torch
 
 GiB = 2**30
-LLAMA_1B = C.ModelSpec(
-    hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, seq=1024
-)
-
-
-def build(spec: C.ModelSpec, device: torch.device, base_dtype: torch.dtype, seed: int):
-    """The LoRA model on the device: frozen base in `base_dtype`, r16 adapters on every linear."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    config = C.llama_config(spec, tied=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(base_dtype)
-    lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-    model = get_peft_model(model, lora)
-    model.train()
-    return model
 
 
 def cap_memory(device: torch.device, cap_gib: float | None) -> int | None:
@@ -199,14 +179,14 @@ def run_steadytrain(args, spec, device, data, loaded_at: float, work: Path) -> d
 def child(args) -> None:
     """One arm in this process: cap, build, train, write the result JSON."""
     device = C.resolve(args.device)
-    spec = C.SMOKE_MODEL if args.smoke else LLAMA_1B
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
     cap = cap_memory(device, None if args.smoke else args.cap_gib)
     data = C.synthetic_tokens(
         args.effective * max(args.hf_steps, args.st_steps), spec.seq, spec.vocab, args.seed + 1
     )
     C.reset_peak(device)
     base_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args.model = build(spec, device, base_dtype, args.seed)
+    args.model = C.lora_llama(spec, device, base_dtype, args.seed)
     args.loss_fn = C.loss_with_count
     C.synchronize(device)
     loaded_at = time.perf_counter()
@@ -284,7 +264,7 @@ def main() -> None:
         rows.append(
             ["steadytrain / hf tokens/s", "", f"{st['tokens_per_s'] / hf['tokens_per_s']:.2f} x"]
         )
-    spec = C.SMOKE_MODEL if args.smoke else LLAMA_1B
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
     title = (
         f"{spec.name}, LoRA r16 all linear, seq {spec.seq}, effective batch {args.effective}, "
         f"{'no cap (smoke)' if args.smoke else f'{args.cap_gib:g} GiB cap'}"

@@ -13,7 +13,6 @@ on the best device (cuda, mps, cpu).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import platform
 import resource
@@ -22,45 +21,14 @@ import sys
 import torch
 
 from steadytrain import TrainConfig, Trainer, entrypoint
+from steadytrain.recipes.demo import stdlib_docstrings
 
-MODULES = [
-    "argparse",
-    "collections",
-    "csv",
-    "dataclasses",
-    "datetime",
-    "difflib",
-    "email",
-    "functools",
-    "heapq",
-    "inspect",
-    "json",
-    "logging",
-    "pathlib",
-    "random",
-    "re",
-    "shutil",
-    "statistics",
-    "string",
-    "textwrap",
-    "threading",
-    "unittest",
-    "urllib",
-]
 SEQ = 256
 
 
 def stdlib_text() -> bytes:
-    """Docstrings of standard-library modules and their public members."""
-    parts = []
-    for name in MODULES:
-        module = importlib.import_module(name)
-        parts.append(module.__doc__ or "")
-        for attr in dir(module):
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
-            if attr[0] != "_" and isinstance(doc, str):
-                parts.append(doc)
-    return "\n\n".join(parts).encode("utf-8", "replace")
+    """The docstrings of standard-library modules and their public members (the demo's text)."""
+    return "\n\n".join(stdlib_docstrings()).encode("utf-8", "replace")
 
 
 class ByteLM(torch.nn.Module):

@@ -102,7 +102,7 @@ MODULES = [
     "unittest",
     "urllib",
 ]
-"""Standard-library modules whose docstrings are the demo's text (the quickstart's list)."""
+"""Standard-library modules whose docstrings are the demo's text (and the quickstart's)."""
 
 
 class DemoFailed(SteadytrainError):

@@ -482,6 +482,17 @@ def test_the_ladder_turns_the_chunked_loss_on_at_micro_batch_one(tmp_path: Path)
     assert result["chunk_tokens"] == 1024 and len(result["losses"]) == 1
     assert "chunked loss on" in run.stderr
 
+    # With even less room, one sample does not fit with every saver on: exit 3, saying so.
+    tight = run_workload(
+        "plan_chunked.py",
+        str(tmp_path / "tight"),
+        *("--micro", "1", "--effective", "1", "--seq", "4096", "--steps", "1"),
+        *("--limit-mib", "60"),
+        env=MALLOC_ENV,
+    )
+    assert tight.returncode == 3, tight.stderr
+    assert "does not fit" in tight.stderr and "the loss chunked by 1024 tokens" in tight.stderr
+
 
 def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, capsys):
     """`steadytrain plan --probe` on this CPU: a random Llama built from the config, real passes

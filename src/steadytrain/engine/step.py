@@ -497,10 +497,16 @@ class StepRunner:
         need = f"{format_bytes(in_use)} in use"
         if requested:
             need += f", and the failed allocation asked for {format_bytes(requested)} more"
-        savers = (
-            "activation checkpointing on"
-            if self.state.activation_checkpointing
-            else "the model has no activation checkpointing to turn on"
+        if self.state.activation_checkpointing:
+            savers = "activation checkpointing on"
+        elif not self.checkpointing_allowed:
+            savers = "activation checkpointing off by the config"
+        else:
+            savers = "the model has no activation checkpointing to turn on"
+        savers += (
+            f", the loss chunked by {self.state.chunked_loss} tokens"
+            if self.state.chunked_loss is not None
+            else ""
         )
         return (
             f"does not fit: one sample per micro-batch ({savers}) runs out of memory in "

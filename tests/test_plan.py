@@ -406,19 +406,19 @@ def test_a_resumed_run_computes_its_loss_as_the_run_it_resumes(tmp_path: Path):
     """Stopped while its loss was chunked, resumed with a loss object that starts plain: the
     trainer switches the chunking back on from the checkpoint, and the run is the
     uninterrupted one to the bit."""
-    common = ("--micro", "1", "--effective", "2", "--save-every", "1")
+    common = ("--micro", "1", "--effective", "2", "--save-every", "1", "--seq", "256")
     first = run_workload(
-        "plan_chunked.py", str(tmp_path / "cut"), *common, "--chunk", "512", "--steps", "2"
+        "plan_chunked.py", str(tmp_path / "cut"), *common, "--chunk", "96", "--steps", "2"
     )
     assert first.returncode == 0, first.stderr
     resumed = run_workload("plan_chunked.py", str(tmp_path / "cut"), *common, "--steps", "4")
     assert resumed.returncode == 0, resumed.stderr
     whole = run_workload(
-        "plan_chunked.py", str(tmp_path / "whole"), *common, "--chunk", "512", "--steps", "4"
+        "plan_chunked.py", str(tmp_path / "whole"), *common, "--chunk", "96", "--steps", "4"
     )
     assert whole.returncode == 0, whole.stderr
     cut = json.loads((tmp_path / "cut" / "result.json").read_text())
-    assert cut["chunk_tokens"] == 512
+    assert cut["chunk_tokens"] == 96
     events = [e["event"] for e in read_jsonl(tmp_path / "cut" / "events.jsonl")]
     assert "resume" in events
     assert [m["loss"] for m in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [

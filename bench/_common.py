@@ -110,6 +110,47 @@ def lora_llama(spec: ModelSpec, device: torch.device, base_dtype: torch.dtype, s
     return model
 
 
+def hf_trainer(model, data, device: torch.device, out_dir: Path, seed: int, **batching):
+    """A transformers.Trainer with the benchmarks' shared settings (lr 2e-4 constant, clip 1.0,
+    bf16 and fused AdamW on CUDA, no logging or saving) and `batching` (max_steps, batch size
+    and accumulation keys). Returns it and the list its callback fills with (global step,
+    perf_counter) at each optimizer step's end, after a device synchronisation."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    marks: list[tuple[int, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, state, control, **kwargs):
+            synchronize(device)
+            marks.append((state.global_step, time.perf_counter()))
+
+    training_args = TrainingArguments(
+        output_dir=str(out_dir),
+        learning_rate=2e-4,
+        max_grad_norm=1.0,
+        bf16=device.type == "cuda",
+        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
+        lr_scheduler_type="constant",
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        use_cpu=device.type == "cpu",
+        seed=seed,
+        **batching,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        callbacks=[Clock()],
+    )
+    return trainer, marks
+
+
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -109,42 +109,18 @@ def run_plain(args, spec, device, data, compiled: bool) -> dict[str, Any]:
 
 
 def run_hf(args, spec, device, data, work: Path) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
-
-    marks: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, a, state, control, **kwargs):
-            C.synchronize(device)
-            marks.append(time.perf_counter())
-
-    training_args = TrainingArguments(
-        output_dir=str(work / "hf"),
+    trainer, marks = C.hf_trainer(
+        args.model,
+        data,
+        device,
+        work / "hf",
+        args.seed,
         per_device_train_batch_size=args.micro,
         gradient_accumulation_steps=args.effective // args.micro,
         max_steps=args.steps,
-        learning_rate=2e-4,
-        max_grad_norm=1.0,
-        bf16=device.type == "cuda",
-        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
-        lr_scheduler_type="constant",
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        use_cpu=device.type == "cpu",
-        seed=args.seed,
     )
-    Trainer(
-        model=args.model,
-        args=training_args,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        callbacks=[Clock()],
-    ).train()
-    return {"arm": "hf", "marks": marks}
+    trainer.train()
+    return {"arm": "hf", "marks": [t for _, t in marks]}
 
 
 def run_steadytrain(args, spec, device, data, work: Path, compiled: bool) -> dict[str, Any]:

@@ -59,42 +59,17 @@ def cap_memory(device: torch.device, cap_gib: float | None) -> int | None:
 
 
 def run_hf(args, spec, device, data, loaded_at: float, work: Path) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
-
-    marks: list[tuple[int, float]] = []
     sizes: list[int] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, a, state, control, **kwargs):
-            C.synchronize(device)
-            marks.append((state.global_step, time.perf_counter()))
-
-    training_args = TrainingArguments(
-        output_dir=str(work / "hf"),
+    trainer, marks = C.hf_trainer(
+        args.model,
+        data,
+        device,
+        work / "hf",
+        args.seed,
         per_device_train_batch_size=args.effective,
         gradient_accumulation_steps=1,
         auto_find_batch_size=True,
         max_steps=args.hf_steps,
-        learning_rate=2e-4,
-        max_grad_norm=1.0,
-        bf16=device.type == "cuda",
-        optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
-        lr_scheduler_type="constant",
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        use_cpu=device.type == "cpu",
-        seed=args.seed,
-    )
-    trainer = Trainer(
-        model=args.model,
-        args=training_args,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        callbacks=[Clock()],
     )
     real_inner = trainer._inner_training_loop
 

@@ -297,6 +297,7 @@ def finetune_command(
 
 @app.command("demo")
 def demo_command(
+    ctx: typer.Context,
     run_dir: str = typer.Argument(
         "runs/demo", metavar="RUN_DIR", help="A new or empty folder for the demo's run."
     ),
@@ -324,16 +325,7 @@ def demo_command(
     """
     from steadytrain.recipes.demo import demo_command as run_demo
 
-    raise typer.Exit(
-        run_demo(
-            run_dir,
-            device=device,
-            steps=steps,
-            interrupt=interrupt,
-            threads=threads,
-            force=force,
-        )
-    )
+    raise typer.Exit(run_demo(**ctx.params))
 
 
 @app.command("merge")
@@ -369,6 +361,7 @@ def merge_command(
 
 @app.command("generate")
 def generate_command(
+    ctx: typer.Context,
     model: str = typer.Argument(
         ..., metavar="MODEL", help="A run directory, an adapter folder (final/) or a model folder."
     ),
@@ -397,26 +390,12 @@ def generate_command(
     """Text from base + adapter or a merged model, per prompt: exit 0, 2 bad input."""
     from steadytrain.recipes.generate import generate_command as run_generate
 
-    raise typer.Exit(
-        run_generate(
-            model,
-            prompt=prompt,
-            prompts_file=prompts_file,
-            base=base,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            chat=chat,
-            device=device,
-            dtype=dtype,
-            json_output=json_output,
-        )
-    )
+    raise typer.Exit(run_generate(**ctx.params))
 
 
 @app.command("evaluate")
 def evaluate_command(
+    ctx: typer.Context,
     eval_file: str = typer.Argument(
         ..., metavar="EVAL_FILE", help="A .jsonl or .json file in a fine-tune format."
     ),
@@ -441,18 +420,7 @@ def evaluate_command(
     """Loss and perplexity on EVAL_FILE, base and base + adapter: exit 0, 2 bad input, 3 no fit."""
     from steadytrain.recipes.evaluate import evaluate_command as run_evaluate
 
-    raise typer.Exit(
-        run_evaluate(
-            eval_file,
-            model,
-            base=base,
-            max_seq_length=max_seq_length,
-            batch_size=batch_size,
-            device=device,
-            dtype=dtype,
-            json_output=json_output,
-        )
-    )
+    raise typer.Exit(run_evaluate(**ctx.params))
 
 
 @app.command("report")

@@ -9,6 +9,7 @@ fields a rule reads are valid themselves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -33,6 +34,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from steadytrain._durable import sync_dir
 from steadytrain._units import parse_bytes
 from steadytrain.errors import BadInputError, ConfigError
 
@@ -367,7 +369,8 @@ class TrainConfig(BaseModel):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(path.parent)
+        with contextlib.suppress(OSError):  # best effort
+            sync_dir(path.parent)
 
 
 def read_config_text(path: Path, encoding: str = "utf-8") -> str:
@@ -746,20 +749,6 @@ def _yaml_problem(exc: Exception) -> str:
     context = getattr(exc, "context", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}"
     return problem + where + (f" ({context})" if context else "")
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- reference page -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ on the same output_dir resumes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from steadytrain._durable import sync_dir
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
@@ -244,11 +246,13 @@ def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Pa
         for item in staging.iterdir():
             with open(item, "rb") as handle:
                 os.fsync(handle.fileno())
-        _fsync_dir(staging)
+        with contextlib.suppress(OSError):  # best effort
+            sync_dir(staging)
         if final.exists():
             final.rename(old)
         staging.rename(final)
-        _fsync_dir(run_dir)
+        with contextlib.suppress(OSError):  # best effort
+            sync_dir(run_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if old.exists() and not final.exists():
@@ -256,19 +260,6 @@ def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Pa
         raise
     shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from steadytrain._durable import sync_dir
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import (
     dtype_name,
@@ -133,7 +134,7 @@ def _save(model: Any, tokenizer: Any, folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(folder)
+    sync_dir(folder)
 
 
 def _commit(staging: Path, out: Path) -> None:
@@ -149,19 +150,9 @@ def _commit(staging: Path, out: Path) -> None:
         if old is not None:
             old.rename(out)
         raise
-    _fsync_dir(out.parent)
+    sync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name == "nt":  # folders cannot be opened; NTFS journals renames itself
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def merge_command(

@@ -43,6 +43,8 @@ import torch
 from safetensors.torch import load_file
 
 from steadytrain import __version__
+from steadytrain._durable import sync as sync_fd
+from steadytrain._durable import sync_dir
 from steadytrain._units import format_bytes
 from steadytrain.errors import BadInputError
 
@@ -171,31 +173,9 @@ class _FileSink:
     def close(self, sync: bool = True) -> None:
         try:
             if sync:
-                _sync(self.handle.fileno())
+                sync_fd(self.handle.fileno())
         finally:
             self.handle.close()
-
-
-def _sync(fd: int) -> None:
-    """Flush a file or directory to stable storage. macOS fsync stops at the drive's cache;
-    F_FULLFSYNC goes through it."""
-    if sys.platform == "darwin":
-        import fcntl
-
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-            return
-    os.fsync(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    if os.name == "nt":  # directories cannot be opened, and NTFS journals renames itself
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _sync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -501,7 +481,7 @@ class CheckpointStore:
                 raise
             finally:
                 _forget(staging.name)
-            _sync_dir(self.root)
+            sync_dir(self.root)
             _fault("after-publish")
             try:
                 self._write_pointer(name)
@@ -537,7 +517,7 @@ class CheckpointStore:
                 "files": files,
             }
             self._write_file(staging / MANIFEST, [_json_bytes(manifest)])
-            _sync_dir(staging)
+            sync_dir(staging)
             _fault("after-manifest")
             return staging
         except BaseException as exc:
@@ -605,7 +585,7 @@ class CheckpointStore:
         try:
             self._write_file(temp, [memoryview(f"{name}\n".encode())])
             os.replace(temp, self.root / POINTER)
-            _sync_dir(self.root)
+            sync_dir(self.root)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)

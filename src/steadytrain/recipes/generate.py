@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -165,12 +166,17 @@ def generate(
     chat: bool = False,
     device: str = "auto",
     dtype: str | None = None,
+    on_loaded: Callable[[Loaded], None] | None = None,
 ) -> list[Generation]:
-    """Load `model` (run directory, adapter folder or model folder) and complete `prompts`."""
+    """Load `model` (run directory, adapter folder or model folder) and complete `prompts`.
+    Every input is checked before the weights load; `on_loaded` is told what will be loaded
+    just before they do."""
     check_settings(max_new_tokens, temperature, top_p)
     loaded = open_model(model, base, device, dtype, weights=False)
     for prompt in prompts:
         encode_prompt(loaded.tokenizer, prompt, chat)
+    if on_loaded is not None:
+        on_loaded(loaded)
     return complete(
         loaded.load_weights(),
         loaded.tokenizer,
@@ -220,21 +226,20 @@ def generate_command(
             '"Once upon a time") or a file of prompts (--prompts-file prompts.txt)'
         )
     prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
-    check_settings(max_new_tokens, temperature, top_p)
-    loaded = open_model(model, base, device, dtype, weights=False)
-    for text in prompts:
-        encode_prompt(loaded.tokenizer, text, chat)
-    err_console.print(describe(loaded, temperature, top_p, seed), markup=False, soft_wrap=True)
-    results = complete(
-        loaded.load_weights(),
-        loaded.tokenizer,
+    results = generate(
+        model,
         prompts,
+        base=base,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
         seed=seed,
         chat=chat,
-        device=loaded.device.torch_device,
+        device=device,
+        dtype=dtype,
+        on_loaded=lambda loaded: err_console.print(
+            describe(loaded, temperature, top_p, seed), markup=False, soft_wrap=True
+        ),
     )
     for number, result in enumerate(results, 1):
         if json_output:

@@ -150,7 +150,6 @@ class Demo:
         check_settings(self.steps, self.threads)
         check_requirements()
         replace = check_run_dir(self.run_dir, self.force)
-        self._quiet_libraries()
         import torch
 
         from steadytrain.device import resolve_device
@@ -188,6 +187,7 @@ class Demo:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        from steadytrain.recipes.artifact import quiet_transformers
         from steadytrain.recipes.data import byte_tokenizer
 
         tokenizer = byte_tokenizer()
@@ -201,7 +201,8 @@ class Demo:
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(config)
         base = self.run_dir / "base"
-        model.save_pretrained(base)
+        with quiet_transformers():  # its per-save progress bar would interleave with ours
+            model.save_pretrained(base)
         tokenizer.save_pretrained(base)
         params = sum(p.numel() for p in model.parameters())
         self._say(
@@ -561,17 +562,6 @@ class Demo:
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         return env
-
-    def _quiet_libraries(self) -> None:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        import warnings
-
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        warnings.filterwarnings(
-            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
-        )
 
 
 # -- inputs -------------------------------------------------------------------------------

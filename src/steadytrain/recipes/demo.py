@@ -332,8 +332,11 @@ class Demo:
                 f"see the lines above and {self.run_dir / 'events.jsonl'}",
                 code,
             )
-        self._read_resume(interruption)
-        self._read_plan()
+        from steadytrain.telemetry.files import read_jsonl
+
+        events = read_jsonl(self.run_dir / "events.jsonl")
+        self._read_resume(events, interruption)
+        self._read_plan(events)
         final = self.run_dir / "final"
         self.summary["adapter"] = str(final)
         self.summary["interruption"] = {
@@ -482,14 +485,9 @@ class Demo:
             child.send_signal(signal.SIGKILL)
             return
 
-    def _read_plan(self) -> None:
+    def _read_plan(self, events: list[dict]) -> None:
         """The plan the fine-tune made before its first step (micro_batch_size auto)."""
-        from steadytrain.telemetry.files import read_jsonl
-
-        plan = next(
-            (e for e in read_jsonl(self.run_dir / "events.jsonl") if e.get("event") == "plan"),
-            None,
-        )
+        plan = next((e for e in events if e.get("event") == "plan"), None)
         if plan is not None:
             self.summary["plan"] = {
                 key: plan.get(key)
@@ -504,10 +502,7 @@ class Demo:
                 )
             }
 
-    def _read_resume(self, interruption: Interruption) -> None:
-        from steadytrain.telemetry.files import read_jsonl
-
-        events = read_jsonl(self.run_dir / "events.jsonl")
+    def _read_resume(self, events: list[dict], interruption: Interruption) -> None:
         restarted = False
         for event in events:
             name = event.get("event")

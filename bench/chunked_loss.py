@@ -148,7 +148,7 @@ def estimated_peak(spec: C.ModelSpec, micro: int, chunk: int | None, device_type
         tie_word_embeddings=True,
     )
     settings = Settings(
-        micro_batch=micro,
+        micro_batch_size=micro,
         seq=spec.seq,
         precision="bf16",
         weights_dtype="fp32",

@@ -105,7 +105,7 @@ def settings_for(case: Case, device_type: str):
     from steadytrain.memory.estimate import Settings
 
     return Settings(
-        micro_batch=case.micro,
+        micro_batch_size=case.micro,
         seq=case.seq,
         precision=case.precision,
         weights_dtype=case.weights,

@@ -345,7 +345,7 @@ def test_chunked_loss_peak_holds_one_chunk_of_logits_not_all():
     measured_saving = plain - chunked
     assert measured_saving > 8 * (tokens - chunk) * VOCAB
 
-    settings = dict(micro_batch=4, seq=64, method="full", device_type="cpu")
+    settings = dict(micro_batch_size=4, seq=64, method="full", device_type="cpu")
     config = tiny_config(tied=True)
     predicted = estimate(config, Settings(**settings)).row("logits and loss") - estimate(
         config, Settings(**settings, chunked_loss=True, chunk_tokens=chunk)

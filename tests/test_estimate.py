@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
 
+from steadytrain.cli.memory_commands import estimate_command
 from steadytrain.errors import BadInputError
 from steadytrain.memory.estimate import (
     NF4_BYTES_PER_PARAM,
     Settings,
     count_parameters,
     estimate,
-    estimate_command,
     load_config,
 )
 
@@ -113,7 +113,7 @@ def _saved_bytes(model, config, settings: Settings) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    ids = torch.randint(0, config.vocab_size, (settings.micro_batch, settings.seq))
+    ids = torch.randint(0, config.vocab_size, (settings.micro_batch_size, settings.seq))
     cast = (
         torch.autocast("cpu", dtype=torch.bfloat16)
         if settings.precision == "bf16"
@@ -153,7 +153,7 @@ def test_activations_match_the_bytes_autograd_saves(
         model = get_peft_model(model, lora).base_model.model
     model.train()
     settings = Settings(
-        micro_batch=2,
+        micro_batch_size=2,
         seq=48,
         precision=precision,
         weights_dtype=weights,
@@ -232,7 +232,7 @@ def test_peak_is_weights_states_and_the_larger_phase():
     assert short.phase == "optimizer step"
     fixed = short.row("weights") + short.row("optimizer states")
     assert short.peak == fixed + short.row("gradients") + short.row("optimizer step temporaries")
-    long = estimate(config, Settings(seq=4096, micro_batch=4))
+    long = estimate(config, Settings(seq=4096, micro_batch_size=4))
     assert long.phase == "backward"
     backward = (
         long.row("activations") + long.row("logits and loss") + long.row("autocast weight copies")
@@ -276,7 +276,7 @@ def test_unknown_family_counts_params_and_says_activations_are_unknown():
 
 def test_bad_settings_name_every_flag():
     with pytest.raises(BadInputError) as info:
-        Settings(micro_batch=0, precision="fp8", optimizer="lion").check()
+        Settings(micro_batch_size=0, precision="fp8", optimizer="lion").check()
     message = str(info.value)
     assert "--micro-batch" in message and "--precision" in message and "--optimizer" in message
     with pytest.raises(BadInputError, match="--method lora"):
@@ -351,7 +351,7 @@ def test_offline_hub_id_is_a_bad_input_naming_the_id(tmp_path):
 
 def test_chunked_loss_row_holds_one_chunk_and_the_hidden_states():
     config = llama_3b()  # vocab 128,256, hidden 3072
-    common = dict(method="lora", micro_batch=8, seq=1024, precision="bf16", weights_dtype="bf16")
+    common = dict(method="lora", micro_batch_size=8, seq=1024, precision="bf16", weights_dtype="bf16")
     plain = estimate(config, Settings(**common))
     chunked = estimate(config, Settings(**common, chunked_loss=True, chunk_tokens=1024))
     assert plain.row("logits and loss") == 12 * 8192 * 128256
@@ -363,7 +363,7 @@ def test_chunked_loss_row_holds_one_chunk_and_the_hidden_states():
     assert any("--chunked-loss" in n for n in plain.notes)
     assert not any("--chunked-loss" in n for n in chunked.notes)
     # a chunk larger than the micro-batch's tokens holds them all: chunking buys nothing
-    short = estimate(config, Settings(**{**common, "micro_batch": 1}, chunked_loss=True))
+    short = estimate(config, Settings(**{**common, "micro_batch_size": 1}, chunked_loss=True))
     assert short.row("logits and loss") == 12 * 1024 * 128256 + 2 * 1024 * 3072
 
 
@@ -371,7 +371,7 @@ def test_chunked_loss_casts_the_output_weight_per_chunk_instead_of_saving_it():
     """Under autocast over fp32 weights the plain loss saves the output layer's bf16 copy for
     backward (weight copies row); the chunked loss casts it per chunk (logits row)."""
     config = tiny(layers=2)
-    common = dict(method="lora", seq=64, micro_batch=4, precision="bf16")
+    common = dict(method="lora", seq=64, micro_batch_size=4, precision="bf16")
     plain = estimate(config, Settings(**common))
     chunked = estimate(config, Settings(**common, chunked_loss=True, chunk_tokens=32))
     head_copy = 2 * 256 * 64
@@ -395,7 +395,7 @@ def test_chunked_loss_with_checkpointing_moves_the_peak_off_the_logits():
 
 def test_chunked_loss_flags_reach_the_command_and_are_checked(tmp_path, capsys):
     tiny().save_pretrained(tmp_path)
-    args = dict(seq=64, micro_batch=4, memory="2GiB", json_output=True)
+    args = dict(seq=64, micro_batch_size=4, memory="2GiB", json_output=True)
     estimate_command(str(tmp_path), **args)
     plain = json.loads(capsys.readouterr().out)
     estimate_command(str(tmp_path), **args, chunked_loss=True, chunk_tokens=16)

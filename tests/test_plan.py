@@ -127,7 +127,7 @@ def tokens_per_s(candidate) -> float:
 
 
 def test_the_checkpointed_larger_micro_batch_wins_when_its_measured_rate_is_higher():
-    best, candidates, reasons = choose(FITS, 48, LIMIT, policy="divisors")
+    best, candidates, reasons = choose(FITS, 48, LIMIT, micro_batch_sizes="divisors")
     assert (best.micro, best.mode) == (8, Mode(True))
     assert tokens_per_s(best) == pytest.approx(27_100)
     plain = max((c for c in candidates if c.fits and c.mode == Mode(False)), key=tokens_per_s)
@@ -137,7 +137,7 @@ def test_the_checkpointed_larger_micro_batch_wins_when_its_measured_rate_is_high
 
 def test_plain_wins_when_checkpointing_costs_more_than_the_larger_batch_gains():
     slow = Fit(**{**CHECKPOINTED.to_dict(), "seconds_per_sample": 0.06})
-    best, _, _ = choose({Mode(False): PLAIN, Mode(True): slow}, 48, LIMIT, policy="divisors")
+    best, _, _ = choose({Mode(False): PLAIN, Mode(True): slow}, 48, LIMIT, micro_batch_sizes="divisors")
     assert best.mode == Mode(False) and best.micro == 3
 
 
@@ -297,7 +297,7 @@ def llama_1b_dir(tmp_path: Path) -> str:
 
 
 def test_plan_command_without_a_probe_plans_from_the_estimate(tmp_path: Path, capsys):
-    from steadytrain.memory.plan import plan_command
+    from steadytrain.cli.memory_commands import plan_command
 
     model = llama_1b_dir(tmp_path)
     lora = {
@@ -329,7 +329,7 @@ def test_plan_command_without_a_probe_plans_from_the_estimate(tmp_path: Path, ca
 def test_a_saver_within_timing_noise_of_plain_is_not_chosen():
     """Checkpointed micro 8 predicted 3 % faster than plain micro 3: plain is kept."""
     close = Fit(**{**CHECKPOINTED.to_dict(), "seconds_per_sample": (8 * SEQ / 24_100 - 0.05) / 8})
-    best, _, reasons = choose({Mode(False): PLAIN, Mode(True): close}, 48, LIMIT, policy="divisors")
+    best, _, reasons = choose({Mode(False): PLAIN, Mode(True): close}, 48, LIMIT, micro_batch_sizes="divisors")
     assert (best.micro, best.mode) == (3, Mode(False))
     assert any("at least 5% faster" in r for r in reasons)
 
@@ -499,7 +499,7 @@ def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, caps
     of steadytrain's causal-LM loss, plain and chunked, with and without checkpointing."""
     from transformers import LlamaConfig
 
-    from steadytrain.memory.plan import plan_command
+    from steadytrain.cli.memory_commands import plan_command
 
     LlamaConfig(
         hidden_size=32,

@@ -1,6 +1,12 @@
 """How much memory a run needs: `estimate` works it out from the config alone (meta device, no
 allocation); `probe` measures real passes at a few small micro-batch sizes; `plan` chooses the
-micro-batch, accumulation and activation checkpointing from those measurements."""
+micro-batch, accumulation and activation checkpointing from those measurements.
+
+The modules, in the order they build on each other: `settings` (what the run will do),
+`model_shape` (config and parameter counts), `activations`, `estimate`; `probe`, `choice` (the
+candidates and the winner), `finalists` (CUDA's timed finalists), `analytic` (the estimate in
+the planner's terms), `plan` (bound, probe, choose, explain), `config_plan` (a plan from a config
+alone, for `steadytrain plan`)."""
 
 from steadytrain.memory.estimate import (
     KNOWN_FAMILIES,
@@ -8,7 +14,6 @@ from steadytrain.memory.estimate import (
     Row,
     Settings,
     estimate,
-    estimate_command,
     load_config,
 )
 from steadytrain.memory.plan import Candidate, Mode, Plan, allowed_sizes, choose, plan
@@ -28,7 +33,6 @@ __all__ = [
     "allowed_sizes",
     "choose",
     "estimate",
-    "estimate_command",
     "fit",
     "load_config",
     "measure",

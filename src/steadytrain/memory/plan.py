@@ -18,7 +18,7 @@ The rule (docs/plan.md has the reasons):
    is a candidate. The winner has the most samples per second: on CPU and MPS as predicted by
    the time line, size / seconds(size) (the fixed time of a pass is paid once per micro-batch,
    so larger micro-batches run faster until memory stops them); on CUDA as measured at each
-   mode's own largest fitting size (`_time_finalists`: the small probed sizes are bound by
+   mode's own largest fitting size (`finalists.py`: the small probed sizes are bound by
    kernel launches there, and their time line says little about large sizes). A checkpointed
    larger micro-batch beats a plain smaller one exactly when the measured times say so.
 4. Allowed sizes divide the effective batch (every step splits into equal micro-batches, the
@@ -33,48 +33,38 @@ is only a lower bound there.
 from __future__ import annotations
 
 import dataclasses
-import gc
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from steadytrain._units import format_bytes
 from steadytrain.device import Device, is_oom
-from steadytrain.errors import BadInputError
+from steadytrain.memory.analytic import Analytic, analytic_for
+from steadytrain.memory.choice import SAVER_GAIN, Candidate, Mode, allowed_sizes, choose
+from steadytrain.memory.finalists import measured_speed, time_finalists
 from steadytrain.memory.probe import Fit, ProbeResult, RunPass, in_use, measure, probe
+from steadytrain.memory.settings import SIZE_POLICIES
+
+__all__ = [  # the names the trainer, the command line and users import from here
+    "MARGINS",
+    "SAVER_GAIN",
+    "SIZE_POLICIES",
+    "Analytic",
+    "Candidate",
+    "Mode",
+    "Plan",
+    "Room",
+    "allowed_sizes",
+    "analytic_for",
+    "choose",
+    "first_step_bytes",
+    "plan",
+]
 
 MARGINS = {"cuda": 0.9, "mps": 0.75, "cpu": 0.75}
 """Share of the room above what is in use that the predicted peak may take, per device type."""
 QUICK_SHARE = 0.5
 """The one-pass bound (rule 2) must stay within this share of the allowed growth."""
 PROBE_SIZES = (1, 2, 4)
-SAVER_GAIN = 1.05
-"""A memory saver (checkpointing, chunked loss) must be predicted this much faster than the best
-plain candidate to be chosen: its recomputation cost is certain, a few per cent of timing noise
-is not."""
-SIZE_POLICIES = ("powers_of_two", "divisors")
-TIME_PASS = 0.5
-"""Seconds a finalist's timed pass may take on CUDA (`_time_finalists`)."""
-
-
-class Mode(NamedTuple):
-    checkpointing: bool = False
-    chunked_loss: bool = False
-
-    def describe(self) -> str:
-        parts = ["checkpointed" if self.checkpointing else "plain"]
-        if self.chunked_loss:
-            parts.append("chunked loss")
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    micro: int
-    mode: Mode
-    peak: float
-    samples_per_second: float | None
-    fits: bool
 
 
 @dataclass
@@ -119,7 +109,7 @@ class Plan:
             "reasons": self.reasons,
             "candidates": [
                 {
-                    "micro": c.micro,
+                    "micro": c.micro_batch_size,
                     "mode": c.mode.describe(),
                     "peak": _int(c.peak),
                     "samples_per_second": c.samples_per_second,
@@ -165,141 +155,104 @@ def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def allowed_sizes(
-    effective: int, policy: str = "powers_of_two", cap: int | None = None
-) -> list[int]:
-    """Micro sizes the plan may choose, ascending: divisors of `effective` (powers of two only
-    under 'powers_of_two'), always `effective` itself, none above `cap`."""
-    if policy not in SIZE_POLICIES:
-        raise BadInputError(
-            f"micro_batch_sizes: {policy!r} is not one of {', '.join(SIZE_POLICIES)}"
+@dataclass(frozen=True)
+class Room:
+    """The bound: what the budget leaves above what is in use, and the share of it the plan
+    may take. Every `Plan` is made by `Room.plan`."""
+
+    effective_batch_size: int
+    budget: int | None
+    in_use: int | None
+    margin: float
+    device_type: str
+    pending: int = 0
+    """Bytes the first optimizer step adds that no probed pass holds (`first_step_bytes`)."""
+
+    @property
+    def limit(self) -> float | None:
+        if self.budget is None or self.in_use is None:
+            return None
+        return self.in_use + self.margin * max(self.budget - self.in_use, 0)
+
+    def within(self, share: float) -> float:
+        """The peak that takes `share` of the room the limit allows."""
+        return self.in_use + share * (self.limit - self.in_use)
+
+    def plan(
+        self,
+        micro_batch_size: int,
+        mode: Mode,
+        predicted_peak: float | None,
+        reasons: list[str],
+        **found: Any,
+    ) -> Plan:
+        """The one way to make a Plan: this room's figures, the choice and its reasons."""
+        return Plan(
+            micro_batch_size=micro_batch_size,
+            effective_batch_size=self.effective_batch_size,
+            checkpointing=mode.checkpointing,
+            chunked_loss=mode.chunked_loss,
+            predicted_peak=predicted_peak,
+            limit=self.limit,
+            budget=self.budget,
+            margin=self.margin,
+            in_use=self.in_use,
+            device_type=self.device_type,
+            reasons=reasons,
+            **found,
         )
-    sizes = {d for d in range(1, effective + 1) if effective % d == 0}
-    if policy == "powers_of_two":
-        sizes = {d for d in sizes if d & (d - 1) == 0} | {effective}
-    top = effective if cap is None else min(cap, effective)
-    found = sorted(d for d in sizes if d <= top)
-    return found or [1]
 
-
-def choose(
-    fits: dict[Mode, Fit],
-    effective: int,
-    limit: float,
-    *,
-    policy: str = "powers_of_two",
-    cap: int | None = None,
-    predict: Callable[[Mode, int], float] | None = None,
-    speed: Callable[[Mode, int], float | None] | None = None,
-) -> tuple[Candidate | None, list[Candidate], list[str]]:
-    """The best candidate by predicted samples per second among those within `limit`, every
-    candidate, and the reasons. `predict(mode, size)` replaces the fitted line's peak (MPS adds
-    the analytic floor); `speed(mode, size)` the line's samples per second (CUDA's measured
-    finalists; None: not a contender). None when nothing fits, not even one sample."""
-    sizes = allowed_sizes(effective, policy, cap)
-    predict = predict or (lambda mode, size: fits[mode].peak(size))
-    measured, speed = speed, speed or (lambda mode, size: fits[mode].samples_per_second(size))
-    candidates = [
-        Candidate(m, mode, predict(mode, m), speed(mode, m), predict(mode, m) <= limit)
-        for mode in fits
-        for m in sizes
-    ]
-    fitting = [c for c in candidates if c.fits and c.samples_per_second is not None]
-    how = "predicted" if measured is None else "measured"
-    reasons = []
-    if not fitting:
-        return None, candidates, reasons
-    best = max(
-        fitting,
-        key=lambda c: (
-            c.samples_per_second,
-            not c.mode.checkpointing,
-            not c.mode.chunked_loss,
-            c.micro,
-        ),
-    )
-    plain = [c for c in fitting if c.mode == Mode()]
-    if plain and best.mode != Mode():
-        fastest_plain = max(plain, key=lambda c: (c.samples_per_second, c.micro))
-        if best.samples_per_second < SAVER_GAIN * fastest_plain.samples_per_second:
-            best = fastest_plain
-            reasons.append(
-                f"a memory saver must be predicted at least {SAVER_GAIN - 1:.0%} faster than "
-                "plain to be chosen"
+    def describe(self) -> str:
+        return (
+            f"budget {format_bytes(self.budget)}, {format_bytes(self.in_use)} in use: the peak "
+            f"may reach {format_bytes(self.limit)} ({self.margin:.0%} of the room above what is "
+            "in use)"
+            + (
+                f"; the first optimizer step adds {format_bytes(self.pending)} of optimizer "
+                "state, counted in every prediction"
+                if self.pending
+                else ""
             )
-    top = {}
-    for mode in fits:
-        inside = [c for c in fitting if c.mode == mode]
-        if inside:
-            top[mode] = max(inside, key=lambda c: (c.samples_per_second, c.micro))
-    rivals = [c for mode, c in top.items() if mode != best.mode]
-    if rivals:
-        beaten = ", ".join(
-            f"{c.mode.describe()} micro {c.micro} {c.samples_per_second:.3g}" for c in rivals
         )
-        reasons.append(
-            f"{best.mode.describe()} micro {best.micro}: {how} {best.samples_per_second:.3g} "
-            f"samples/s, the most among those that fit (best of the others: {beaten})"
-        )
-    else:
-        reasons.append(
-            f"{best.mode.describe()} micro {best.micro}: {how} "
-            f"{best.samples_per_second:.3g} samples/s, the largest allowed size that fits"
-        )
-    top_size = min(effective, cap or effective)
-    largest = max(
-        (m for m in range(best.micro, top_size + 1) if predict(best.mode, m) <= limit),
-        default=best.micro,
-    )
-    if best.micro < largest:
-        bigger = largest
-        what = "a power of two dividing" if policy == "powers_of_two" else "a divisor of"
-        reasons.append(
-            f"up to {bigger} would fit, but the micro-batch must be {what} the effective batch "
-            f"{effective} (every step splits into equal micro-batches, as micro_batch_size "
-            "requires)"
-            + ("; micro_batch_sizes: divisors allows any divisor" if policy != "divisors" else "")
-        )
-    return best, candidates, reasons
+
+
+EARLIER_NAMES = {
+    "checkpointing": "activation_checkpointing",
+    "margin": "plan_margin",
+    "policy": "micro_batch_sizes",
+}
+"""Keyword names `plan` took before it spoke the config's vocabulary."""
 
 
 @dataclass
-class Analytic:
-    """The analytic estimate of a known Hugging Face family, linear in the micro-batch: two
-    `estimate` calls per mode (each builds the model on the meta device), cached."""
+class _Job:
+    """One planning: the passes, the device, the config's choices and the room."""
 
-    config: Any
-    settings: Any
-    strict: bool = False
-    """False in the trainer: the estimate is a cross-check there, and a config it cannot read
-    (an odd family, a new transformers) must not stop a run; the error is kept in `problem`."""
-    problem: str | None = None
-    _cache: dict = field(default_factory=dict)
+    run: RunPass
+    chunked_run: RunPass | None
+    device: Device
+    room: Room
+    activation_checkpointing: str | bool
+    can_checkpoint: bool
+    micro_batch_sizes: str
+    cap: int
+    reps: int
+    analytic: Analytic | None
+    sizes: list[int] = field(default_factory=list)
 
-    def at(self, micro: int, checkpointing: bool, chunked_loss: bool = False):
-        """The estimate at these settings, or None when it cannot be made (see `problem`)."""
-        from steadytrain.memory.estimate import estimate
+    @property
+    def start(self) -> Mode:
+        return Mode(self.activation_checkpointing is True)
 
-        key = (micro, checkpointing, chunked_loss)
-        if key not in self._cache:
-            changes = {"micro_batch": micro, "checkpointing": checkpointing}
-            if any(f.name == "chunked_loss" for f in dataclasses.fields(self.settings)):
-                changes["chunked_loss"] = chunked_loss
-            try:
-                found = estimate(self.config, dataclasses.replace(self.settings, **changes))
-            except (BadInputError, AttributeError, KeyError, TypeError, ValueError) as exc:
-                if self.strict:
-                    raise
-                self.problem, found = f"{type(exc).__name__}: {exc}", None
-            self._cache[key] = found
-        return self._cache[key]
+    @property
+    def may_checkpoint(self) -> bool:
+        return self.activation_checkpointing == "auto" and self.can_checkpoint
 
-    def total(self, micro: int, mode: Mode) -> float | None:
-        one = self.at(1, mode.checkpointing, mode.chunked_loss)
-        two = self.at(2, mode.checkpointing, mode.chunked_loss)
-        if one is None or two is None or one.total is None or two.total is None:
-            return None
-        return one.total + (two.total - one.total) * (micro - 1)
+    def modes(self) -> list[Mode]:
+        modes = [self.start] + ([Mode(True)] if self.may_checkpoint else [])
+        if self.chunked_run is not None:
+            modes += [Mode(m.checkpointing, True) for m in modes]
+        return modes
 
 
 def plan(
@@ -307,141 +260,175 @@ def plan(
     device: Device,
     *,
     effective_batch_size: int,
-    checkpointing: str | bool = "auto",
+    activation_checkpointing: str | bool = "auto",
     can_checkpoint: bool = False,
     chunked_run: RunPass | None = None,
-    margin: float | None = None,
-    policy: str = "powers_of_two",
+    plan_margin: float | None = None,
+    micro_batch_sizes: str = "powers_of_two",
     cap: int | None = None,
     analytic: Analytic | None = None,
     reps: int | None = None,
     pending: int = 0,
+    **earlier: Any,
 ) -> Plan:
-    """Probe with `run(size, checkpointing)` and choose (the module docstring has the rule).
+    """Probe with `run(size, checkpointing)` and choose (the module docstring has the rule):
+    bound, one pass, probe, choose, explain.
 
-    `checkpointing`: the config's activation_checkpointing ('auto' lets the plan decide, where
+    `activation_checkpointing`: the config's ('auto' lets the plan decide, where
     `can_checkpoint`). `chunked_run`: the same pass with the loss computed in chunks, when the
     caller's loss has such a variant; the plan then decides `chunked_loss` too. `cap`: no size
     above it (the supervisor's cap after an OS kill). `reps`: passes per probed size (the
     fastest counts: the first pass of a size also pays for kernel selection and allocation).
     `pending`: bytes the first optimizer step adds that no probed pass holds (the optimizer's
-    state, `first_step_bytes`); added to every prediction."""
-    cap = min(cap or effective_batch_size, effective_batch_size)
-    margin = margin if margin is not None else MARGINS[device.type]
-    reps = reps or (1 if device.type == "cuda" else 2)  # CUDA times its finalists instead
-    budget = device.budget
-    sizes = allowed_sizes(effective_batch_size, policy, cap)
-    start = checkpointing is True
-    base = in_use(device)
-    common = dict(
-        effective_batch_size=effective_batch_size,
-        budget=budget,
-        margin=margin,
-        device_type=device.type,
+    state, `first_step_bytes`); added to every prediction. `checkpointing`, `margin` and
+    `policy` are accepted as the earlier names of the config's fields."""
+    given = {"activation_checkpointing": activation_checkpointing, "plan_margin": plan_margin}
+    given["micro_batch_sizes"] = micro_batch_sizes
+    for key, value in earlier.items():
+        if key not in EARLIER_NAMES:
+            raise TypeError(f"plan() got an unexpected keyword argument {key!r}")
+        given[EARLIER_NAMES[key]] = value
+    margin = given["plan_margin"]
+    room = Room(
+        effective_batch_size,
+        device.budget,
+        in_use(device),
+        margin if margin is not None else MARGINS[device.type],
+        device.type,
+        pending,
     )
-    if budget is None or base is None:
-        return Plan(
-            micro_batch_size=sizes[-1],
-            checkpointing=start,
-            chunked_loss=False,
-            predicted_peak=None,
-            limit=None,
-            in_use=base,
-            reasons=[
+    cap = min(cap or effective_batch_size, effective_batch_size)
+    job = _Job(
+        run=run,
+        chunked_run=chunked_run,
+        device=device,
+        room=room,
+        activation_checkpointing=given["activation_checkpointing"],
+        can_checkpoint=can_checkpoint,
+        micro_batch_sizes=given["micro_batch_sizes"],
+        cap=cap,
+        reps=reps or (1 if device.type == "cuda" else 2),  # CUDA times its finalists instead
+        analytic=analytic,
+        sizes=allowed_sizes(effective_batch_size, given["micro_batch_sizes"], cap),
+    )
+    if room.limit is None:
+        return room.plan(
+            job.sizes[-1],
+            job.start,
+            None,
+            [
                 "the budget of this device is unknown: starting at the largest allowed size; "
                 "the out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
             ],
             analytic=analytic,
-            **common,
         )
-    limit = base + margin * max(budget - base, 0)
-    head = (
-        f"budget {format_bytes(budget)}, {format_bytes(base)} in use: the peak may reach "
-        f"{format_bytes(limit)} ({margin:.0%} of the room above what is in use)"
-        + (
-            f"; the first optimizer step adds {format_bytes(pending)} of optimizer state, "
-            "counted in every prediction"
-            if pending
-            else ""
-        )
-    )
+    result = _first_pass(job)
+    return _without_probing(job, result) or _probe_and_choose(job, result)
 
-    result = ProbeResult(baseline=base)
+
+def _first_pass(job: _Job) -> ProbeResult:
+    """One pass at micro-batch 1 (none recorded when it runs out of memory)."""
+    result = ProbeResult(baseline=job.room.in_use)
     try:
-        first = measure(run, device, 1, start, reps=1)
+        first = measure(job.run, job.device, 1, job.start.checkpointing, reps=1)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        first = None
-    if first is not None:
-        result.samples.append(first)
-        result.kind = device.peak_reading().kind
-    if first is not None and first.peak is None:
-        return Plan(
-            micro_batch_size=sizes[-1],
-            checkpointing=start,
-            chunked_loss=False,
-            predicted_peak=None,
-            limit=limit,
-            in_use=base,
-            reasons=[
-                head,
-                f"{device.type} gives no peak reading here: starting at the largest allowed "
-                f"size {sizes[-1]}; the out-of-memory ladder shrinks it if needed",
-            ],
-            probe=result,
-            **common,
-        )
-    if first is not None and first.peak is not None:
-        growth = max(first.peak - base, 0)
-        bound = base + growth * sizes[-1] + pending
-        floor = (
-            analytic.total(sizes[-1], Mode(start)) if analytic and device.type == "mps" else None
-        )
-        if bound <= base + QUICK_SHARE * (limit - base) and (floor is None or floor <= limit):
-            return Plan(
-                micro_batch_size=sizes[-1],
-                checkpointing=start,
-                chunked_loss=False,
-                predicted_peak=bound,
-                limit=limit,
-                in_use=base,
-                reasons=[
-                    head,
-                    f"one sample adds at most {format_bytes(growth)}; {sizes[-1]} times that, "
-                    f"{format_bytes(bound)}, is within half the room: micro "
-                    f"{sizes[-1]} without further probing",
-                    _accumulation_reason(sizes[-1], effective_batch_size),
-                ],
-                probe=result,
-                analytic=analytic,
-                quick=True,
-                **common,
-            )
+        return result
+    result.samples.append(first)
+    result.kind = job.device.peak_reading().kind
+    return result
 
-    if reps > 1:  # size 1 again with repetitions: the first pass also paid for warm-up
+
+def _without_probing(job: _Job, result: ProbeResult) -> Plan | None:
+    """The plan the first pass settles (rule 2), or None when a probe must decide: no peak
+    reading starts at the largest allowed size; a bound within half the room takes it."""
+    if not result.samples:
+        return None
+    room, top, first = job.room, job.sizes[-1], result.samples[0]
+    if first.peak is None:
+        reasons = [
+            room.describe(),
+            f"{room.device_type} gives no peak reading here: starting at the largest allowed "
+            f"size {top}; the out-of-memory ladder shrinks it if needed",
+        ]
+        return room.plan(top, job.start, None, reasons, probe=result)
+    growth = max(first.peak - room.in_use, 0)
+    bound = room.in_use + growth * top + room.pending
+    floor = (
+        job.analytic.total(top, job.start) if job.analytic and room.device_type == "mps" else None
+    )
+    if bound > room.within(QUICK_SHARE) or (floor is not None and floor > room.limit):
+        return None
+    reasons = [
+        room.describe(),
+        f"one sample adds at most {format_bytes(growth)}; {top} times that, "
+        f"{format_bytes(bound)}, is within half the room: micro {top} without further probing",
+        accumulation_reason(top, room.effective_batch_size),
+    ]
+    return room.plan(
+        top, job.start, bound, reasons, probe=result, analytic=job.analytic, quick=True
+    )
+
+
+def _probe_and_choose(job: _Job, result: ProbeResult) -> Plan:
+    """Probe every mode, predict each allowed size, choose, and say why."""
+    fits = _probe_modes(job, result)
+    reasons = [job.room.describe(), *_probe_reasons(job, result, fits)]
+    predict = _predictor(job, fits)
+    speed = None
+    if job.device.type == "cuda":  # time the finalists themselves: see `time_finalists`
+        runs = {mode: job.chunked_run if mode.chunked_loss else job.run for mode in fits}
+        timed, notes = time_finalists(
+            fits, runs, job.device, job.sizes, job.room.limit, predict, result
+        )
+        reasons += notes
+        if timed:
+            speed = measured_speed(fits, timed)
+    best, candidates, why = choose(
+        fits,
+        job.room.effective_batch_size,
+        job.room.limit,
+        micro_batch_sizes=job.micro_batch_sizes,
+        cap=job.cap,
+        predict=predict,
+        speed=speed,
+    )
+    found = {"candidates": candidates, "probe": result, "analytic": job.analytic}
+    if best is None:
+        return _nothing_fits(job, reasons, found)
+    reasons += why + _chosen_reasons(job, best, fits)
+    largest = max(
+        (m for m in range(1, job.cap + 1) if predict(best.mode, m) <= job.room.limit),
+        default=None,
+    )
+    return job.room.plan(
+        best.micro_batch_size, best.mode, best.peak, reasons, largest_fitting=largest, **found
+    )
+
+
+def _probe_modes(job: _Job, result: ProbeResult) -> dict[Mode, Fit]:
+    """A line peak(b), seconds(b) per mode from passes at `PROBE_SIZES` (each within the safe
+    peak), the chunked modes' samples added to `result`."""
+    if job.reps > 1:  # size 1 again with repetitions: the first pass also paid for warm-up
         result.samples = []
-    safe = limit if device.type == "cuda" else base + QUICK_SHARE * (limit - base)
-    probe_sizes = tuple(s for s in PROBE_SIZES if s <= cap)
-    modes = [Mode(start)]
-    if checkpointing == "auto" and can_checkpoint:
-        modes.append(Mode(True))
-    if chunked_run is not None:
-        modes += [Mode(m.checkpointing, True) for m in list(modes)]
+    room = job.room
+    safe = room.limit if job.device.type == "cuda" else room.within(QUICK_SHARE)
+    probe_sizes = tuple(s for s in PROBE_SIZES if s <= job.cap)
     fits: dict[Mode, Fit] = {}
-    for mode in modes:
-        passes = chunked_run if mode.chunked_loss else run
-        tried = result if not mode.chunked_loss else ProbeResult(baseline=base)
+    for mode in job.modes():
+        passes = job.chunked_run if mode.chunked_loss else job.run
+        tried = result if not mode.chunked_loss else ProbeResult(baseline=room.in_use)
         probe(
             passes,
-            device,
+            job.device,
             checkpointing=mode.checkpointing,
             sizes=probe_sizes,
             safe_peak=safe,
-            reps=reps,
+            reps=job.reps,
             result=tried,
         )
-        line = tried.fits.get(mode.checkpointing) or _one_point(tried, mode, base)
+        line = tried.fits.get(mode.checkpointing) or _one_point(tried, mode, room.in_use)
         if line is not None:
             fits[mode] = line
         if mode.chunked_loss:
@@ -449,204 +436,75 @@ def plan(
             result.failed += tried.failed
             result.skipped += tried.skipped
             result.seconds += tried.seconds
+    return fits
 
-    reasons = [head]
-    for mode, line in fits.items():
-        reasons.append(
-            f"{mode.describe()}: peak ≈ {format_bytes(line.fixed)} + "
-            f"{format_bytes(line.per_sample)} × micro (sizes {', '.join(map(str, line.sizes))}"
-            + (f", residual {line.residual:.1%}" if len(line.sizes) > 2 else "")
-            + f"), {line.seconds_per_sample * 1000:.3g} ms per sample + "
-            f"{line.seconds_fixed * 1000:.3g} ms per pass"
-        )
+
+def _probe_reasons(job: _Job, result: ProbeResult, fits: dict[Mode, Fit]) -> list[str]:
+    """Each mode's measured line, the sizes that ran out of memory, and the savers that were
+    not candidates."""
+    reasons = [
+        f"{mode.describe()}: peak ≈ {format_bytes(line.fixed)} + "
+        f"{format_bytes(line.per_sample)} × micro (sizes {', '.join(map(str, line.sizes))}"
+        + (f", residual {line.residual:.1%}" if len(line.sizes) > 2 else "")
+        + f"), {line.seconds_per_sample * 1000:.3g} ms per sample + "
+        f"{line.seconds_fixed * 1000:.3g} ms per pass"
+        for mode, line in fits.items()
+    ]
     for size, ckpt, _ in result.failed:
         reasons.append(f"{Mode(ckpt).describe()} micro {size} ran out of memory in the probe")
-    if checkpointing == "auto" and not can_checkpoint:
+    if job.activation_checkpointing == "auto" and not job.can_checkpoint:
         reasons.append(
             "activation checkpointing: not a candidate (the model has no switch of its own, "
             "like Hugging Face's activation_checkpointing_enable/disable)"
         )
-    elif checkpointing is False:
+    elif job.activation_checkpointing is False:
         reasons.append("activation checkpointing: off (activation_checkpointing: false)")
-    if chunked_run is None:
+    if job.chunked_run is None:
         reasons.append("chunked loss: not a candidate (the loss offers no chunked variant)")
-
-    floored = analytic is not None and device.type == "mps"
-    if floored:
+    if job.analytic is not None and job.device.type == "mps":
         reasons.append("MPS: each peak is the larger of the measured line and the analytic total")
+    return reasons
+
+
+def _predictor(job: _Job, fits: dict[Mode, Fit]):
+    """peak(mode, size): the measured line (on MPS at least the analytic total), plus the first
+    optimizer step's pending bytes."""
+    floored = job.analytic is not None and job.device.type == "mps"
 
     def predict(mode: Mode, size: int) -> float:
         measured = fits[mode].peak(size)
-        floor = analytic.total(size, mode) if floored else None
-        return (measured if floor is None else max(measured, floor)) + pending
+        floor = job.analytic.total(size, mode) if floored else None
+        return (measured if floor is None else max(measured, floor)) + job.room.pending
 
-    speed = None
-    if device.type == "cuda":  # time the finalists themselves: see `_time_finalists`
-        runs = {mode: chunked_run if mode.chunked_loss else run for mode in fits}
-        timed, notes = _time_finalists(fits, runs, device, sizes, limit, predict, result)
-        reasons += notes
-        if timed:
-            speed = _measured_speed(fits, timed)
+    return predict
 
-    best, candidates, why = choose(
-        fits, effective_batch_size, limit, policy=policy, cap=cap, predict=predict, speed=speed
+
+def _nothing_fits(job: _Job, reasons: list[str], found: dict[str, Any]) -> Plan:
+    ckpt = job.start.checkpointing or job.may_checkpoint
+    reasons.append(
+        "nothing is predicted to fit, not even one sample"
+        + (" with checkpointing" if ckpt else "")
+        + ": starting at micro 1; the out-of-memory ladder has the last word"
     )
-    if best is None:
-        ckpt = start or (checkpointing == "auto" and can_checkpoint)
-        reasons.append(
-            "nothing is predicted to fit, not even one sample"
-            + (" with checkpointing" if ckpt else "")
-            + ": starting at micro 1; the out-of-memory ladder has the last word"
-        )
-        return Plan(
-            micro_batch_size=1,
-            checkpointing=ckpt,
-            chunked_loss=False,
-            predicted_peak=None,
-            limit=limit,
-            in_use=base,
-            reasons=reasons,
-            candidates=candidates,
-            probe=result,
-            analytic=analytic,
-            **common,
-        )
-    reasons += why
-    reasons.append(_accumulation_reason(best.micro, effective_batch_size))
-    if best.mode.checkpointing and not start:
+    return job.room.plan(1, Mode(ckpt), None, reasons, **found)
+
+
+def _chosen_reasons(job: _Job, best: Candidate, fits: dict[Mode, Fit]) -> list[str]:
+    """Accumulation, the checkpointing decision and the analytic cross-check of the choice."""
+    reasons = [accumulation_reason(best.micro_batch_size, job.room.effective_batch_size)]
+    if best.mode.checkpointing and not job.start.checkpointing:
         reasons.append("activation checkpointing: on (the faster way to the larger micro-batch)")
     elif not best.mode.checkpointing and Mode(True) in fits:
         reasons.append("activation checkpointing: off (plain is predicted faster)")
-    if analytic is not None:
-        at = analytic.at(best.micro, best.mode.checkpointing, best.mode.chunked_loss)
-        if at is not None and at.peak is not None and device.type == "cuda":
+    if job.analytic is not None:
+        at = job.analytic.at(best.micro_batch_size, best.mode.checkpointing, best.mode.chunked_loss)
+        if at is not None and at.peak is not None and job.device.type == "cuda":
             off = (best.peak - at.peak) / at.peak
             reasons.append(
                 f"cross-check: the analytic estimate of the tensor peak is "
                 f"{format_bytes(at.peak)}, the probe's {format_bytes(best.peak)} ({off:+.0%})"
             )
-    return Plan(
-        micro_batch_size=best.micro,
-        checkpointing=best.mode.checkpointing,
-        chunked_loss=best.mode.chunked_loss,
-        predicted_peak=best.peak,
-        limit=limit,
-        in_use=base,
-        reasons=reasons,
-        candidates=candidates,
-        probe=result,
-        analytic=analytic,
-        largest_fitting=max(
-            (m for m in range(1, cap + 1) if predict(best.mode, m) <= limit), default=None
-        ),
-        **common,
-    )
-
-
-@dataclass(frozen=True)
-class Timed:
-    """A mode's finalist: the largest allowed size predicted to fit, and the size and speed
-    of the pass that was timed for it."""
-
-    largest: int
-    size: int
-    samples_per_second: float
-
-
-def _time_finalists(
-    fits: dict[Mode, Fit],
-    runs: dict[Mode, RunPass],
-    device: Device,
-    sizes: list[int],
-    limit: float,
-    predict: Callable[[Mode, int], float],
-    result: ProbeResult,
-) -> tuple[dict[Mode, Timed], list[str]]:
-    """On CUDA, time each mode at its own finalist size instead of extrapolating its time line.
-
-    Small probed sizes say little about the speed of large ones on a GPU: at one or two
-    samples a pass is bound by kernel launches, not arithmetic (1B Llama on an H100: 96 ms at
-    micro 1 and 97 ms at micro 2), so a line through them predicts almost free samples. Memory
-    is linear and exact there; time is not. So each mode runs one pass at the largest size it
-    may use (after one at that size that pays for allocation, unless the probe ran that size
-    just before), capped where a pass would take
-    longer than `TIME_PASS` (bounded with the largest probed size's time per sample, which
-    overstates it): beyond that size the GPU is busy and the measured rate is taken as the rate
-    of the larger sizes too. A mode is not timed when a mode with a subset of its memory savers
-    was timed at a size at least as large: the same size with more recomputation is slower.
-    A finalist that runs out of memory (a prediction that was wrong) is not a contender."""
-    order = sorted(fits, key=lambda m: (m.checkpointing + m.chunked_loss, m.checkpointing))
-    timed: dict[Mode, Timed] = {}
-    notes: list[str] = []
-    for mode in order:
-        fitting = [m for m in sizes if predict(mode, m) <= limit]
-        if not fitting:
-            continue
-        line = fits[mode]
-        probed = max(line.sizes)
-        per_sample = max(line.seconds(probed), 1e-9) / probed
-        size = max(
-            (m for m in fitting if m <= probed or m * per_sample <= TIME_PASS), default=fitting[0]
-        )
-        cheaper = [
-            other
-            for other, t in timed.items()
-            if other.checkpointing <= mode.checkpointing
-            and other.chunked_loss <= mode.chunked_loss
-            and t.size >= size
-        ]
-        if cheaper:
-            notes.append(
-                f"{mode.describe()}: not timed; {cheaper[0].describe()} runs micro "
-                f"{timed[cheaper[0]].size} with less recomputation"
-            )
-            continue
-        warm = any(  # this mode ran this size in the probe: kernels chosen, blocks cached
-            (s.size, s.checkpointing, s.chunked_loss) == (size, *mode) for s in result.samples
-        )
-        try:
-            sample = measure(runs[mode], device, size, mode.checkpointing, reps=1 if warm else 2)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            error = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "out of memory"
-        else:
-            result.samples.append(dataclasses.replace(sample, chunked_loss=mode.chunked_loss))
-            rate = size / max(sample.seconds, 1e-9)
-            timed[mode] = Timed(fitting[-1], size, rate)
-            notes.append(
-                f"{mode.describe()}: measured {rate:.3g} samples/s at micro {size}"
-                + (f" (fits up to {fitting[-1]})" if fitting[-1] > size else "")
-            )
-            continue
-        gc.collect()  # out of the except block: its frames held the activations
-        device.empty_cache()
-        result.failed.append((size, mode.checkpointing, error))
-        notes.append(f"{mode.describe()} micro {size} ran out of memory when timed")
-    return timed, notes
-
-
-def _measured_speed(
-    fits: dict[Mode, Fit], timed: dict[Mode, Timed]
-) -> Callable[[Mode, int], float | None]:
-    """samples/s per (mode, size) from the timed finalists: the measured rate at and above the
-    timed size; below it the line's rate scaled to meet the measurement; None for a mode that
-    was not timed."""
-
-    def speed(mode: Mode, size: int) -> float | None:
-        t = timed.get(mode)
-        if t is None:
-            return None
-        if size >= t.size:
-            return t.samples_per_second
-        line = fits[mode]
-        return (
-            t.samples_per_second
-            * line.samples_per_second(size)
-            / max(line.samples_per_second(t.size), 1e-9)
-        )
-
-    return speed
+    return reasons
 
 
 def _one_point(result: ProbeResult, mode: Mode, base: int) -> Fit | None:
@@ -668,74 +526,14 @@ def _one_point(result: ProbeResult, mode: Mode, base: int) -> Fit | None:
     )
 
 
-def _accumulation_reason(micro: int, effective: int) -> str:
-    steps = -(-effective // micro)
+def accumulation_reason(micro_batch_size: int, effective_batch_size: int) -> str:
+    steps = -(-effective_batch_size // micro_batch_size)
     if steps == 1:
-        return f"accumulation 1: the whole effective batch {effective} in one pass"
-    return f"accumulation {steps}: {steps} micro-batches of {micro}, the effective batch stays {effective}"
-
-
-def analytic_for(model, batch, *, precision: str, optimizer, device_type: str):
-    """(Analytic, None) for a known Hugging Face family, read off the live model (its config,
-    peft adapters, weights dtype, attention), the batch (sequence length) and the optimizer;
-    (None, why not) otherwise."""
-    from steadytrain.memory.estimate import KNOWN_FAMILIES, Settings, text_config
-
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "model_type"):
-        return None, "the model has no Hugging Face config"
-    family = getattr(text_config(config), "model_type", None)
-    if family not in KNOWN_FAMILIES:
-        return None, f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
-    if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
-        return None, "the batch has no input_ids of shape (batch, seq)"
-    names = {
-        "torch.float32": "fp32",
-        "torch.bfloat16": "bf16",
-        "torch.float16": "fp16",
-    }
-    params = list(model.parameters())
-    frozen = [p for p in params if not p.requires_grad]
-    weights = names.get(str((frozen or params)[0].dtype), "fp32")
-    settings: dict[str, Any] = {"method": "full"}
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict) and peft_config:
-        lora = next(iter(peft_config.values()))
-        targets = lora.target_modules
-        settings = {
-            "method": "lora",
-            "lora_r": int(lora.r),
-            "lora_targets": targets if isinstance(targets, str) else ",".join(sorted(targets)),
-            "lora_dropout": float(lora.lora_dropout or 0.0),
-        }
-    kind = type(optimizer).__name__.lower()
-    if kind == "sgd":
-        momentum = optimizer.param_groups[0].get("momentum", 0)
-        opt = "sgd-momentum" if momentum else "sgd"
-    elif "8bit" in kind:
-        opt = "adamw8bit"
-    else:
-        opt = "adamw"
-    attention = {"flash_attention_2": "flash", "eager": "eager"}.get(
-        getattr(config, "_attn_implementation", None) or "sdpa", "sdpa"
+        return f"accumulation 1: the whole effective batch {effective_batch_size} in one pass"
+    return (
+        f"accumulation {steps}: {steps} micro-batches of {micro_batch_size}, the effective batch "
+        f"stays {effective_batch_size}"
     )
-    try:
-        chosen = Settings(
-            micro_batch=1,
-            seq=int(ids.shape[1]),
-            precision=precision,
-            weights_dtype=weights,
-            optimizer=opt,
-            attention=attention,
-            device_type=device_type,
-            load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
-            **settings,
-        )
-        chosen.check()
-    except BadInputError as exc:
-        return None, str(exc)
-    return Analytic(config, chosen), None
 
 
 def first_step_bytes(optimizer) -> int:
@@ -754,325 +552,3 @@ def first_step_bytes(optimizer) -> int:
     if "8bit" in name:
         return size // 2
     return 3 * size
-
-
-# -- the command ------------------------------------------------------------------------------
-
-CHECKPOINTING_CHOICES = ("auto", "on", "off")
-ASSUMED_RECOMPUTE = 4 / 3
-"""Without a probe the times are unknown; checkpointing is taken to cost one more forward per
-sample (a forward is about a third of forward + backward), so plain wins wherever it fits."""
-ASSUMED_CHUNKED = 1.1
-"""The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
-vocabulary (docs/benchmarks.md)."""
-
-
-def plan_command(
-    model: str,
-    effective_batch: int,
-    seq: int = 1024,
-    precision: str = "fp32",
-    weights_dtype: str = "fp32",
-    method: str = "full",
-    lora_r: int = 16,
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj",
-    lora_dropout: float = 0.0,
-    load_in_4bit: bool = False,
-    checkpointing: str = "auto",
-    optimizer: str = "adamw",
-    attention: str = "sdpa",
-    device_type: str | None = None,
-    memory: str | None = None,
-    probe_device: bool | None = None,
-    micro_batch_sizes: str = "powers_of_two",
-    margin: float | None = None,
-    json_output: bool = False,
-    console=None,
-) -> int:
-    """`steadytrain plan`: the analytic estimate, then (on CUDA by default, elsewhere with
-    --probe) a probe of the model built from its config with random weights on this device,
-    then the plan. Exit 0 with a plan, 3 when nothing fits, 2 bad input."""
-    from steadytrain.memory.estimate import (
-        DEVICE_TYPES,
-        Settings,
-        load_config,
-        resolve_target,
-    )
-
-    problems = []
-    if effective_batch < 1:
-        problems.append(f"--effective-batch: {effective_batch} is not positive")
-    if checkpointing not in CHECKPOINTING_CHOICES:
-        problems.append(
-            f"--checkpointing: {checkpointing!r} is not one of {', '.join(CHECKPOINTING_CHOICES)}"
-        )
-    if device_type is not None and device_type not in DEVICE_TYPES:
-        problems.append(f"--device-type: {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
-    if margin is not None and not 0 < margin <= 1:
-        problems.append(f"--margin: {margin} is outside (0, 1]; 0.9 means 90% of the room")
-    if micro_batch_sizes not in SIZE_POLICIES:
-        problems.append(
-            f"--micro-batch-sizes: {micro_batch_sizes!r} is not one of {', '.join(SIZE_POLICIES)}"
-        )
-    if problems:
-        raise BadInputError("plan: " + "; ".join(problems))
-    budget, source, resolved_type = resolve_target(memory, device_type)
-    settings = Settings(
-        micro_batch=1,
-        seq=seq,
-        precision=precision,
-        weights_dtype=weights_dtype,
-        method=method,
-        lora_r=lora_r,
-        lora_targets=lora_targets,
-        lora_dropout=lora_dropout,
-        load_in_4bit=load_in_4bit,
-        optimizer=optimizer,
-        attention=attention,
-        device_type=resolved_type,
-    )
-    settings.check()
-    config = load_config(model)
-    analytic = Analytic(config, settings, strict=True)
-    ckpt = {"auto": "auto", "on": True, "off": False}[checkpointing]
-    from steadytrain.device import resolve_device
-
-    here = resolve_device("auto").type
-    if probe_device is None:
-        probe_device = here == "cuda" and resolved_type == "cuda"
-    if probe_device and resolved_type != here:
-        raise BadInputError(
-            f"--probe: this machine trains on {here}, the plan is for {resolved_type} "
-            "(--device-type); probe on the machine itself, or leave --probe out for the "
-            "analytic plan"
-        )
-    if probe_device:
-        chosen = _probe_plan(
-            config, settings, analytic, ckpt, effective_batch, memory, margin, micro_batch_sizes
-        )
-    else:
-        chosen = _analytic_plan(
-            analytic, ckpt, effective_batch, budget, resolved_type, margin, micro_batch_sizes
-        )
-    chosen.reasons.insert(0, f"budget from {source}")
-    if json_output:
-        import json
-
-        print(json.dumps(chosen.to_event(), indent=2, default=str))
-    else:
-        render_plan(chosen, seq, console)
-    return 3 if chosen.predicted_peak is None else 0
-
-
-def _analytic_plan(analytic, ckpt, effective, budget, device_type, margin, policy) -> Plan:
-    """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
-    against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`)."""
-    margin = margin if margin is not None else MARGINS[device_type]
-    modes = [Mode(ckpt is True)] + ([Mode(True)] if ckpt == "auto" else [])
-    modes += [Mode(m.checkpointing, True) for m in modes]
-    fits = {}
-    for mode in modes:
-        one, two = (
-            analytic.at(1, mode.checkpointing, mode.chunked_loss).total,
-            analytic.at(2, mode.checkpointing, mode.chunked_loss).total,
-        )
-        if one is None or two is None:
-            raise BadInputError(
-                "plan: the activations of this model family are not modelled, so only a probe "
-                "can tell; run it where the model will train with --probe"
-            )
-        fits[mode] = Fit(
-            checkpointing=mode.checkpointing,
-            fixed=float(2 * one - two),
-            per_sample=float(two - one),
-            seconds_fixed=0.0,
-            seconds_per_sample=(ASSUMED_RECOMPUTE if mode.checkpointing else 1.0)
-            * (ASSUMED_CHUNKED if mode.chunked_loss else 1.0),
-            sizes=(1, 2),
-            residual=0.0,
-            kind="analytic",
-        )
-    common = dict(
-        effective_batch_size=effective,
-        budget=budget,
-        margin=margin,
-        in_use=0,
-        device_type=device_type,
-    )
-    if budget is None:
-        raise BadInputError("plan: this device's budget is unknown; pass --memory 16GiB")
-    limit = margin * budget
-    reasons = [
-        f"no probe: the analytic total (tensors + overhead) against {margin:.0%} of the budget "
-        f"{format_bytes(budget)}, {format_bytes(limit)}; times are not measured, so a "
-        "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
-        "--probe on the training machine to compare measured speeds)"
-    ]
-    for mode, line in fits.items():
-        reasons.append(
-            f"{mode.describe()}: total ≈ {format_bytes(line.fixed)} + "
-            f"{format_bytes(line.per_sample)} × micro (analytic, micro 1 and 2)"
-        )
-    best, candidates, why = choose(fits, effective, limit, policy=policy)
-    if best is None:
-        reasons.append(
-            "nothing fits, not even one sample checkpointed: see the knobs of `estimate`"
-        )
-        return Plan(
-            micro_batch_size=1,
-            checkpointing=ckpt is not False,
-            chunked_loss=True,
-            predicted_peak=None,
-            limit=limit,
-            reasons=reasons,
-            candidates=candidates,
-            analytic=analytic,
-            **common,
-        )
-    reasons += [r for r in why if "samples/s" not in r]
-    reasons.append(_accumulation_reason(best.micro, effective))
-    return Plan(
-        micro_batch_size=best.micro,
-        checkpointing=best.mode.checkpointing,
-        chunked_loss=best.mode.chunked_loss,
-        predicted_peak=best.peak,
-        limit=limit,
-        reasons=reasons,
-        candidates=candidates,
-        analytic=analytic,
-        **common,
-    )
-
-
-def _probe_plan(config, settings, analytic, ckpt, effective, memory, margin, policy) -> Plan:
-    """Build the model from its config with random weights on this device (LoRA through peft
-    when asked), and plan with real passes on random tokens."""
-    import torch
-
-    from steadytrain._units import parse_bytes
-    from steadytrain.device import resolve_device
-    from steadytrain.memory.chunked_loss import CausalLMLoss
-    from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-    from steadytrain.memory.probe import checkpointing_switch
-
-    device = resolve_device("auto", parse_bytes(memory) if memory else 0.9)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    model = _random_model(config, settings, dtypes[settings.weights_dtype], device.torch_device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if settings.optimizer.startswith("sgd"):
-        momentum = 0.9 if settings.optimizer == "sgd-momentum" else 0.0
-        pending = first_step_bytes(torch.optim.SGD(params, lr=0.0, momentum=momentum))
-    else:
-        pending = first_step_bytes(torch.optim.AdamW(params))
-        if settings.optimizer == "adamw8bit":
-            pending //= 6
-    vocab = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else 0
-    generator = torch.Generator().manual_seed(0)
-    top = min(max(PROBE_SIZES), effective)
-    tokens = torch.randint(0, vocab or 2, (top, settings.seq), generator=generator)
-    tokens = tokens.to(device.torch_device)
-    state = {"checkpointing": False}
-    loss_fn = CausalLMLoss()
-
-    def passes(chunk_tokens: int | None):
-        def run(size: int, checkpointing: bool) -> None:
-            if checkpointing != state["checkpointing"]:
-                switch = checkpointing_switch(model, checkpointing)
-                if switch is None:
-                    raise BadInputError("plan: this model has no activation checkpointing switch")
-                switch()
-                state["checkpointing"] = checkpointing
-            loss_fn.set_chunking(chunk_tokens)
-            ids = tokens[:size]
-            with torch.autocast(
-                device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
-            ):
-                loss_sum, _ = loss_fn(model, {"input_ids": ids, "labels": ids})
-            loss_sum.backward()
-            for p in params:
-                p.grad = None
-
-        return run
-
-    return plan(
-        passes(None),
-        device,
-        effective_batch_size=effective,
-        checkpointing=ckpt,
-        can_checkpoint=checkpointing_switch(model, True) is not None,
-        chunked_run=passes(DEFAULT_CHUNK_TOKENS) if loss_fn.can_chunk(model) else None,
-        margin=margin,
-        policy=policy,
-        analytic=analytic,
-        pending=pending,
-    )
-
-
-def _random_model(config, settings, dtype, torch_device):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    attention = {"flash": "flash_attention_2", "eager": "eager"}.get(settings.attention, "sdpa")
-    config._attn_implementation = attention
-    with torch.device(torch_device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if settings.method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        targets = settings.targets
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=settings.lora_r,
-                lora_alpha=2 * settings.lora_r,
-                lora_dropout=settings.lora_dropout,
-                target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-            ),
-        )
-    model.train()
-    return model
-
-
-def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
-    """The candidates table and the reasons."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    table = Table(
-        title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
-        f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
-        f"{'on' if chosen.checkpointing else 'off'}"
-        + (", chunked loss" if chosen.chunked_loss else ""),
-        title_justify="left",
-    )
-    for name in ("mode", "micro", "accum", "predicted peak", "of limit", "samples/s", "tokens/s"):
-        table.add_column(name, justify="left" if name == "mode" else "right")
-    table.add_column("")
-    # Per mode, the sizes that fit and the first that does not: the rest says nothing new.
-    shown, over = [], set()
-    for c in chosen.candidates:
-        if c.fits or c.mode not in over:
-            shown.append(c)
-            over |= set() if c.fits else {c.mode}
-    hidden = len(chosen.candidates) - len(shown)
-    if hidden:
-        table.caption = f"{hidden} larger size(s) over the limit not shown (--json lists them)"
-    for c in shown:
-        picked = c.micro == chosen.micro_batch_size and c.mode == Mode(
-            chosen.checkpointing, chosen.chunked_loss
-        )
-        rate = c.samples_per_second if chosen.probe is not None else None
-        table.add_row(
-            c.mode.describe().replace("checkpointed", "ckpt"),
-            str(c.micro),
-            str(-(-chosen.effective_batch_size // c.micro)),
-            format_bytes(c.peak),
-            f"{c.peak / chosen.limit:.0%}" if chosen.limit else "-",
-            f"{rate:.3g}" if rate else "-",
-            f"{rate * seq:,.0f}" if rate and seq else "-",
-            "◀ chosen" if picked else ("fits" if c.fits else "over"),
-        )
-    console.print(table)
-    for reason in chosen.reasons:
-        console.print(f"- {reason}", markup=False, highlight=False)

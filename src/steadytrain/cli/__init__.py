@@ -7,12 +7,12 @@ a traceback; anything else is a bug and exits 1 with the traceback.
 from __future__ import annotations
 
 import sys
-from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from steadytrain.cli.memory_commands import register as register_memory_commands
 from steadytrain.errors import SteadytrainError
 
 app = typer.Typer(
@@ -69,155 +69,7 @@ def config_command(
     typer.echo(config.to_json(), nl=False)
 
 
-# The training settings `estimate` and `plan` share (memory/estimate.py's Settings).
-Model = Annotated[
-    str,
-    typer.Argument(
-        metavar="MODEL", help="A local model directory (config.json) or a Hugging Face id."
-    ),
-]
-Seq = Annotated[int, typer.Option("--seq", help="Tokens per sample.")]
-Precision = Annotated[
-    str, typer.Option("--precision", help="Autocast dtype: fp32 (none), bf16 or fp16.")
-]
-WeightsDtype = Annotated[
-    str,
-    typer.Option("--weights-dtype", help="dtype the weights (the frozen base with LoRA) load in."),
-]
-Method = Annotated[str, typer.Option("--method", help="full or lora.")]
-LoraR = Annotated[int, typer.Option("--lora-r", help="LoRA rank.")]
-LoraTargets = Annotated[
-    str,
-    typer.Option(
-        "--lora-targets",
-        help="Comma-separated module names (peft target_modules), or all-linear.",
-    ),
-]
-LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout.")]
-LoadIn4bit = Annotated[
-    bool, typer.Option("--load-in-4bit", help="NF4 base (QLoRA, bitsandbytes, CUDA).")
-]
-Optimizer = Annotated[
-    str, typer.Option("--optimizer", help="adamw, adamw8bit, sgd or sgd-momentum.")
-]
-Attention = Annotated[str, typer.Option("--attention", help="sdpa, flash or eager.")]
-DeviceType = Annotated[
-    str | None,
-    typer.Option(
-        "--device-type",
-        help="Where the run will train: cuda, mps or cpu (default: this machine's device).",
-    ),
-]
-Memory = Annotated[
-    str | None,
-    typer.Option(
-        "--memory", help="Plan for this much memory (16GiB) instead of this device's budget."
-    ),
-]
-
-
-@app.command("estimate")
-def estimate_command(
-    ctx: typer.Context,
-    model: Model,
-    micro_batch: Annotated[
-        int, typer.Option("--micro-batch", help="Samples per forward/backward.")
-    ] = 1,
-    seq: Seq = 1024,
-    precision: Precision = "fp32",
-    weights_dtype: WeightsDtype = "fp32",
-    method: Method = "full",
-    lora_r: LoraR = 16,
-    lora_targets: LoraTargets = "q_proj,k_proj,v_proj,o_proj",
-    lora_dropout: LoraDropout = 0.0,
-    load_in_4bit: LoadIn4bit = False,
-    checkpointing: Annotated[
-        bool,
-        typer.Option("--checkpointing", help="Activation checkpointing of every decoder layer."),
-    ] = False,
-    optimizer: Optimizer = "adamw",
-    attention: Attention = "sdpa",
-    device_type: DeviceType = None,
-    memory: Memory = None,
-    chunked_loss: Annotated[
-        bool,
-        typer.Option(
-            "--chunked-loss", help="The loss a chunk of tokens at a time (large vocabularies)."
-        ),
-    ] = False,
-    chunk_tokens: Annotated[
-        int, typer.Option("--chunk-tokens", help="Tokens per chunk with --chunked-loss.")
-    ] = 1024,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print the estimate as JSON.")
-    ] = False,
-) -> None:
-    """Memory breakdown for training MODEL: exit 0 fits, 3 does not fit, 2 bad input."""
-    from steadytrain.memory.estimate import estimate_command as run_estimate
-
-    raise typer.Exit(run_estimate(**ctx.params))
-
-
-@app.command("plan")
-def plan_command(
-    ctx: typer.Context,
-    model: Model,
-    effective_batch: Annotated[
-        int,
-        typer.Option(
-            "--effective-batch", help="Samples per optimizer step (kept whatever the micro-batch)."
-        ),
-    ],
-    seq: Seq = 1024,
-    precision: Precision = "fp32",
-    weights_dtype: WeightsDtype = "fp32",
-    method: Method = "full",
-    lora_r: LoraR = 16,
-    lora_targets: LoraTargets = "q_proj,k_proj,v_proj,o_proj",
-    lora_dropout: LoraDropout = 0.0,
-    load_in_4bit: LoadIn4bit = False,
-    checkpointing: Annotated[
-        str,
-        typer.Option(
-            "--checkpointing", help="Activation checkpointing: auto (the plan decides), on or off."
-        ),
-    ] = "auto",
-    optimizer: Optimizer = "adamw",
-    attention: Attention = "sdpa",
-    device_type: DeviceType = None,
-    memory: Memory = None,
-    probe_device: Annotated[
-        bool | None,
-        typer.Option(
-            "--probe/--no-probe",
-            help="Build the model with random weights on this device and measure passes "
-            "(default: on a CUDA machine planning for CUDA; elsewhere the plan uses the "
-            "estimate alone).",
-        ),
-    ] = None,
-    micro_batch_sizes: Annotated[
-        str,
-        typer.Option(
-            "--micro-batch-sizes",
-            help="powers_of_two (divisors of the effective batch that are powers of two) or "
-            "divisors.",
-        ),
-    ] = "powers_of_two",
-    margin: Annotated[
-        float | None,
-        typer.Option(
-            "--margin",
-            help="Share of the room above what is in use the peak may take (default 0.9 CUDA, "
-            "0.75 MPS and CPU).",
-        ),
-    ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
-) -> None:
-    """Choose micro-batch, accumulation, checkpointing and chunked loss for MODEL: exit 0, 3
-    nothing fits."""
-    from steadytrain.memory.plan import plan_command as run_plan
-
-    raise typer.Exit(run_plan(**ctx.params))
+register_memory_commands(app)
 
 
 @app.command("run", context_settings={"allow_interspersed_args": False})

@@ -1,0 +1,5 @@
+"""`python -m steadytrain.cli`: the `steadytrain` command."""
+
+from steadytrain.cli import main
+
+main()

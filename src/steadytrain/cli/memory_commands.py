@@ -1,0 +1,239 @@
+"""`steadytrain estimate` and `steadytrain plan`: the options come from the settings dataclass
+(`cli/options.py`); these functions resolve the target machine, call the model code in
+`steadytrain.memory`, and print its result as a table or as JSON.
+
+`estimate_command` and `plan_command` are also the commands' Python form: keyword arguments by
+field name (`micro_batch_size`, `memory_budget`, ...) or by the commands' earlier names
+(`micro_batch`, `memory`, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from steadytrain._units import format_bytes
+from steadytrain.cli.options import settings_command
+from steadytrain.memory.settings import Settings, from_options
+
+if TYPE_CHECKING:
+    from steadytrain.memory.estimate import Estimate
+    from steadytrain.memory.plan import Plan
+
+
+def register(app: typer.Typer) -> None:
+    """Add `estimate` and `plan` to the command line."""
+    settings_command(
+        app,
+        "estimate",
+        "Memory breakdown for training MODEL: exit 0 fits, 3 does not fit, 2 bad input.",
+        "Print the estimate as JSON.",
+        estimate_command,
+    )
+    settings_command(
+        app,
+        "plan",
+        "Choose micro-batch, accumulation, checkpointing and chunked loss for MODEL: exit 0, 3 "
+        "nothing fits.",
+        "Print the plan as JSON.",
+        plan_command,
+    )
+
+
+def estimate_command(model: str, *, json_output: bool = False, console=None, **given: Any) -> int:
+    """`steadytrain estimate`: print the breakdown; exit 0 fits or unknown, 3 does not fit."""
+    from steadytrain.memory.estimate import estimate, load_config
+
+    settings = from_options("estimate", given)
+    settings.check("estimate")
+    budget, source, resolved = resolve_target(settings)
+    result = estimate(load_config(model), resolved, model_name=model)
+    result.budget, result.budget_source = budget, source
+    if settings.memory_budget is not None and settings.device_type is None:
+        result.notes.append(
+            f"planned for a {resolved.device_type} device (this machine's); pass --device-type "
+            "mps or cuda when the other machine differs"
+        )
+    if json_output:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        render_estimate(result, console)
+    return 3 if result.fits is False else 0
+
+
+def plan_command(
+    model: str,
+    effective_batch_size: int | None = None,
+    *,
+    json_output: bool = False,
+    console=None,
+    **given: Any,
+) -> int:
+    """`steadytrain plan`: the analytic estimate, then (on CUDA by default, elsewhere with
+    --probe) a probe of the model built from its config with random weights on this device,
+    then the plan. Exit 0 with a plan, 3 when nothing fits, 2 bad input."""
+    from steadytrain.memory.config_plan import plan_for_config
+    from steadytrain.memory.estimate import load_config
+
+    if effective_batch_size is not None:
+        given["effective_batch_size"] = effective_batch_size
+    settings = from_options("plan", given)
+    settings.check("plan")
+    budget, source, resolved = resolve_target(settings)
+    chosen = plan_for_config(load_config(model), resolved, budget)
+    chosen.reasons.insert(0, f"budget from {source}")
+    if json_output:
+        print(json.dumps(chosen.to_event(), indent=2, default=str))
+    else:
+        render_plan(chosen, settings.seq, console)
+    return 3 if chosen.predicted_peak is None else 0
+
+
+def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
+    """(budget, where it comes from, the settings for the target's device type). --memory wins
+    over this device's budget (planning for another machine); --device-type over this device's
+    type."""
+    from steadytrain._units import parse_bytes
+    from steadytrain.device import resolve_device
+
+    memory, device_type = settings.memory_budget, settings.device_type
+    if memory is not None and device_type is not None:
+        return parse_bytes(memory), f"--memory {memory}", settings
+    device = resolve_device("auto")
+    resolved = dataclasses.replace(settings, device_type=device_type or device.type)
+    if memory is not None:
+        return parse_bytes(memory), f"--memory {memory}", resolved
+    return device.budget, f"{device.torch_device} budget ({device.name})", resolved
+
+
+def render_estimate(result: Estimate, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = result.settings
+    sh = result.shape
+    what = (
+        f"LoRA r={s.lora_r} on {s.lora_targets}" + (" over a 4-bit base" if s.load_in_4bit else "")
+        if s.method == "lora"
+        else "full fine-tune"
+    )
+    title = (
+        f"{result.model or sh.family}: {result.params / 1e9:.2f} B params "
+        f"({sh.family}, {sh.layers} layers, hidden {sh.hidden}, vocab {sh.vocab:,}"
+        f"{', tied' if sh.tied else ''}); {what}; micro-batch {s.micro_batch_size} × seq {s.seq}, "
+        f"{s.precision} compute over {s.weights_dtype} weights, {s.optimizer}"
+        f"{', activation checkpointing' if s.checkpointing else ''}"
+        f"{f', chunked loss ({s.chunk_tokens} tokens)' if s.chunked_loss else ''}, "
+        f"{s.attention} attention, "
+        f"on {s.device_type}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("component")
+    table.add_column("memory", justify="right")
+    table.add_column("GB", justify="right")
+    table.add_column("how")
+    for row in result.rows:
+        table.add_row(row.name, format_bytes(row.bytes), _gb(row.bytes), row.formula)
+    table.add_section()
+    table.add_row(
+        "peak (tensors)",
+        format_bytes(result.peak),
+        _gb(result.peak),
+        f"{result.peak_formula}; set by: {result.phase}" if result.peak else "unknown",
+    )
+    table.add_row("total", format_bytes(result.total), _gb(result.total), "peak + overhead")
+    console.print(table)
+    if result.budget is not None:
+        budget = f"{format_bytes(result.budget)} ({result.budget_source})"
+        if result.fits is None:
+            console.print(f"fits: unknown against {budget}: activations are not modelled")
+        elif result.fits:
+            share = 100 * result.total / result.budget
+            console.print(f"[green]fits[/]: {share:.0f}% of {budget}")
+        else:
+            console.print(
+                f"[red]does not fit[/]: needs {format_bytes(result.total)}, "
+                f"{format_bytes(result.total - result.budget)} over {budget}. Knobs: "
+                + ", ".join(_knobs(result))
+            )
+    else:
+        console.print(f"budget unknown ({result.budget_source}); pass --memory 16GiB")
+    for note in result.notes:
+        console.print(f"note: {note}")
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def _knobs(result: Estimate) -> list[str]:
+    s = result.settings
+    knobs = []
+    if s.micro_batch_size > 1:
+        knobs.append("a smaller --micro-batch (with accumulation)")
+    if not s.checkpointing:
+        knobs.append("--checkpointing")
+    if not s.chunked_loss and s.micro_batch_size * s.seq > s.chunk_tokens:
+        knobs.append("--chunked-loss")
+    knobs.append("a shorter --seq")
+    if s.method == "full":
+        knobs.append("--method lora")
+    elif s.lora_r > 8:
+        knobs.append("a lower --lora-r")
+    if s.weights_dtype == "fp32":
+        knobs.append("--weights-dtype bf16" if s.method == "lora" else "--precision bf16")
+    if s.device_type == "cuda" and s.method == "lora" and not s.load_in_4bit:
+        knobs.append("--load-in-4bit --weights-dtype bf16")
+    if s.device_type == "cuda" and s.optimizer == "adamw":
+        knobs.append("--optimizer adamw8bit")
+    return knobs
+
+
+def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
+    """The candidates table and the reasons."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from steadytrain.memory.choice import Mode
+
+    console = console or Console()
+    table = Table(
+        title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
+        f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
+        f"{'on' if chosen.checkpointing else 'off'}"
+        + (", chunked loss" if chosen.chunked_loss else ""),
+        title_justify="left",
+    )
+    for name in ("mode", "micro", "accum", "predicted peak", "of limit", "samples/s", "tokens/s"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    table.add_column("")
+    # Per mode, the sizes that fit and the first that does not: the rest says nothing new.
+    shown, over = [], set()
+    for c in chosen.candidates:
+        if c.fits or c.mode not in over:
+            shown.append(c)
+            over |= set() if c.fits else {c.mode}
+    hidden = len(chosen.candidates) - len(shown)
+    if hidden:
+        table.caption = f"{hidden} larger size(s) over the limit not shown (--json lists them)"
+    for c in shown:
+        picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == Mode(
+            chosen.checkpointing, chosen.chunked_loss
+        )
+        rate = c.samples_per_second if chosen.probe is not None else None
+        table.add_row(
+            c.mode.describe().replace("checkpointed", "ckpt"),
+            str(c.micro_batch_size),
+            str(-(-chosen.effective_batch_size // c.micro_batch_size)),
+            format_bytes(c.peak),
+            f"{c.peak / chosen.limit:.0%}" if chosen.limit else "-",
+            f"{rate:.3g}" if rate else "-",
+            f"{rate * seq:,.0f}" if rate and seq else "-",
+            "◀ chosen" if picked else ("fits" if c.fits else "over"),
+        )
+    console.print(table)
+    for reason in chosen.reasons:
+        console.print(f"- {reason}", markup=False, highlight=False)

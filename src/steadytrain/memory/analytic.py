@@ -1,0 +1,114 @@
+"""The analytic estimate in the planner's terms: linear in the micro-batch per mode, read off a
+config (`steadytrain plan`) or off a live model, its batch and its optimizer (the trainer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadytrain.errors import BadInputError
+from steadytrain.memory.choice import Mode
+from steadytrain.memory.estimate import KNOWN_FAMILIES, Estimate, Settings, estimate, text_config
+
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+@dataclass
+class Analytic:
+    """The analytic estimate of a known Hugging Face family, linear in the micro-batch: two
+    `estimate` calls per mode (each builds the model on the meta device), cached."""
+
+    config: Any
+    settings: Settings
+    strict: bool = False
+    """False in the trainer: the estimate is a cross-check there, and a config it cannot read
+    (an odd family, a new transformers) must not stop a run; the error is kept in `problem`."""
+    problem: str | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def at(
+        self, micro_batch_size: int, checkpointing: bool, chunked_loss: bool = False
+    ) -> Estimate | None:
+        """The estimate at these settings, or None when it cannot be made (see `problem`)."""
+        key = (micro_batch_size, checkpointing, chunked_loss)
+        if key not in self._cache:
+            changes = {
+                "micro_batch_size": micro_batch_size,
+                "checkpointing": checkpointing,
+                "chunked_loss": chunked_loss,
+            }
+            try:
+                found = estimate(self.config, dataclasses.replace(self.settings, **changes))
+            except (BadInputError, AttributeError, KeyError, TypeError, ValueError) as exc:
+                if self.strict:
+                    raise
+                self.problem, found = f"{type(exc).__name__}: {exc}", None
+            self._cache[key] = found
+        return self._cache[key]
+
+    def total(self, micro_batch_size: int, mode: Mode) -> float | None:
+        one = self.at(1, mode.checkpointing, mode.chunked_loss)
+        two = self.at(2, mode.checkpointing, mode.chunked_loss)
+        if one is None or two is None or one.total is None or two.total is None:
+            return None
+        return one.total + (two.total - one.total) * (micro_batch_size - 1)
+
+
+def analytic_for(model, batch, *, precision: str, optimizer, device_type: str):
+    """(Analytic, None) for a known Hugging Face family, read off the live model (its config,
+    peft adapters, weights dtype, attention), the batch (sequence length) and the optimizer;
+    (None, why not) otherwise."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        return None, "the model has no Hugging Face config"
+    family = getattr(text_config(config), "model_type", None)
+    if family not in KNOWN_FAMILIES:
+        return None, f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
+        return None, "the batch has no input_ids of shape (batch, seq)"
+    params = list(model.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    attention = {"flash_attention_2": "flash", "eager": "eager"}.get(
+        getattr(config, "_attn_implementation", None) or "sdpa", "sdpa"
+    )
+    try:
+        chosen = Settings(
+            micro_batch_size=1,
+            seq=int(ids.shape[1]),
+            precision=precision,
+            weights_dtype=DTYPE_NAMES.get(str((frozen or params)[0].dtype), "fp32"),
+            optimizer=optimizer_name(optimizer),
+            attention=attention,
+            device_type=device_type,
+            load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
+            **_method_of(model),
+        )
+        chosen.check()
+    except BadInputError as exc:
+        return None, str(exc)
+    return Analytic(config, chosen), None
+
+
+def _method_of(model) -> dict[str, Any]:
+    """The settings of the peft LoRA adapter the model carries, else a full fine-tune."""
+    peft_config = getattr(model, "peft_config", None)
+    if not (isinstance(peft_config, dict) and peft_config):
+        return {"method": "full"}
+    lora = next(iter(peft_config.values()))
+    targets = lora.target_modules
+    return {
+        "method": "lora",
+        "lora_r": int(lora.r),
+        "lora_targets": targets if isinstance(targets, str) else ",".join(sorted(targets)),
+        "lora_dropout": float(lora.lora_dropout or 0.0),
+    }
+
+
+def optimizer_name(optimizer) -> str:
+    """The estimate's name for a live optimizer: sgd, sgd-momentum, adamw8bit, else adamw."""
+    kind = type(optimizer).__name__.lower()
+    if kind == "sgd":
+        return "sgd-momentum" if optimizer.param_groups[0].get("momentum", 0) else "sgd"
+    return "adamw8bit" if "8bit" in kind else "adamw"

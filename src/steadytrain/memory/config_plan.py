@@ -1,0 +1,202 @@
+"""Plans for a model known by its config alone (`steadytrain plan`): from the analytic estimate,
+or from real passes of the model built with random weights on this device."""
+
+from __future__ import annotations
+
+from steadytrain._units import format_bytes, parse_bytes
+from steadytrain.device import resolve_device
+from steadytrain.errors import BadInputError
+from steadytrain.memory.analytic import Analytic
+from steadytrain.memory.choice import Mode, choose
+from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Settings
+from steadytrain.memory.plan import (
+    MARGINS,
+    PROBE_SIZES,
+    Plan,
+    Room,
+    accumulation_reason,
+    first_step_bytes,
+    plan,
+)
+from steadytrain.memory.probe import Fit
+
+ASSUMED_RECOMPUTE = 4 / 3
+"""Without a probe the times are unknown; checkpointing is taken to cost one more forward per
+sample (a forward is about a third of forward + backward), so plain wins wherever it fits."""
+ASSUMED_CHUNKED = 1.1
+"""The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
+vocabulary (docs/benchmarks.md)."""
+CHECKPOINTING = {"auto": "auto", "on": True, "off": False}
+"""`--checkpointing` in the config's terms (activation_checkpointing: auto, true, false)."""
+
+
+def plan_for_config(config, settings: Settings, budget: int | None) -> Plan:
+    """The plan for `config` under `settings` (checked, device_type resolved): probed on this
+    device where `settings.probe` says so (default: a CUDA machine planning for CUDA), else from
+    the analytic estimate against `budget`."""
+    analytic = Analytic(config, settings, strict=True)
+    here = resolve_device("auto").type
+    probe = settings.probe
+    if probe is None:
+        probe = here == "cuda" and settings.device_type == "cuda"
+    if probe and settings.device_type != here:
+        raise BadInputError(
+            f"--probe: this machine trains on {here}, the plan is for {settings.device_type} "
+            "(--device-type); probe on the machine itself, or leave --probe out for the "
+            "analytic plan"
+        )
+    if probe:
+        return _probe_plan(config, settings, analytic)
+    return analytic_plan(analytic, settings, budget)
+
+
+def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) -> Plan:
+    """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
+    against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`)."""
+    ckpt = CHECKPOINTING[settings.activation_checkpointing]
+    modes = [Mode(ckpt is True)] + ([Mode(True)] if ckpt == "auto" else [])
+    modes += [Mode(m.checkpointing, True) for m in modes]
+    fits = {mode: _analytic_line(analytic, mode) for mode in modes}
+    if budget is None:
+        raise BadInputError("plan: this device's budget is unknown; pass --memory 16GiB")
+    margin = settings.plan_margin
+    margin = margin if margin is not None else MARGINS[settings.device_type]
+    room = Room(settings.effective_batch_size, budget, 0, margin, settings.device_type)
+    reasons = [
+        f"no probe: the analytic total (tensors + overhead) against {margin:.0%} of the budget "
+        f"{format_bytes(budget)}, {format_bytes(room.limit)}; times are not measured, so a "
+        "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
+        "--probe on the training machine to compare measured speeds)"
+    ]
+    for mode, line in fits.items():
+        reasons.append(
+            f"{mode.describe()}: total ≈ {format_bytes(line.fixed)} + "
+            f"{format_bytes(line.per_sample)} × micro (analytic, micro 1 and 2)"
+        )
+    best, candidates, why = choose(
+        fits, room.effective_batch_size, room.limit, micro_batch_sizes=settings.micro_batch_sizes
+    )
+    if best is None:
+        reasons.append(
+            "nothing fits, not even one sample checkpointed: see the knobs of `estimate`"
+        )
+        mode, peak = Mode(ckpt is not False, True), None
+    else:
+        reasons += [r for r in why if "samples/s" not in r]
+        reasons.append(accumulation_reason(best.micro_batch_size, room.effective_batch_size))
+        mode, peak = best.mode, best.peak
+    micro = 1 if best is None else best.micro_batch_size
+    return room.plan(micro, mode, peak, reasons, candidates=candidates, analytic=analytic)
+
+
+def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
+    """total(b) = fixed + per_sample × b through the analytic totals at micro 1 and 2."""
+    one = analytic.at(1, mode.checkpointing, mode.chunked_loss).total
+    two = analytic.at(2, mode.checkpointing, mode.chunked_loss).total
+    if one is None or two is None:
+        raise BadInputError(
+            "plan: the activations of this model family are not modelled, so only a probe "
+            "can tell; run it where the model will train with --probe"
+        )
+    return Fit(
+        checkpointing=mode.checkpointing,
+        fixed=float(2 * one - two),
+        per_sample=float(two - one),
+        seconds_fixed=0.0,
+        seconds_per_sample=(ASSUMED_RECOMPUTE if mode.checkpointing else 1.0)
+        * (ASSUMED_CHUNKED if mode.chunked_loss else 1.0),
+        sizes=(1, 2),
+        residual=0.0,
+        kind="analytic",
+    )
+
+
+def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
+    """Build the model from its config with random weights on this device (LoRA through peft
+    when asked), and plan with real passes on random tokens."""
+    import torch
+
+    from steadytrain.memory.chunked_loss import CausalLMLoss
+    from steadytrain.memory.probe import checkpointing_switch
+
+    memory = settings.memory_budget
+    device = resolve_device("auto", parse_bytes(memory) if memory else 0.9)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    model = _random_model(config, settings, dtypes[settings.weights_dtype], device.torch_device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    vocab = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else 0
+    generator = torch.Generator().manual_seed(0)
+    top = min(max(PROBE_SIZES), settings.effective_batch_size)
+    tokens = torch.randint(0, vocab or 2, (top, settings.seq), generator=generator)
+    tokens = tokens.to(device.torch_device)
+    state = {"checkpointing": False}
+    loss_fn = CausalLMLoss()
+
+    def passes(chunk_tokens: int | None):
+        def run(size: int, checkpointing: bool) -> None:
+            if checkpointing != state["checkpointing"]:
+                switch = checkpointing_switch(model, checkpointing)
+                if switch is None:
+                    raise BadInputError("plan: this model has no activation checkpointing switch")
+                switch()
+                state["checkpointing"] = checkpointing
+            loss_fn.set_chunking(chunk_tokens)
+            ids = tokens[:size]
+            with torch.autocast(
+                device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
+            ):
+                loss_sum, _ = loss_fn(model, {"input_ids": ids, "labels": ids})
+            loss_sum.backward()
+            for p in params:
+                p.grad = None
+
+        return run
+
+    return plan(
+        passes(None),
+        device,
+        effective_batch_size=settings.effective_batch_size,
+        activation_checkpointing=CHECKPOINTING[settings.activation_checkpointing],
+        can_checkpoint=checkpointing_switch(model, True) is not None,
+        chunked_run=passes(DEFAULT_CHUNK_TOKENS) if loss_fn.can_chunk(model) else None,
+        plan_margin=settings.plan_margin,
+        micro_batch_sizes=settings.micro_batch_sizes,
+        analytic=analytic,
+        pending=_pending_bytes(settings, params),
+    )
+
+
+def _random_model(config, settings, dtype, torch_device):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    attention = {"flash": "flash_attention_2", "eager": "eager"}.get(settings.attention, "sdpa")
+    config._attn_implementation = attention
+    with torch.device(torch_device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if settings.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        targets = settings.targets
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=settings.lora_r,
+                lora_alpha=2 * settings.lora_r,
+                lora_dropout=settings.lora_dropout,
+                target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+            ),
+        )
+    model.train()
+    return model
+
+
+def _pending_bytes(settings: Settings, params) -> int:
+    """The first optimizer step's state for the optimizer the settings name."""
+    import torch
+
+    if settings.optimizer.startswith("sgd"):
+        momentum = 0.9 if settings.optimizer == "sgd-momentum" else 0.0
+        return first_step_bytes(torch.optim.SGD(params, lr=0.0, momentum=momentum))
+    pending = first_step_bytes(torch.optim.AdamW(params))
+    return pending // 6 if settings.optimizer == "adamw8bit" else pending

@@ -1,0 +1,180 @@
+"""What the estimate reads off a model: its Hugging Face config (a local directory or a hub id)
+and the exact parameter counts of the causal LM built from it on the meta device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from steadytrain.errors import BadInputError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the activation model needs from a config."""
+
+    family: str
+    hidden: int
+    intermediate: int | None
+    layers: int
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    vocab: int
+    tied: bool
+
+
+@dataclass
+class Linear:
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    in_layers: bool
+
+
+@dataclass
+class ParamCounts:
+    """Exact counts from the meta-device model; shared (tied) tensors are counted once."""
+
+    total: int
+    linear_in_layers: int
+    """Weights and biases of nn.Linear modules inside the decoder layers: what 4-bit quantizes
+    (biases excepted) and what LoRA wraps."""
+    lm_head: int
+    """The output projection; 0 when it is tied to the input embedding."""
+    embedding: int
+    other: int
+    tensors: list[int]
+    """numel of every parameter tensor (8-bit optimizers keep small tensors in fp32)."""
+    linears: list[Linear] = field(default_factory=list)
+
+
+def load_config(model: str):
+    """A Hugging Face config from a local directory or a hub id (cache, or online when the
+    network is there). Nothing but config.json is read."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "/", "~")) or os.sep + os.sep in model
+    if looks_local:
+        if not path.is_dir():
+            raise BadInputError(
+                f"model: {model!r} is not a directory; pass a local model directory holding "
+                "config.json, or a Hugging Face model id"
+            )
+        if not (path / "config.json").is_file():
+            raise BadInputError(
+                f"model: {model!r} has no config.json; pass the directory the model was saved "
+                "to (save_pretrained writes config.json there)"
+            )
+    try:
+        return AutoConfig.from_pretrained(str(path) if looks_local else model)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if looks_local:
+            raise BadInputError(
+                f"model: cannot read the config in {model!r} ({first}); check config.json"
+            ) from exc
+        raise BadInputError(
+            f"model: cannot get the config of hub id {model!r}: it is not in the local Hugging "
+            f"Face cache and the hub cannot be reached, or it does not exist ({first}). Pass a "
+            "local directory holding its config.json instead (download it where there is a "
+            "network: huggingface-cli download MODEL config.json --local-dir DIR)"
+        ) from exc
+
+
+def text_config(config):
+    """Multimodal configs keep the language model's shape in a sub-config."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def shape_of(config) -> Shape:
+    text = text_config(config)
+    hidden = text.hidden_size
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
+    return Shape(
+        family=getattr(text, "model_type", "unknown"),
+        hidden=hidden,
+        intermediate=getattr(text, "intermediate_size", None),
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=text.vocab_size,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def count_parameters(config) -> ParamCounts:
+    """Build the causal LM on the meta device and count, by kind. Tied tensors appear once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as exc:
+        raise BadInputError(
+            f"model: transformers cannot build a causal LM from this config "
+            f"(model_type {getattr(config, 'model_type', '?')!r}): {exc}"
+        ) from exc
+    seen: set[int] = set()
+    counts = {"linear_in_layers": 0, "lm_head": 0, "embedding": 0, "other": 0}
+    tensors: list[int] = []
+    linears: list[Linear] = []
+    output = model.get_output_embeddings()
+    for module_name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        in_layers = ".layers." in f".{module_name}." or ".h." in f".{module_name}."
+        if isinstance(module, torch.nn.Linear):
+            linears.append(
+                Linear(
+                    module_name,
+                    module.in_features,
+                    module.out_features,
+                    module.bias is not None,
+                    in_layers and module is not output,
+                )
+            )
+        for p in own:
+            seen.add(id(p))
+            tensors.append(p.numel())
+            if module is output:
+                kind = "lm_head"
+            elif isinstance(module, torch.nn.Embedding):
+                kind = "embedding"
+            elif isinstance(module, torch.nn.Linear) and in_layers:
+                kind = "linear_in_layers"
+            else:
+                kind = "other"
+            counts[kind] += p.numel()
+    return ParamCounts(total=sum(tensors), tensors=tensors, linears=linears, **counts)
+
+
+def lora_targets(counts: ParamCounts, targets: tuple[str, ...]) -> list[Linear]:
+    """The nn.Linear modules peft wraps for `target_modules` given as names: a module matches
+    when its name is the target or ends with '.' + target. 'all-linear' is every linear in the
+    decoder layers (peft leaves the output layer out)."""
+    if targets == ("all-linear",):
+        return [m for m in counts.linears if m.in_layers]
+    found = [m for m in counts.linears if any(_matches(m.name, t) for t in targets)]
+    missing = [t for t in targets if not any(_matches(m.name, t) for m in counts.linears)]
+    if missing or not found:
+        names = sorted({m.name.rsplit(".", 1)[-1] for m in counts.linears})
+        raise BadInputError(
+            f"--lora-targets: {', '.join(missing or targets)} match no linear layer of this "
+            f"model; its linear layers are: {', '.join(names)} (or pass all-linear)"
+        )
+    return found
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+# -- the estimate -----------------------------------------------------------------------------

@@ -1,0 +1,269 @@
+"""What a run will do, for `estimate` and `plan`: one dataclass whose fields are the options of
+`steadytrain estimate` and `steadytrain plan` (the command line is generated from it: each
+field's `option(...)` carries its flag, its help and the commands that show it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadytrain._units import parse_bytes
+from steadytrain.errors import BadInputError
+
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
+METHODS = ("full", "lora")
+ATTENTIONS = ("sdpa", "flash", "eager")
+DEVICE_TYPES = ("cuda", "mps", "cpu")
+CHECKPOINTING_CHOICES = ("auto", "on", "off")
+SIZE_POLICIES = ("powers_of_two", "divisors")
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+
+DEFAULT_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the chunked loss (memory/chunked_loss.py). One chunk of a 128k vocabulary
+peaks at 12 B × 1,024 × 128,256 = 1.47 GiB (a quarter of that for a 32k vocabulary), so the loss
+stops growing with micro-batch × seq past 1,024 tokens; a 1,024-row matmul against the output
+weight still runs at full matmul throughput on a GPU, and under autocast over fp32 weights every
+chunk casts the output weight again (vocab × hidden values, in forward and in backward), which
+smaller chunks would repeat more often. A smaller chunk is for when even one sequence's loss does
+not fit."""
+
+BOTH = ("estimate", "plan")
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    commands: tuple[str, ...] = BOTH,
+    required: bool = False,
+    cli_default: Any = dataclasses.MISSING,
+) -> Any:
+    """A settings field and its command-line option. `flag` defaults to the field's name in
+    kebab case; `cli_default` is the option's default where it differs from the field's
+    (device_type: None on the command line means this machine's device)."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "flag": flag,
+            "commands": commands,
+            "required": required,
+            "cli_default": default if cli_default is dataclasses.MISSING else cli_default,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the run will do and where. Every field is an option of `steadytrain estimate`,
+    `steadytrain plan` or both; `estimate()` reads the model's side of it."""
+
+    micro_batch_size: int = option(
+        1, "Samples per forward/backward.", flag="--micro-batch", commands=("estimate",)
+    )
+    effective_batch_size: int = option(
+        1,
+        "Samples per optimizer step (kept whatever the micro-batch).",
+        flag="--effective-batch",
+        commands=("plan",),
+        required=True,
+    )
+    seq: int = option(1024, "Tokens per sample.")
+    precision: str = option("fp32", "Autocast dtype: fp32 (none), bf16 or fp16.")
+    """steadytrain's engine autocasts over fp32 weights."""
+    weights_dtype: str = option("fp32", "dtype the weights (the frozen base with LoRA) load in.")
+    """Everything with a full fine-tune; fp32 is what steadytrain's engine trains by default."""
+    method: str = option("full", "full or lora.")
+    lora_r: int = option(16, "LoRA rank.")
+    lora_targets: str = option(
+        DEFAULT_LORA_TARGETS,
+        "Comma-separated module names (peft target_modules), or all-linear.",
+    )
+    lora_dropout: float = option(0.0, "LoRA dropout.")
+    load_in_4bit: bool = option(False, "NF4 base (QLoRA, bitsandbytes, CUDA).")
+    checkpointing: bool = option(
+        False, "Activation checkpointing of every decoder layer.", commands=("estimate",)
+    )
+    activation_checkpointing: str = option(
+        "auto",
+        "Activation checkpointing: auto (the plan decides), on or off.",
+        flag="--checkpointing",
+        commands=("plan",),
+    )
+    optimizer: str = option("adamw", "adamw, adamw8bit, sgd or sgd-momentum.")
+    attention: str = option("sdpa", "sdpa, flash or eager.")
+    """sdpa: PyTorch picks the kernel (see `attention_kernel`); flash: flash_attention_2;
+    eager: Hugging Face's own matmul-softmax-matmul."""
+    device_type: str | None = option(
+        "cuda",
+        "Where the run will train: cuda, mps or cpu (default: this machine's device).",
+        cli_default=None,
+    )
+    """It decides sdpa's kernel and the dropout mask's size."""
+    memory_budget: str | None = option(
+        None, "Plan for this much memory (16GiB) instead of this device's budget.", flag="--memory"
+    )
+    probe: bool | None = option(
+        None,
+        "Build the model with random weights on this device and measure passes (default: on a "
+        "CUDA machine planning for CUDA; elsewhere the plan uses the estimate alone).",
+        flag="--probe/--no-probe",
+        commands=("plan",),
+    )
+    micro_batch_sizes: str = option(
+        "powers_of_two",
+        "powers_of_two (divisors of the effective batch that are powers of two) or divisors.",
+        commands=("plan",),
+    )
+    """A policy, not a list of sizes: which divisors of the effective batch the plan may take."""
+    plan_margin: float | None = option(
+        None,
+        "Share of the room above what is in use the peak may take (default 0.9 CUDA, 0.75 MPS "
+        "and CPU).",
+        flag="--margin",
+        commands=("plan",),
+    )
+    chunked_loss: bool = option(
+        False, "The loss a chunk of tokens at a time (large vocabularies).", commands=("estimate",)
+    )
+    """The output layer and cross-entropy run `chunk_tokens` at a time (memory/chunked_loss.py):
+    the logits row holds one chunk instead of every token."""
+    chunk_tokens: int = option(
+        DEFAULT_CHUNK_TOKENS, "Tokens per chunk with --chunked-loss.", commands=("estimate",)
+    )
+    """`DEFAULT_CHUNK_TOKENS` says why 1,024."""
+
+    def check(self, command: str = "estimate") -> None:
+        """Every problem of `command`'s options at once, each naming the flag, what was found
+        and what would work."""
+        shown = {f.name for f in options(command)}
+        problems = [text for name, text in self._problems() if name in shown]
+        if problems:
+            raise BadInputError(f"{command}: " + "; ".join(problems))
+
+    def _problems(self) -> list[tuple[str, str]]:
+        """(field, problem) for every rule this settings breaks, whichever command reads it."""
+        found = [
+            (name, f"{flag_of(name)}: {value!r} is not one of {', '.join(allowed)}")
+            for name, value, allowed in (
+                ("precision", self.precision, tuple(PRECISIONS)),
+                ("weights_dtype", self.weights_dtype, tuple(PRECISIONS)),
+                ("method", self.method, METHODS),
+                ("optimizer", self.optimizer, OPTIMIZERS),
+                ("attention", self.attention, ATTENTIONS),
+                ("device_type", self.device_type or DEVICE_TYPES[0], DEVICE_TYPES),
+                ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING_CHOICES),
+                ("micro_batch_sizes", self.micro_batch_sizes, SIZE_POLICIES),
+            )
+            if value not in allowed
+        ]
+        for name, hint in (
+            ("micro_batch_size", "use 1 or more"),
+            ("effective_batch_size", "use 1 or more"),
+            ("seq", "use the sequence length in tokens"),
+            ("chunk_tokens", f"use e.g. {DEFAULT_CHUNK_TOKENS}"),
+        ):
+            if getattr(self, name) < 1:
+                found.append(
+                    (name, f"{flag_of(name)}: {getattr(self, name)} is not positive; {hint}")
+                )
+        return found + self._lora_and_budget_problems()
+
+    def _lora_and_budget_problems(self) -> list[tuple[str, str]]:
+        found = []
+        if self.method == "lora" and self.lora_r < 1:
+            found.append(
+                ("lora_r", f"--lora-r: {self.lora_r} is not positive; typical ranks are 8 to 64")
+            )
+        if not 0.0 <= self.lora_dropout < 1.0:
+            found.append(("lora_dropout", f"--lora-dropout: {self.lora_dropout} is outside [0, 1)"))
+        if self.load_in_4bit and self.method != "lora":
+            found.append(
+                (
+                    "load_in_4bit",
+                    "--load-in-4bit: a 4-bit base cannot be trained directly (its weights are "
+                    "quantized constants); use it with --method lora (QLoRA)",
+                )
+            )
+        if self.load_in_4bit and self.weights_dtype == "fp32":
+            found.append(
+                (
+                    "weights_dtype",
+                    "--weights-dtype: fp32 with --load-in-4bit; the 4-bit base computes in bf16 or "
+                    "fp16: pass --weights-dtype bf16 (what QLoRA uses for the layers it does not "
+                    "quantize)",
+                )
+            )
+        if self.plan_margin is not None and not 0 < self.plan_margin <= 1:
+            found.append(
+                (
+                    "plan_margin",
+                    f"--margin: {self.plan_margin} is outside (0, 1]; 0.9 means 90% of the room",
+                )
+            )
+        if self.memory_budget is not None:
+            try:
+                budget = parse_bytes(self.memory_budget)
+            except ValueError as exc:
+                found.append(("memory_budget", f"--memory: {exc}"))
+            else:
+                if budget <= 0:
+                    found.append(
+                        (
+                            "memory_budget",
+                            f"--memory: {self.memory_budget!r} is not positive; write it like '16GiB'",
+                        )
+                    )
+        return found
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    def estimate_fields(self) -> dict[str, Any]:
+        """The fields `estimate` reads, for its JSON."""
+        return {f.name: getattr(self, f.name) for f in options("estimate")}
+
+
+ALIASES = {
+    "micro_batch": "micro_batch_size",
+    "effective_batch": "effective_batch_size",
+    "memory": "memory_budget",
+    "margin": "plan_margin",
+    "probe_device": "probe",
+}
+"""Earlier keyword names of the commands' Python functions, kept working."""
+PLAN_ALIASES = {"checkpointing": "activation_checkpointing"}
+"""`plan`'s --checkpointing (auto, on, off) is the field activation_checkpointing."""
+
+
+def options(command: str) -> list[dataclasses.Field]:
+    """The fields `command` shows as options, in declaration order."""
+    return [f for f in dataclasses.fields(Settings) if command in f.metadata["commands"]]
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a field (the first spelling of a --x/--no-x pair)."""
+    meta = next(f.metadata for f in dataclasses.fields(Settings) if f.name == name)
+    return (meta["flag"] or "--" + name.replace("_", "-")).split("/")[0]
+
+
+def from_options(command: str, given: dict[str, Any]) -> Settings:
+    """Settings from `command`'s options by field name (or an earlier name in `ALIASES`); the
+    options not given take their command-line defaults."""
+    aliases = {**ALIASES, **(PLAN_ALIASES if command == "plan" else {})}
+    shown = {f.name: f for f in options(command)}
+    values = {name: f.metadata["cli_default"] for name, f in shown.items()}
+    for key, value in given.items():
+        name = aliases.get(key, key)
+        if name not in shown:
+            raise BadInputError(f"{command}: no option {key!r}; the options are {', '.join(shown)}")
+        values[name] = value
+    return Settings(**values)

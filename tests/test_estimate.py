@@ -351,7 +351,9 @@ def test_offline_hub_id_is_a_bad_input_naming_the_id(tmp_path):
 
 def test_chunked_loss_row_holds_one_chunk_and_the_hidden_states():
     config = llama_3b()  # vocab 128,256, hidden 3072
-    common = dict(method="lora", micro_batch_size=8, seq=1024, precision="bf16", weights_dtype="bf16")
+    common = dict(
+        method="lora", micro_batch_size=8, seq=1024, precision="bf16", weights_dtype="bf16"
+    )
     plain = estimate(config, Settings(**common))
     chunked = estimate(config, Settings(**common, chunked_loss=True, chunk_tokens=1024))
     assert plain.row("logits and loss") == 12 * 8192 * 128256

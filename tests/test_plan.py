@@ -137,7 +137,9 @@ def test_the_checkpointed_larger_micro_batch_wins_when_its_measured_rate_is_high
 
 def test_plain_wins_when_checkpointing_costs_more_than_the_larger_batch_gains():
     slow = Fit(**{**CHECKPOINTED.to_dict(), "seconds_per_sample": 0.06})
-    best, _, _ = choose({Mode(False): PLAIN, Mode(True): slow}, 48, LIMIT, micro_batch_sizes="divisors")
+    best, _, _ = choose(
+        {Mode(False): PLAIN, Mode(True): slow}, 48, LIMIT, micro_batch_sizes="divisors"
+    )
     assert best.mode == Mode(False) and best.micro == 3
 
 
@@ -329,7 +331,9 @@ def test_plan_command_without_a_probe_plans_from_the_estimate(tmp_path: Path, ca
 def test_a_saver_within_timing_noise_of_plain_is_not_chosen():
     """Checkpointed micro 8 predicted 3 % faster than plain micro 3: plain is kept."""
     close = Fit(**{**CHECKPOINTED.to_dict(), "seconds_per_sample": (8 * SEQ / 24_100 - 0.05) / 8})
-    best, _, reasons = choose({Mode(False): PLAIN, Mode(True): close}, 48, LIMIT, micro_batch_sizes="divisors")
+    best, _, reasons = choose(
+        {Mode(False): PLAIN, Mode(True): close}, 48, LIMIT, micro_batch_sizes="divisors"
+    )
     assert (best.micro, best.mode) == (3, Mode(False))
     assert any("at least 5% faster" in r for r in reasons)
 

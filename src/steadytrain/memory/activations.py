@@ -87,8 +87,7 @@ def layer_stage_bytes(shape: Shape, s: Settings) -> dict[str, float]:
     its input separately, so an input shared in fp32 becomes one low-precision copy per
     consumer."""
     h, i = shape.hidden, shape.intermediate
-    nh, d = shape.heads, shape.head_dim
-    hq, hkv = nh * d, shape.kv_heads * d
+    hq = shape.heads * shape.head_dim
     w = PRECISIONS[s.weights_dtype]
     c = PRECISIONS[s.precision] if s.autocast else w
     full = s.method == "full"
@@ -123,24 +122,28 @@ def layer_stage_bytes(shape: Shape, s: Settings) -> dict[str, float]:
         return total
 
     norm = 4 * h + (w * h if full else 0)
-    kernel = attention_kernel(shape, s)
-    if kernel == "eager":
-        probs = c if c != 4 else 0
-        attention = c * (4 * hq) + s.seq * nh * (4 + probs)
-    elif kernel == "math":
-        attention = c * (4 * hq) + s.seq * nh * c
-    else:
-        attention = c * (2 * hq + 2 * hkv) + 4 * nh
     return {
         "norm1": norm,
         "qkv_in": group(("q_proj", "k_proj", "v_proj"), h, w, False),
-        "attention": attention,
+        "attention": _attention_bytes(shape, s, c),
         "o_in": group(("o_proj",), hq, c, True),
         "norm2": norm,
         "mlp_in": group(("gate_proj", "up_proj"), h, w, False),
         "mlp_inner": 3 * c * i,
         "down_in": group(("down_proj",), i, c, False),
     }
+
+
+def _attention_bytes(shape: Shape, s: Settings, c: int) -> float:
+    """What one layer's attention saves per token, by kernel (`attention_kernel`)."""
+    nh, hq = shape.heads, shape.heads * shape.head_dim
+    kernel = attention_kernel(shape, s)
+    if kernel == "eager":
+        probs = c if c != 4 else 0
+        return c * (4 * hq) + s.seq * nh * (4 + probs)
+    if kernel == "math":
+        return c * (4 * hq) + s.seq * nh * c
+    return c * (2 * hq + 2 * shape.kv_heads * shape.head_dim) + 4 * nh
 
 
 def attention_kernel(shape: Shape, s: Settings) -> str:

@@ -33,7 +33,7 @@ is only a lower bound there.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._units import format_bytes
@@ -41,6 +41,7 @@ from steadytrain.device import Device, is_oom
 from steadytrain.memory.analytic import Analytic, analytic_for
 from steadytrain.memory.choice import SAVER_GAIN, Candidate, Mode, allowed_sizes, choose
 from steadytrain.memory.finalists import measured_speed, time_finalists
+from steadytrain.memory.plan_record import Plan, Room
 from steadytrain.memory.probe import Fit, ProbeResult, RunPass, in_use, measure, probe
 from steadytrain.memory.settings import SIZE_POLICIES
 
@@ -67,155 +68,6 @@ QUICK_SHARE = 0.5
 PROBE_SIZES = (1, 2, 4)
 
 
-@dataclass
-class Plan:
-    """The choice and why. `reasons` are the sentences the console and docs show."""
-
-    micro_batch_size: int
-    effective_batch_size: int
-    checkpointing: bool
-    chunked_loss: bool
-    predicted_peak: float | None
-    limit: float | None
-    budget: int | None
-    margin: float
-    in_use: int | None
-    reasons: list[str]
-    candidates: list[Candidate] = field(default_factory=list)
-    probe: ProbeResult | None = None
-    analytic: Any = None
-    quick: bool = False
-    largest_fitting: int | None = None
-    device_type: str = "cuda"
-
-    @property
-    def accumulation(self) -> int:
-        return -(-self.effective_batch_size // self.micro_batch_size)
-
-    def to_event(self) -> dict[str, Any]:
-        """The `plan` event of events.jsonl."""
-        return {
-            "micro_batch_size": self.micro_batch_size,
-            "accumulation": self.accumulation,
-            "effective_batch_size": self.effective_batch_size,
-            "activation_checkpointing": self.checkpointing,
-            "chunked_loss": self.chunked_loss,
-            "predicted_peak": _int(self.predicted_peak),
-            "limit": _int(self.limit),
-            "budget": self.budget,
-            "margin": self.margin,
-            "in_use": self.in_use,
-            "quick": self.quick,
-            "reasons": self.reasons,
-            "candidates": [
-                {
-                    "micro": c.micro_batch_size,
-                    "mode": c.mode.describe(),
-                    "peak": _int(c.peak),
-                    "samples_per_second": c.samples_per_second,
-                    "fits": c.fits,
-                }
-                for c in self.candidates
-            ],
-            "probe": self.probe.to_dict() if self.probe is not None else None,
-        }
-
-    def estimate_event(self) -> dict[str, Any] | None:
-        """The `estimate` event the report sets against the measured peak: the analytic estimate
-        at the chosen settings where the model is a known family, else the probe's prediction.
-        `peak` is the tensor peak (CUDA's counter), `total` what the process holds. On CPU the
-        report's measurement is the process's resident set, interpreter and libraries included,
-        which the analytic total does not model: the probe's prediction is recorded there, with
-        the analytic figures beside it."""
-        extra = {}
-        if self.analytic is not None:
-            at = self.analytic.at(self.micro_batch_size, self.checkpointing, self.chunked_loss)
-            if at is not None and at.peak is not None and self.device_type != "cpu":
-                return {
-                    "source": "analytic",
-                    "peak": at.peak,
-                    "total": at.total,
-                    "probe_peak": _int(self.predicted_peak),
-                    "micro_batch_size": self.micro_batch_size,
-                }
-            if at is not None:
-                extra = {"analytic_peak": at.peak, "analytic_total": at.total}
-        if self.predicted_peak is None:
-            return None
-        return {
-            "source": "probe",
-            "peak": _int(self.predicted_peak),
-            "total": _int(self.predicted_peak),
-            "micro_batch_size": self.micro_batch_size,
-            **extra,
-        }
-
-
-def _int(value: float | None) -> int | None:
-    return None if value is None else int(value)
-
-
-@dataclass(frozen=True)
-class Room:
-    """The bound: what the budget leaves above what is in use, and the share of it the plan
-    may take. Every `Plan` is made by `Room.plan`."""
-
-    effective_batch_size: int
-    budget: int | None
-    in_use: int | None
-    margin: float
-    device_type: str
-    pending: int = 0
-    """Bytes the first optimizer step adds that no probed pass holds (`first_step_bytes`)."""
-
-    @property
-    def limit(self) -> float | None:
-        if self.budget is None or self.in_use is None:
-            return None
-        return self.in_use + self.margin * max(self.budget - self.in_use, 0)
-
-    def within(self, share: float) -> float:
-        """The peak that takes `share` of the room the limit allows."""
-        return self.in_use + share * (self.limit - self.in_use)
-
-    def plan(
-        self,
-        micro_batch_size: int,
-        mode: Mode,
-        predicted_peak: float | None,
-        reasons: list[str],
-        **found: Any,
-    ) -> Plan:
-        """The one way to make a Plan: this room's figures, the choice and its reasons."""
-        return Plan(
-            micro_batch_size=micro_batch_size,
-            effective_batch_size=self.effective_batch_size,
-            checkpointing=mode.checkpointing,
-            chunked_loss=mode.chunked_loss,
-            predicted_peak=predicted_peak,
-            limit=self.limit,
-            budget=self.budget,
-            margin=self.margin,
-            in_use=self.in_use,
-            device_type=self.device_type,
-            reasons=reasons,
-            **found,
-        )
-
-    def describe(self) -> str:
-        return (
-            f"budget {format_bytes(self.budget)}, {format_bytes(self.in_use)} in use: the peak "
-            f"may reach {format_bytes(self.limit)} ({self.margin:.0%} of the room above what is "
-            "in use)"
-            + (
-                f"; the first optimizer step adds {format_bytes(self.pending)} of optimizer "
-                "state, counted in every prediction"
-                if self.pending
-                else ""
-            )
-        )
-
-
 EARLIER_NAMES = {
     "checkpointing": "activation_checkpointing",
     "margin": "plan_margin",
@@ -236,9 +88,43 @@ class _Job:
     can_checkpoint: bool
     micro_batch_sizes: str
     cap: int
-    reps: int
-    analytic: Analytic | None
-    sizes: list[int] = field(default_factory=list)
+    sizes: list[int]
+    reps: int = 1
+    """Passes per probed size (CUDA times its finalists instead, so one there)."""
+    analytic: Analytic | None = None
+
+    @classmethod
+    def bound(
+        cls,
+        run: RunPass,
+        chunked_run: RunPass | None,
+        device: Device,
+        effective_batch_size: int,
+        cap: int | None,
+        pending: int,
+        can_checkpoint: bool,
+        *,
+        activation_checkpointing: str | bool,
+        plan_margin: float | None,
+        micro_batch_sizes: str,
+    ) -> _Job:
+        """The job with its room: the budget, what is in use, and the margin of the room."""
+        margin = plan_margin if plan_margin is not None else MARGINS[device.type]
+        budget, base = device.budget, in_use(device)
+        room = Room(effective_batch_size, budget, base, margin, device.type, pending)
+        cap = min(cap or effective_batch_size, effective_batch_size)
+        sizes = allowed_sizes(effective_batch_size, micro_batch_sizes, cap)
+        return cls(
+            run,
+            chunked_run,
+            device,
+            room,
+            activation_checkpointing,
+            can_checkpoint,
+            micro_batch_sizes,
+            cap,
+            sizes,
+        )
 
     @property
     def start(self) -> Mode:
@@ -282,46 +168,25 @@ def plan(
     `pending`: bytes the first optimizer step adds that no probed pass holds (the optimizer's
     state, `first_step_bytes`); added to every prediction. `checkpointing`, `margin` and
     `policy` are accepted as the earlier names of the config's fields."""
-    given = {"activation_checkpointing": activation_checkpointing, "plan_margin": plan_margin}
-    given["micro_batch_sizes"] = micro_batch_sizes
+    given = {
+        "activation_checkpointing": activation_checkpointing,
+        "plan_margin": plan_margin,
+        "micro_batch_sizes": micro_batch_sizes,
+    }
     for key, value in earlier.items():
         if key not in EARLIER_NAMES:
             raise TypeError(f"plan() got an unexpected keyword argument {key!r}")
         given[EARLIER_NAMES[key]] = value
-    margin = given["plan_margin"]
-    room = Room(
-        effective_batch_size,
-        device.budget,
-        in_use(device),
-        margin if margin is not None else MARGINS[device.type],
-        device.type,
-        pending,
+    job = _Job.bound(
+        run, chunked_run, device, effective_batch_size, cap, pending, can_checkpoint, **given
     )
-    cap = min(cap or effective_batch_size, effective_batch_size)
-    job = _Job(
-        run=run,
-        chunked_run=chunked_run,
-        device=device,
-        room=room,
-        activation_checkpointing=given["activation_checkpointing"],
-        can_checkpoint=can_checkpoint,
-        micro_batch_sizes=given["micro_batch_sizes"],
-        cap=cap,
-        reps=reps or (1 if device.type == "cuda" else 2),  # CUDA times its finalists instead
-        analytic=analytic,
-        sizes=allowed_sizes(effective_batch_size, given["micro_batch_sizes"], cap),
-    )
-    if room.limit is None:
-        return room.plan(
-            job.sizes[-1],
-            job.start,
-            None,
-            [
-                "the budget of this device is unknown: starting at the largest allowed size; "
-                "the out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
-            ],
-            analytic=analytic,
-        )
+    job.reps, job.analytic = reps or (1 if device.type == "cuda" else 2), analytic
+    if job.room.limit is None:
+        reasons = [
+            "the budget of this device is unknown: starting at the largest allowed size; the "
+            "out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
+        ]
+        return job.room.plan(job.sizes[-1], job.start, None, reasons, analytic=analytic)
     result = _first_pass(job)
     return _without_probing(job, result) or _probe_and_choose(job, result)
 

@@ -1,0 +1,160 @@
+"""The plan as a record: `Plan` (what was chosen, why, and the events it writes) and `Room`
+(the bound: budget, what is in use and the margin, from which every `Plan` is made)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from steadytrain._units import format_bytes
+from steadytrain.memory.choice import Candidate, Mode
+from steadytrain.memory.probe import ProbeResult
+
+
+@dataclass
+class Plan:
+    """The choice and why. `reasons` are the sentences the console and docs show."""
+
+    micro_batch_size: int
+    effective_batch_size: int
+    checkpointing: bool
+    chunked_loss: bool
+    predicted_peak: float | None
+    limit: float | None
+    budget: int | None
+    margin: float
+    in_use: int | None
+    reasons: list[str]
+    candidates: list[Candidate] = field(default_factory=list)
+    probe: ProbeResult | None = None
+    analytic: Any = None
+    quick: bool = False
+    largest_fitting: int | None = None
+    device_type: str = "cuda"
+
+    @property
+    def accumulation(self) -> int:
+        return -(-self.effective_batch_size // self.micro_batch_size)
+
+    def to_event(self) -> dict[str, Any]:
+        """The `plan` event of events.jsonl."""
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "accumulation": self.accumulation,
+            "effective_batch_size": self.effective_batch_size,
+            "activation_checkpointing": self.checkpointing,
+            "chunked_loss": self.chunked_loss,
+            "predicted_peak": _int(self.predicted_peak),
+            "limit": _int(self.limit),
+            "budget": self.budget,
+            "margin": self.margin,
+            "in_use": self.in_use,
+            "quick": self.quick,
+            "reasons": self.reasons,
+            "candidates": [
+                {
+                    "micro": c.micro_batch_size,
+                    "mode": c.mode.describe(),
+                    "peak": _int(c.peak),
+                    "samples_per_second": c.samples_per_second,
+                    "fits": c.fits,
+                }
+                for c in self.candidates
+            ],
+            "probe": self.probe.to_dict() if self.probe is not None else None,
+        }
+
+    def estimate_event(self) -> dict[str, Any] | None:
+        """The `estimate` event the report sets against the measured peak: the analytic estimate
+        at the chosen settings where the model is a known family, else the probe's prediction.
+        `peak` is the tensor peak (CUDA's counter), `total` what the process holds. On CPU the
+        report's measurement is the process's resident set, interpreter and libraries included,
+        which the analytic total does not model: the probe's prediction is recorded there, with
+        the analytic figures beside it."""
+        extra = {}
+        if self.analytic is not None:
+            at = self.analytic.at(self.micro_batch_size, self.checkpointing, self.chunked_loss)
+            if at is not None and at.peak is not None and self.device_type != "cpu":
+                return {
+                    "source": "analytic",
+                    "peak": at.peak,
+                    "total": at.total,
+                    "probe_peak": _int(self.predicted_peak),
+                    "micro_batch_size": self.micro_batch_size,
+                }
+            if at is not None:
+                extra = {"analytic_peak": at.peak, "analytic_total": at.total}
+        if self.predicted_peak is None:
+            return None
+        return {
+            "source": "probe",
+            "peak": _int(self.predicted_peak),
+            "total": _int(self.predicted_peak),
+            "micro_batch_size": self.micro_batch_size,
+            **extra,
+        }
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class Room:
+    """The bound: what the budget leaves above what is in use, and the share of it the plan
+    may take. Every `Plan` is made by `Room.plan`."""
+
+    effective_batch_size: int
+    budget: int | None
+    in_use: int | None
+    margin: float
+    device_type: str
+    pending: int = 0
+    """Bytes the first optimizer step adds that no probed pass holds (`first_step_bytes`)."""
+
+    @property
+    def limit(self) -> float | None:
+        if self.budget is None or self.in_use is None:
+            return None
+        return self.in_use + self.margin * max(self.budget - self.in_use, 0)
+
+    def within(self, share: float) -> float:
+        """The peak that takes `share` of the room the limit allows."""
+        return self.in_use + share * (self.limit - self.in_use)
+
+    def plan(
+        self,
+        micro_batch_size: int,
+        mode: Mode,
+        predicted_peak: float | None,
+        reasons: list[str],
+        **found: Any,
+    ) -> Plan:
+        """The one way to make a Plan: this room's figures, the choice and its reasons."""
+        return Plan(
+            micro_batch_size=micro_batch_size,
+            effective_batch_size=self.effective_batch_size,
+            checkpointing=mode.checkpointing,
+            chunked_loss=mode.chunked_loss,
+            predicted_peak=predicted_peak,
+            limit=self.limit,
+            budget=self.budget,
+            margin=self.margin,
+            in_use=self.in_use,
+            device_type=self.device_type,
+            reasons=reasons,
+            **found,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"budget {format_bytes(self.budget)}, {format_bytes(self.in_use)} in use: the peak "
+            f"may reach {format_bytes(self.limit)} ({self.margin:.0%} of the room above what is "
+            "in use)"
+            + (
+                f"; the first optimizer step adds {format_bytes(self.pending)} of optimizer "
+                "state, counted in every prediction"
+                if self.pending
+                else ""
+            )
+        )

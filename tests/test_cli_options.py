@@ -5,6 +5,8 @@ names keep working; validation names every problem of the command at once."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import typer
@@ -71,3 +73,10 @@ def test_check_names_every_problem_of_the_command_alone():
 def test_plan_refuses_an_unknown_keyword_before_it_measures_anything():
     with pytest.raises(TypeError, match="bogus"):
         plan(None, None, effective_batch_size=1, bogus=True)
+
+
+def test_the_command_line_reads_its_options_without_importing_torch():
+    """The supervisor (`steadytrain run`) is the same program: it must stay a small process."""
+    code = "import sys, steadytrain.cli; raise SystemExit('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -8,6 +8,9 @@ candidates and the winner), `finalists` (CUDA's timed finalists), `analytic` (th
 the planner's terms), `plan` (bound, probe, choose, explain), `config_plan` (a plan from a config
 alone, for `steadytrain plan`)."""
 
+import importlib
+from typing import Any
+
 from steadytrain.memory.estimate import (
     KNOWN_FAMILIES,
     Estimate,
@@ -16,8 +19,30 @@ from steadytrain.memory.estimate import (
     estimate,
     load_config,
 )
-from steadytrain.memory.plan import Candidate, Mode, Plan, allowed_sizes, choose, plan
-from steadytrain.memory.probe import Fit, ProbeResult, Sample, fit, measure, probe
+
+_LAZY = {
+    "Candidate": "plan",
+    "Mode": "plan",
+    "Plan": "plan",
+    "allowed_sizes": "plan",
+    "choose": "plan",
+    "Fit": "probe",
+    "ProbeResult": "probe",
+    "Sample": "probe",
+    "fit": "probe",
+    "measure": "probe",
+}
+"""Names whose modules import torch (through the device layer), imported on first use so that
+the command line reads its options from `memory.settings` without torch: the supervisor
+(`steadytrain run`) stays a small process. `steadytrain.memory.plan` and `.probe` are the
+modules; their functions are `plan.plan` and `probe.probe`."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "KNOWN_FAMILIES",
@@ -36,6 +61,4 @@ __all__ = [
     "fit",
     "load_config",
     "measure",
-    "plan",
-    "probe",
 ]

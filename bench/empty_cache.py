@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     require_steadytrain()
     from steadytrain.device import resolve_device
-    from steadytrain.engine.metrics import StepMetrics
+    from steadytrain.events import StepMetrics
     from steadytrain.events import Control, TrainState
     from steadytrain.safety.memory_watch import MemoryWatch
 

@@ -11,8 +11,7 @@ from steadytrain import TrainConfig, Trainer
 from steadytrain.device import resolve_device
 from steadytrain.engine import StepRunner, resolve_precision
 from steadytrain.engine.batching import split_batch
-from steadytrain.engine.metrics import StepMetrics
-from steadytrain.events import Control, Dispatcher, TrainState
+from steadytrain.events import Control, Dispatcher, StepMetrics, TrainState
 
 # Everything runs in float64, so "equal up to rounding" can be checked tightly.
 

@@ -25,8 +25,7 @@ from rich.console import Console
 
 import steadytrain
 from steadytrain import BadInputError, TrainConfig, Trainer
-from steadytrain.engine.metrics import DeviceSpan, StepMetrics
-from steadytrain.events import Control, TrainState
+from steadytrain.events import Control, DeviceSpan, StepMetrics, TrainState
 from steadytrain.telemetry.console import ConsoleLog, ProgressBar, console_callback
 from steadytrain.telemetry.files import JsonlFile, RunFiles, read_jsonl
 from steadytrain.telemetry.tensorboard import TensorBoardLog

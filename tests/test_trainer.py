@@ -333,7 +333,7 @@ def test_batchnorm_models_get_a_warning_that_splitting_changes_them(tmp_path):
 
 
 def test_step_metrics_wait_for_the_device_only_when_read():
-    from steadytrain.engine.metrics import StepMetrics
+    from steadytrain.events import StepMetrics
 
     seen = []
     m = StepMetrics({"loss": torch.tensor(2.5), "tokens": torch.tensor(7), "lr": 0.1}, seen.append)

@@ -9,7 +9,7 @@ from steadytrain.errors import (
     DoesNotFitError,
     SteadytrainError,
 )
-from steadytrain.events import Callback, Control, Event, TrainState
+from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "DoesNotFitError",
     "Event",
     "FitResult",
+    "StepMetrics",
     "SteadytrainError",
     "TrainConfig",
     "TrainState",

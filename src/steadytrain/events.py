@@ -21,12 +21,17 @@ A callback is an object with an ``on_<event>`` method for the events it cares ab
 has the signature ``(state, control, info)``: ``state`` is the loop's `TrainState` (read it, do not
 change it), ``control`` is how a callback asks the loop for something, ``info`` is a dict with what
 is particular to that event (documented on `Event`). Callbacks keep their own state.
+
+`StepMetrics` is the row every ``on_step_end`` receives (``info["metrics"]``), one line of
+metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -95,7 +100,6 @@ class Control:
     stop_reason: str = ""
     save_requested: bool = False
     shrink_reason: str | None = None
-    _notes: list[str] = field(default_factory=list, repr=False)
 
     def request_stop(self, exit_code: int = 0, reason: str = "") -> None:
         """Stop after the current optimizer step; `fit()` reports `exit_code`."""
@@ -122,3 +126,104 @@ class Dispatcher:
             method = getattr(callback, event.method, None)
             if method is not None:
                 method(self.state, self.control, info)
+
+
+# -- one optimizer step's metrics row ------------------------------------------------------------
+#
+# Reading a device value (the loss) makes the host wait for the device. Done at the end of every
+# step, that wait leaves the device idle while the host prepares and launches the next step
+# (about 10 % of a launch-bound step on an H100, docs/benchmarks.md). So the step hands back its
+# device values as tensors; the first read of any of them converts them all, in one wait. The run
+# files write step k's line when step k+1 has been queued, so by default nothing waits early.
+# Phase times measured on the device (`DeviceSpan`, on the steps the progress display shows) are
+# pending values too: two device events, read after that same wait, when both have long passed.
+
+_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "loss": float,
+    "grad_norm": float,
+    "tokens": int,
+    "skipped": bool,
+}
+
+
+def _is_tensor(value: Any) -> bool:
+    # No torch import here: the light commands import this module. Without torch loaded, nothing
+    # is a tensor.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+class DeviceSpan:
+    """Seconds between two events recorded on the device's queue (CUDA or MPS timing events).
+
+    The events mark where a phase's work begins and ends on the device, so the span is the
+    device's time for that phase, not the host's time to queue it. Reading it before the device
+    has passed `end` would wait; `StepMetrics` reads it after converting the step's tensors,
+    which already waited for work queued after `end`.
+    """
+
+    __slots__ = ("end", "start")
+
+    def __init__(self, start: Any, end: Any):
+        self.start, self.end = start, end
+
+    def seconds(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000.0
+
+
+def _pending(value: Any) -> bool:
+    return isinstance(value, DeviceSpan) or _is_tensor(value)
+
+
+class StepMetrics(dict):
+    """A dict of one step's metrics whose device values resolve on first read.
+
+    The row: from the step, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
+    ``micro_steps``, ``samples``, ``tokens``, ``compute_time``, ``optimizer_time``, ``skipped``
+    (and ``device_compute_time``, ``device_optimizer_time`` on timed steps); from the loop,
+    ``time``, ``step``, ``epoch``, ``data_time``, ``step_time``, ``memory``; from the checkpoint
+    callback, ``checkpoint_time`` on the steps it saves.
+
+    `metrics["loss"]`, `.get("loss")` and `resolve()` convert every pending tensor (one device
+    synchronisation) and call `on_resolve(metrics)` once. Code that hands the dict to something
+    that reads it wholesale (`json.dumps`, `dict(...)`) calls `resolve()` first.
+    """
+
+    def __init__(
+        self, values: dict[str, Any], on_resolve: Callable[[StepMetrics], None] | None = None
+    ):
+        super().__init__(values)
+        self._on_resolve = on_resolve
+        self._resolved = not any(_pending(v) for v in values.values())
+        if self._resolved and on_resolve is not None:
+            on_resolve(self)
+
+    @property
+    def resolved(self) -> bool:
+        return self._resolved
+
+    def resolve(self) -> StepMetrics:
+        if not self._resolved:
+            self._resolved = True
+            items = list(dict.items(self))
+            for key, value in items:
+                if _is_tensor(value):
+                    dict.__setitem__(self, key, _CONVERT.get(key, float)(value))
+            for key, value in items:
+                if isinstance(value, DeviceSpan):
+                    dict.__setitem__(self, key, value.seconds())
+            if self._on_resolve is not None:
+                self._on_resolve(self)
+        return self
+
+    def __getitem__(self, key: str) -> Any:
+        if not self._resolved and _pending(dict.__getitem__(self, key)):
+            self.resolve()
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default

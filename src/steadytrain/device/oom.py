@@ -9,8 +9,11 @@ Python: the supervisor handles those.
 
 from __future__ import annotations
 
+import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -91,3 +94,52 @@ def oom_request_bytes(exc: BaseException) -> int | None:
             scale = _SCALE["bytes"] if unit.lower() == "bytes" else _SCALE[unit[0].upper()]
             return int(float(match.group(1)) * scale)
     return None
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """What an out-of-memory error said, kept as plain values: holding the exception would keep
+    its frames, and with them the tensors that ran out of room, alive."""
+
+    error: str
+    """The message's first line (at most 400 characters)."""
+    requested: int | None
+    """Bytes the failed allocation asked for, when the message says."""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> OutOfMemory:
+        lines = str(exc).strip().splitlines()
+        return cls(lines[0][:400] if lines else "out of memory", oom_request_bytes(exc))
+
+
+def call_or_oom(fn: Callable[[], T], free: Callable[[], None]) -> tuple[T | None, OutOfMemory | None]:
+    """``(fn(), None)``, or ``(None, what ran out)`` when `fn` runs out of memory; any other
+    error propagates. After an out-of-memory the except block is left first (its traceback holds
+    the failed pass's tensors), then garbage is collected and `free()` runs (drop what the caller
+    holds, empty the device's cache), so the caller retries, shrinks or gives up with the memory
+    back."""
+    oom = None
+    try:
+        return fn(), None
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        oom = OutOfMemory.of(exc)
+    gc.collect()
+    free()
+    return None, oom
+
+
+def retry_on_oom(
+    fn: Callable[[], T], free: Callable[[], None], recover: Callable[[OutOfMemory], None]
+) -> T:
+    """`fn()` until it returns: after each out-of-memory, `free()` as in `call_or_oom`, then
+    `recover(oom)`, which makes the next try smaller or raises to give up."""
+    while True:
+        value, oom = call_or_oom(fn, free)
+        if oom is None:
+            return value  # type: ignore[return-value]
+        recover(oom)

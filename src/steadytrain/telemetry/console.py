@@ -1,6 +1,6 @@
 """Progress on stderr: a live bar on an interactive terminal, plain lines elsewhere, or nothing.
 
-Reading a step's loss makes the host wait for the device (steadytrain.engine.metrics). The run
+Reading a step's loss makes the host wait for the device (steadytrain.events.StepMetrics). The run
 files read step k when step k+1 ends; the console reads the same step at the same moment (or a
 step some other callback already read, such as a checkpoint step), so it never adds a wait. The
 bar's fields change at every step end, but rich redraws it on its own timer, a few times a
@@ -19,8 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
 from steadytrain._units import format_bytes
-from steadytrain.engine.metrics import StepMetrics
-from steadytrain.events import Callback, Control, TrainState
+from steadytrain.events import Callback, Control, StepMetrics, TrainState
 
 BAR_REFRESH_PER_SECOND = 4
 LOSS_SMOOTHING = 0.9  # EMA weight of the past: about the last ten steps' losses

@@ -94,7 +94,7 @@ class RunFiles(Callback):
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         # Step k's line is written once step k+1 is queued, so reading its loss does not make
-        # the host wait for the device (see steadytrain.engine.metrics).
+        # the host wait for the device (see steadytrain.events.StepMetrics).
         self._write_pending()
         self._pending = info["metrics"]
         if self._pending.resolved:  # already read (a checkpoint step): write it now

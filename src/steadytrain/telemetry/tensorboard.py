@@ -11,9 +11,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from steadytrain.engine.metrics import StepMetrics
 from steadytrain.errors import BadInputError
-from steadytrain.events import Callback, Control, TrainState
+from steadytrain.events import Callback, Control, StepMetrics, TrainState
 
 GIB = 1024**3
 

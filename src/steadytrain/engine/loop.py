@@ -7,10 +7,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from steadytrain.engine.metrics import StepMetrics
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError
-from steadytrain.events import Dispatcher, Event
+from steadytrain.events import Dispatcher, Event, StepMetrics
 
 
 class Loop:
@@ -18,8 +17,8 @@ class Loop:
 
     Every `time_every`-th step (and the last) is timed: its forward+backward and optimizer
     phases are also measured on the device's clock (`StepRunner.run(timed=True)`). Those are
-    the steps the progress lines show; the others stay free of any extra device work. None:
-    ``log_every_steps`` of the config in `fit_info`, else 10.
+    the steps the progress lines show (``log_every_steps``); the others stay free of any extra
+    device work.
     """
 
     def __init__(
@@ -29,11 +28,9 @@ class Loop:
         batches: Callable[[int, int], Iterable[Any]],
         emit: Dispatcher,
         fit_info: dict[str, Any],
-        time_every: int | None = None,
+        time_every: int,
     ):
         self.runner, self.batches, self.emit, self.fit_info = runner, batches, emit, fit_info
-        if time_every is None:
-            time_every = (fit_info.get("config") or {}).get("log_every_steps") or 10
         self.time_every = time_every
         self.state, self.control = emit.state, emit.control
         self.last_metrics: StepMetrics | None = None
@@ -51,6 +48,19 @@ class Loop:
         if metrics["step"] >= self._last_loss_step:
             self._last_loss_step = metrics["step"]
             self.state.last_loss = metrics["loss"]
+
+    def _row(self, values: dict[str, Any], data_time: float) -> StepMetrics:
+        """The step's metrics row (`StepMetrics` lists its columns): the step's values, and
+        where and when it ran."""
+        values.update(
+            time=time.time(),
+            step=self.state.step,
+            epoch=self.state.epoch,
+            data_time=data_time,
+            step_time=data_time + values["compute_time"] + values["optimizer_time"],
+            memory=self.runner.device.memory().to_dict(),
+        )
+        return StepMetrics(values, self._account)
 
     def run(self) -> tuple[str, int]:
         """Train until max_steps or a stop request. Returns (reason, exit_code)."""
@@ -88,15 +98,7 @@ class Loop:
                 state.step += 1
                 state.batch_in_epoch += 1
                 state.samples_seen += values["samples"]
-                values.update(
-                    time=time.time(),
-                    step=state.step,
-                    epoch=state.epoch,
-                    data_time=data_time,
-                    step_time=data_time + values["compute_time"] + values["optimizer_time"],
-                    memory=self.runner.device.memory().to_dict(),
-                )
-                self.last_metrics = StepMetrics(values, self._account)
+                self.last_metrics = self._row(values, data_time)
                 self.emit(Event.STEP_END, {"metrics": self.last_metrics})
                 if control.shrink_reason:
                     self.runner.shrink(control.shrink_reason)

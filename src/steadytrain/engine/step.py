@@ -3,7 +3,7 @@
 The collated batch is split into micro-batches of the size in force; each is moved to the device,
 run forward under autocast, its loss weighted by its share of the batch, and backpropagated. On
 out-of-memory anywhere in the step the partial gradients are dropped, the cache is freed, the
-micro size is halved (or activation checkpointing is turned on once the size is 1) and the same
+micro size is halved (or, once the size is 1, the next memory saver is turned on) and the same
 batch is redone from the same RNG state. The optimizer always sees the whole batch.
 
 Weighting makes accumulation exact: a `loss_fn` returning a mean is weighted by sample share;
@@ -13,25 +13,36 @@ gradient is divided by the batch's total count, so padding and uneven splits do 
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from steadytrain._units import format_bytes
-from steadytrain.device import Device, get_rng_state, is_oom, oom_request_bytes, set_rng_state
+from steadytrain.device import (
+    Device,
+    OutOfMemory,
+    call_or_oom,
+    get_rng_state,
+    retry_on_oom,
+    set_rng_state,
+)
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.metrics import DeviceSpan
 from steadytrain.engine.precision import Precision
 from steadytrain.errors import BadInputError, DoesNotFitError, SteadytrainError
-from steadytrain.events import Event, TrainState
-from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.probe import checkpointing_switch as _switch
+from steadytrain.events import DeviceSpan, Event, TrainState
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 Emit = Callable[[Event, dict], None]
+
+
+class SaverLadder(Protocol):
+    """The memory savers as the out-of-memory ladder sees them (`memory.savers.MemorySavers`,
+    injected by the trainer)."""
+
+    def next_rung(self, reason: str) -> dict[str, Any] | None: ...
+    def describe(self) -> str: ...
 
 
 class _Count:
@@ -199,17 +210,16 @@ class StepRunner:
         emit: Emit,
         scheduler: Any = None,
         max_grad_norm: float | None = None,
-        checkpointing: str | bool = "auto",
+        savers: SaverLadder | None = None,
     ):
+        """`savers`: what the ladder turns on at micro-batch 1 before giving up (None: none)."""
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.device, self.precision, self.state, self.emit = device, precision, state, emit
-        self.scheduler, self.max_grad_norm = scheduler, max_grad_norm
-        self.checkpointing_allowed = checkpointing is not False
+        self.scheduler, self.max_grad_norm, self.savers = scheduler, max_grad_norm, savers
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.non_blocking = device.type == "cuda"
         self._phase = "idle"
-        if checkpointing is True:
-            self.enable_activation_checkpointing(reason="activation_checkpointing: true")
+        self._versions_before_optimizer: dict | None = None
 
     # -- the step -------------------------------------------------------------------------
 
@@ -219,21 +229,12 @@ class StepRunner:
         `timed`: also measure the forward+backward and optimizer phases on the device's clock
         (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`."""
         rng = get_rng_state()
-        while True:
-            try:
-                return self._attempt(batch, timed)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                failure = {
-                    "phase": self._phase,
-                    "error": str(exc).strip().splitlines()[0][:400],
-                    "requested": oom_request_bytes(exc),
-                }
-                versions = self._versions_before_optimizer
-            # Out of the except block: the exception and its frames (holding activations) are gone.
-            self._recover(failure, versions)
+
+        def recover(oom: OutOfMemory) -> None:
+            self._recover(oom)
             set_rng_state(rng)
+
+        return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
     def _attempt(self, batch: Any, timed: bool) -> dict[str, Any]:
         n = batch_len(batch)
@@ -308,49 +309,49 @@ class StepRunner:
         """The loss `run(batch)` would report, without a backward or an update: the same split,
         autocast and weighting. Random draws (dropout) are the caller's to save and restore.
         None when it runs out of memory (the caller's check is then skipped, not the step)."""
-        loss = _BatchLoss(batch_len(batch))
-        try:
+
+        def forward_only() -> float:
+            loss = _BatchLoss(batch_len(batch))
             with torch.no_grad():
                 for piece in split_batch(batch, self.state.micro_batch_size):
                     piece = to_device(piece, self.device.torch_device, self.non_blocking)
                     with self.precision.autocast():
                         loss.add(self.loss_fn(self.model, piece), batch_len(piece))
                 return float(loss.mean())
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-        gc.collect()
-        self.device.empty_cache()
-        return None
+
+        value, _ = call_or_oom(forward_only, self.device.empty_cache)
+        return value
 
     # -- out-of-memory ladder -------------------------------------------------------------
 
-    def _recover(self, failure: dict, versions: dict | None) -> None:
+    def _drop_partial(self) -> None:
+        """After an out-of-memory: drop the partial gradients (and undo a started optimizer
+        step where that is exact), then free the cache."""
         self.optimizer.zero_grad(set_to_none=True)
-        if failure["phase"] == "optimizer":
-            self._undo_optimizer_start(versions)
+        if self._phase == "optimizer":
+            self._undo_optimizer_start(self._versions_before_optimizer)
         if self.precision.scaler is not None:
             # unscale_ may have run; the scaler must forget it before the redo.
             self.precision.scaler._per_optimizer_states.clear()
-        self._phase = "idle"
-        gc.collect()
         self.device.empty_cache()
+
+    def _recover(self, oom: OutOfMemory) -> None:
+        """Announce the out-of-memory, then take the next rung: halve the micro size, or at 1
+        turn on the next memory saver, or give up (`DoesNotFitError`)."""
+        failure = {"phase": self._phase, "error": oom.error, "requested": oom.requested}
+        self._phase = "idle"
         memory = self.device.memory().to_dict()
         self.state.oom_count += 1
         self.emit(
             Event.OOM,
             {**failure, "micro_batch_size": self.state.micro_batch_size, "memory": memory},
         )
-        old = self.state.micro_batch_size
-        if old > 1:
-            self.shrink(f"out of memory in {failure['phase']}", memory)
+        if self.shrink(f"out of memory in {failure['phase']}", memory):
             return
-        why = "out of memory at micro-batch 1"
-        checkpointed = self.checkpointing_allowed and self.enable_activation_checkpointing(
-            reason=why, memory=memory
-        )
-        if not checkpointed and not self.enable_chunked_loss(reason=why, memory=memory):
+        rung = self.savers.next_rung("out of memory at micro-batch 1") if self.savers else None
+        if rung is None:
             raise DoesNotFitError(self._does_not_fit(failure, memory))
+        self.emit(Event.MEMORY_SAVER, {**rung, "memory": memory})
 
     def shrink(self, reason: str, memory: dict | None = None) -> bool:
         """Halve the micro size (same effective batch). False when it is already 1."""
@@ -369,91 +370,6 @@ class StepRunner:
             },
         )
         return True
-
-    def enable_activation_checkpointing(self, reason: str, memory: dict | None = None) -> bool:
-        """Turn on the model's own activation checkpointing; False if it has none or it is on."""
-        if self.state.activation_checkpointing or not self.set_activation_checkpointing(True):
-            return False
-        self.emit(
-            Event.MEMORY_SAVER,
-            {
-                "saver": "activation_checkpointing",
-                "reason": reason,
-                "memory": memory or self.device.memory().to_dict(),
-            },
-        )
-        return True
-
-    @property
-    def can_checkpoint(self) -> bool:
-        """The model has its own switch both ways (Hugging Face models) and the config allows
-        it: the planner may try it and turn it back off."""
-        return self.checkpointing_allowed and all(
-            _switch(self.model, on) is not None for on in (True, False)
-        )
-
-    def set_activation_checkpointing(self, on: bool) -> bool:
-        """Switch the model's activation checkpointing without an event: the planner's probe
-        tries both ways, and its `plan` event says why it kept one. False when the model has no
-        such switch."""
-        switch = _switch(self.model, on)
-        if switch is None:
-            return False
-        switch()
-        self.state.activation_checkpointing = on
-        return True
-
-    @property
-    def can_chunk_loss(self) -> bool:
-        """The loss has a chunked mode (`memory.chunked_loss.CausalLMLoss` and any object with
-        its `can_chunk` / `set_chunking` methods) that supports this model."""
-        can = getattr(self.loss_fn, "can_chunk", None)
-        return (
-            callable(can)
-            and callable(getattr(self.loss_fn, "set_chunking", None))
-            and bool(can(self.model))
-        )
-
-    def set_chunked_loss(self, chunk_tokens: int | None) -> bool:
-        """Compute the loss `chunk_tokens` tokens at a time (None: the plain loss), without an
-        event (the planner tries both). False when the loss has no such mode for this model."""
-        if not self.can_chunk_loss:
-            return False
-        self.loss_fn.set_chunking(chunk_tokens)
-        self.state.chunked_loss = chunk_tokens
-        return True
-
-    def enable_chunked_loss(self, reason: str, memory: dict | None = None) -> bool:
-        """The last memory saver of the ladder: the chunked loss where the loss has one. False
-        when it has none or it is already on."""
-        if self.state.chunked_loss is not None or not self.set_chunked_loss(DEFAULT_CHUNK_TOKENS):
-            return False
-        self.emit(
-            Event.MEMORY_SAVER,
-            {
-                "saver": "chunked_loss",
-                "chunk_tokens": DEFAULT_CHUNK_TOKENS,
-                "reason": reason,
-                "memory": memory or self.device.memory().to_dict(),
-            },
-        )
-        return True
-
-    def trial_pass(self, batch: Any, size: int) -> None:
-        """Forward and backward of the first `size` samples of `batch`, exactly as a step runs a
-        micro-batch (device move, autocast, `loss_fn`), then the gradients are dropped: the
-        optimizer never sees them, so the model is unchanged. The planner's probe measures the
-        memory and time of a micro-batch with it. Out-of-memory propagates to the caller."""
-        piece = to_device(split_batch(batch, size)[0], self.device.torch_device, self.non_blocking)
-        try:
-            with self.precision.autocast():
-                out = self.loss_fn(self.model, piece)
-            loss = out[0] if isinstance(out, (tuple, list)) else out
-            loss.backward()
-            del out, loss
-        finally:
-            for param in self.params:
-                param.grad = None
 
     def _versions(self) -> dict[int, int]:
         """In-place version counters of every parameter and optimizer state tensor."""
@@ -497,17 +413,7 @@ class StepRunner:
         need = f"{format_bytes(in_use)} in use"
         if requested:
             need += f", and the failed allocation asked for {format_bytes(requested)} more"
-        if self.state.activation_checkpointing:
-            savers = "activation checkpointing on"
-        elif not self.checkpointing_allowed:
-            savers = "activation checkpointing off by the config"
-        else:
-            savers = "the model has no activation checkpointing to turn on"
-        savers += (
-            f", the loss chunked by {self.state.chunked_loss} tokens"
-            if self.state.chunked_loss is not None
-            else ""
-        )
+        savers = self.savers.describe() if self.savers else "no memory savers"
         return (
             f"does not fit: one sample per micro-batch ({savers}) runs out of memory in "
             f"{failure['phase']} on {self.device.torch_device}.\n"

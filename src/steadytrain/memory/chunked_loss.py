@@ -105,7 +105,7 @@ loss's bytes per logit it is derived from): pass it as a `Trainer`'s `loss_fn`."
 
 class CausalLMLoss:
     """`causal_lm_loss` as an object whose chunking can be switched during a run, the way
-    `StepRunner.set_activation_checkpointing` switches checkpointing: the engine's planner
+    `memory.savers.MemorySavers` switches checkpointing: the engine's planner
     (`micro_batch_size: "auto"`) tries the loss both ways and keeps chunking where it lets a
     faster micro-batch fit, and the out-of-memory ladder at micro-batch 1 calls
     `enable_chunking()` and redoes the step, with the same loss and gradients in less memory.

@@ -2,9 +2,9 @@
 peak(b) = fixed + per_sample × b and seconds(b) = seconds_fixed + seconds_per_sample × b.
 
 The memory layer knows no engine: the caller hands over `run(size, checkpointing)`, one forward
-and backward of `size` samples that leaves the model as it found it (the trainer builds it from
-its StepRunner's `trial_pass`). The probe resets the device's peak reading, runs it, reads the
-peak, and times it between two synchronisations.
+and backward of `size` samples that leaves the model as it found it (`memory.savers.trial_pass`,
+switched per mode by `MemorySavers.trial_run`). The probe resets the device's peak reading, runs
+it, reads the peak, and times it between two synchronisations.
 
 Why these sizes: activations grow linearly with the micro-batch and everything else (weights,
 gradients, workspaces) does not, so two sizes give the line and a third gives the residual, the
@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from steadytrain._units import format_bytes
-from steadytrain.device import Device, is_oom
+from steadytrain.device import Device, call_or_oom
+from steadytrain.memory.savers import checkpointing_switch  # noqa: F401  (plan.py's import)
 
 RunPass = Callable[[int, bool], None]
 """run(size, checkpointing): one forward and backward of `size` samples, model unchanged."""
@@ -109,21 +110,6 @@ class ProbeResult:
             "kind": self.kind,
             "seconds": round(self.seconds, 3),
         }
-
-
-def checkpointing_switch(model, on: bool) -> Callable[[], None] | None:
-    """The model's own activation checkpointing switch, non-reentrant, or None: transformers 5
-    names it `activation_checkpointing_enable` (the `gradient_checkpointing_*` names still work
-    there, with a deprecation warning, and are all that older versions and other libraries
-    have). Here because the probe and the engine both switch it."""
-    for prefix in ("activation", "gradient"):
-        method = getattr(model, f"{prefix}_checkpointing_{'enable' if on else 'disable'}", None)
-        if callable(method):
-            if not on:
-                return method
-            kwargs = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
-            return lambda method=method, kwargs=kwargs: method(**kwargs)
-    return None
 
 
 def in_use(device: Device) -> int | None:
@@ -238,17 +224,11 @@ def probe(
                 )
             )
             break
-        error = None
-        try:
-            sample = measure(run, device, size, checkpointing, reps)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            error = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "out of memory"
-        if error is not None:  # out of the except block: its frames held the activations
-            gc.collect()
-            device.empty_cache()
-            result.failed.append((size, checkpointing, error))
+        sample, oom = call_or_oom(
+            lambda size=size: measure(run, device, size, checkpointing, reps), device.empty_cache
+        )
+        if oom is not None:
+            result.failed.append((size, checkpointing, oom.error[:300]))
             break
         done.append(sample)
         result.samples.append(sample)

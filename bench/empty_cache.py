@@ -89,8 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     require_steadytrain()
     from steadytrain.device import resolve_device
-    from steadytrain.events import StepMetrics
-    from steadytrain.events import Control, TrainState
+    from steadytrain.events import Control, StepMetrics, TrainState
     from steadytrain.safety.memory_watch import MemoryWatch
 
     device_obj = resolve_device(args.device)

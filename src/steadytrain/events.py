@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -67,16 +67,22 @@ class Callback:
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None: ...
 
 
+FROM_CONFIG = {"from_config": True}
+"""`TrainState` field metadata: the value follows from this run's config and data, so a resume
+keeps the fresh value instead of the checkpoint's."""
+
+
 @dataclass
 class TrainState:
-    """Where the run is. Everything here is plain data, so it can be saved and restored as JSON."""
+    """Where the run is. Everything here is plain data, so it can be saved and restored as JSON
+    (`safety.state.load_train_state` reads it back, field by field)."""
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0  # current epoch, from 0
     batch_in_epoch: int = 0  # optimizer batches of this epoch already consumed
-    steps_per_epoch: int = 0
-    max_steps: int = 0  # total optimizer steps this run will take
-    effective_batch_size: int = 0
+    steps_per_epoch: int = field(default=0, metadata=FROM_CONFIG)
+    max_steps: int = field(default=0, metadata=FROM_CONFIG)  # total optimizer steps of the run
+    effective_batch_size: int = field(default=0, metadata=FROM_CONFIG)
     micro_batch_size: int = 0  # micro size in force
     samples_seen: int = 0
     tokens_seen: int = 0

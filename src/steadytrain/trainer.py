@@ -17,38 +17,29 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from steadytrain.config import TrainConfig
-from steadytrain.device import get_rng_state, resolve_device, seed_everything, set_rng_state
-from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
+from steadytrain.device import (
+    Device,
+    get_rng_state,
+    resolve_device,
+    seed_everything,
+    set_rng_state,
+)
+from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
+from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import analytic_for, first_step_bytes, plan
+from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.checkpointing import Checkpointing
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop
-from steadytrain.safety.state import (
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    RNG_FILE,
-    SCALER_FILE,
-    SCHEDULER_FILE,
-    STATE_FILE,
-    HostBuffers,
-    capture_payload,
-    data_fingerprint,
-    differences,
-    frozen_fingerprint,
-    load_model_tensors,
-    model_shape,
-    optimizer_identity,
-    rng_from_files,
-    schedule_identity,
-)
+from steadytrain.safety.state import HostBuffers, RunState, run_identity
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.files import RunFiles
@@ -118,6 +109,44 @@ class Trainer:
 
     def _fit_locked(self, run_dir: Path) -> FitResult:
         cfg = self.config
+        run = self._set_up()
+        tensorboard = TensorBoardLog.from_config(cfg, run_dir)  # refused before anything is written
+        if cfg.compile:
+            check_compiler(run.device.type)
+        files = RunFiles(run_dir)
+        try:
+            store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
+            expected_loss = self._resume_or_start(run, store, files)
+            cfg.dump(run_dir / "config.json")
+            console = console_callback(cfg)
+            record = _recorder(files, console)
+            planned = RecordAtStart(record)
+            if not run.resumed and cfg.micro_batch_size == "auto":
+                planned.events = self._plan(run)
+            if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
+                planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+            run.emit.callbacks[:] = self._callbacks(
+                run, store, record, expected_loss, [console, tensorboard, files, planned]
+            )
+            reason, code = self._loop(run).run()
+            committed = store.committed()
+            return FitResult(
+                steps=run.state.step,
+                final_loss=run.state.last_loss,
+                micro_batch_size=run.state.micro_batch_size,
+                reason=reason,
+                exit_code=code,
+                run_dir=str(run_dir),
+                checkpoint=str(committed[-1][1]) if committed else None,
+                oom_count=run.state.oom_count,
+            )
+        finally:
+            files.close()  # closed at fit_end already; this covers a refusal before it
+
+    def _set_up(self) -> _Run:
+        """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
+        savers and the step runner: everything before a checkpoint is looked for."""
+        cfg = self.config
         device = resolve_device(cfg.device, cfg.budget_bytes_or_fraction())
         precision = resolve_precision(cfg.precision, device)
         seed_everything(cfg.seed)
@@ -127,16 +156,7 @@ class Trainer:
         scheduler = self.scheduler
         if callable(scheduler) and not hasattr(scheduler, "state_dict"):
             scheduler = scheduler(optimizer)  # a factory: optimizer -> scheduler
-
-        sampler = OptimizerBatchSampler(
-            len(self.dataset), cfg.effective_batch_size, cfg.seed, cfg.shuffle, cfg.drop_last
-        )
-        if sampler.steps_per_epoch == 0:
-            raise BadInputError(
-                f"train_data: {len(self.dataset)} sample(s), fewer than one optimizer batch of "
-                f"effective_batch_size {cfg.effective_batch_size}; lower effective_batch_size "
-                "or set drop_last: false"
-            )
+        sampler = self._sampler()
         _warn_if_batch_dependent(model, cfg)
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
@@ -146,262 +166,190 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        identity = self._identity(model, optimizer, scheduler)
+        identity = run_identity(
+            model, optimizer, scheduler, SeededFetch(self.dataset), self._identity_settings()
+        )
+        savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
+        emit = Dispatcher([], state, Control())
+        runner = StepRunner(
+            model=model,
+            optimizer=optimizer,
+            loss_fn=self.loss_fn,
+            device=device,
+            precision=precision,
+            state=state,
+            emit=emit,
+            scheduler=scheduler,
+            max_grad_norm=cfg.max_grad_norm,
+            savers=savers,
+        )
+        checkpoint = RunState(state, model, optimizer, scheduler, precision.scaler, identity)
+        return _Run(
+            device, precision, model, optimizer, sampler, state, checkpoint, savers, runner, emit
+        )
 
-        tensorboard = TensorBoardLog.from_config(cfg, run_dir)  # refused before anything is written
-        if cfg.compile:
-            check_compiler(device.type)
-        files = RunFiles(run_dir)
-        try:
-            store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
-            expected_loss = None
-            found = store.latest()
-            if found is not None:
-                expected_loss = self._restore(
-                    store, found, identity, state, model, optimizer, scheduler, precision, files
-                )
-            cap = _micro_cap_from_supervisor()
-            if cap is not None and cap < state.micro_batch_size:
-                files.record(
-                    "micro_batch_cap",
-                    {
-                        "old": state.micro_batch_size,
-                        "new": cap,
-                        "reason": f"{MICRO_CAP_ENV}={cap} (supervisor)",
-                    },
-                )
-                state.micro_batch_size = cap
-            cfg.dump(run_dir / "config.json")
-
-            control = Control()
-            callbacks: list[Callback] = []
-            emit = Dispatcher(callbacks, state, control)
-            runner = StepRunner(
-                model=model,
-                optimizer=optimizer,
-                loss_fn=self.loss_fn,
-                device=device,
-                precision=precision,
-                state=state,
-                emit=emit,
-                scheduler=scheduler,
-                max_grad_norm=cfg.max_grad_norm,
-                checkpointing=cfg.activation_checkpointing,
+    def _sampler(self) -> OptimizerBatchSampler:
+        cfg = self.config
+        sampler = OptimizerBatchSampler(
+            len(self.dataset), cfg.effective_batch_size, cfg.seed, cfg.shuffle, cfg.drop_last
+        )
+        if sampler.steps_per_epoch == 0:
+            raise BadInputError(
+                f"train_data: {len(self.dataset)} sample(s), fewer than one optimizer batch of "
+                f"effective_batch_size {cfg.effective_batch_size}; lower effective_batch_size "
+                "or set drop_last: false"
             )
-            if state.activation_checkpointing:  # it was on when the checkpoint was written
-                state.activation_checkpointing = False
-                runner.enable_activation_checkpointing(reason="restored from the checkpoint")
-            chunk = getattr(self.loss_fn, "chunk_tokens", None)
-            if found is None:
-                state.chunked_loss = chunk
-            elif state.chunked_loss != chunk and not runner.set_chunked_loss(state.chunked_loss):
-                # the loss arithmetic of the run before the stop cannot be restored
-                raise BadInputError(
-                    f"resume: the checkpoint's run computed its loss in chunks of "
-                    f"{state.chunked_loss} tokens, and this loss_fn has no chunked mode for "
-                    "this model; use the loss of that run (memory.chunked_loss."
-                    "CausalLMLoss) or start a new run_dir"
-                )
+        return sampler
 
-            host = HostBuffers()
-
-            def capture(state: TrainState) -> Payload:
-                next_loss = self._probe_next_loss(runner, sampler, state)
-                return capture_payload(
-                    state, model, optimizer, scheduler, precision.scaler, identity, next_loss, host
-                )
-
-            async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
-            console = console_callback(cfg)
-
-            def record(name: str, info: dict) -> None:
-                """An event from outside the loop's dispatch: into events.jsonl and onto the console."""
-                files.record(name, info)
-                console.note(name, info)
-
-            planned = RecordAtStart(record)
-            if found is None and cfg.micro_batch_size == "auto":
-                planned.events = self._plan(runner, optimizer, sampler, state, device, precision)
-            if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
-                planned.events.append(("compile", compile_blocks(model, device.type)))
-
-            callbacks += [
-                HangWatchdog.from_config(cfg, run_dir, device, record),
-                MemoryWatch.from_config(cfg, device, record),
-                Checkpointing(store, capture, cfg.save_every_steps, async_save, record),
-                SignalStop(record),
-                ContinuityCheck(expected_loss, state.micro_batch_size, device.type, record)
-                if expected_loss is not None
-                else None,
-                console,
-                tensorboard,
-                files,  # a late record after its fit_end reopens the file
-                planned,
-                *self.user_callbacks,
-            ]
-            callbacks[:] = [c for c in callbacks if c is not None]
-            loop = Loop(
-                runner=runner,
-                emit=emit,
-                batches=lambda epoch, start: self._batches(sampler, epoch, start, device),
-                time_every=cfg.log_every_steps,
-                fit_info={
-                    "device": str(device.torch_device),
-                    "device_skipped": list(device.skipped),
-                    "precision": precision.name,
-                    "budget": device.budget,
-                    "micro_batch_size": state.micro_batch_size,
-                    "resumed_from": state.step if found is not None else None,
-                    "config": cfg.model_dump(mode="json"),
-                },
-            )
-            reason, code = loop.run()
-            committed = store.committed()
-            return FitResult(
-                steps=state.step,
-                final_loss=state.last_loss,
-                micro_batch_size=state.micro_batch_size,
-                reason=reason,
-                exit_code=code,
-                run_dir=str(run_dir),
-                checkpoint=str(committed[-1][1]) if committed else None,
-                oom_count=state.oom_count,
-            )
-        finally:
-            files.close()  # closed at fit_end already; this covers a refusal before it
-
-    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
-        """What defines this run; a checkpoint of a different run must not be resumed into it."""
+    def _identity_settings(self) -> dict[str, Any]:
+        """The config values that define a run (with the model, optimizer, schedule and data)."""
         cfg = self.config
         return {
             "effective_batch_size": cfg.effective_batch_size,
             "seed": cfg.seed,
             "drop_last": cfg.drop_last,
             "shuffle": cfg.shuffle,
-            "model": model_shape(model),
-            "frozen_base": frozen_fingerprint(model),
-            "optimizer": optimizer_identity(optimizer),
-            "schedule": schedule_identity(scheduler),
-            "data": data_fingerprint(SeededFetch(self.dataset)),
         }
 
-    def _restore(
-        self, store, found, identity, state, model, optimizer, scheduler, precision, files
-    ) -> float | None:
-        """Load the newest verified checkpoint into the fresh objects. Returns the loss the first
-        resumed step must reproduce (None when it cannot be checked)."""
-        step, path = found
-        payload = store.load(path)
-        doc = payload.json[STATE_FILE]
-        changed = differences(doc["identity"], identity)
-        allowed = set(self.config.resume_overrides)
-        overridden = [
-            d
-            for d in changed
-            if _field(d) in allowed or (_field(d) == "frozen_base" and "model" in allowed)
-        ]
-        refused = [d for d in changed if d not in overridden]
-        if refused:
-            raise BadInputError(
-                f"resume: {path} belongs to a different run; what changed (old -> new):\n  "
-                + "\n  ".join(refused)
-                + "\nUse the settings, model, optimizer and data of that run, start a new run_dir, "
-                "or allow a change explicitly with resume_overrides (e.g. ['seed'])."
+    def _resume_or_start(self, run: _Run, store: CheckpointStore, files: RunFiles) -> float | None:
+        """Load the newest verified checkpoint into the fresh objects, if there is one; put the
+        memory savers in force; apply the supervisor's micro-batch cap. Returns the loss the
+        first resumed step must reproduce (None when there is nothing to check)."""
+        expected_loss = None
+        found = store.latest()
+        if found is not None:
+            step, path = found
+            overridden, expected_loss = run.checkpoint.load(
+                store.load(path), path, self.config.resume_overrides
             )
-        for difference in overridden:
-            files.record("resume_override", {"step": step, "change": difference})
-        load_model_tensors(model, payload.tensors[MODEL_FILE])
-        optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
-        if scheduler is not None:
-            scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
-        if precision.scaler is not None and SCALER_FILE in payload.objects:
-            precision.scaler.load_state_dict(payload.objects[SCALER_FILE])
-        saved = doc["state"]
-        for key in (
-            "step",
-            "epoch",
-            "batch_in_epoch",
-            "micro_batch_size",
-            "samples_seen",
-            "tokens_seen",
-            "oom_count",
-            "shrink_count",
-            "skipped_steps",
-            "activation_checkpointing",
-            "last_loss",
-        ):
-            setattr(state, key, saved[key])
-        state.chunked_loss = saved.get("chunked_loss")  # absent in checkpoints before it existed
-        set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
-        files.record(
-            "resume",
-            {"step": step, "checkpoint": path.name, "micro_batch_size": state.micro_batch_size},
-        )
-        return None if overridden else doc.get("next_loss")
+            for difference in overridden:
+                files.record("resume_override", {"step": step, "change": difference})
+            files.record(
+                "resume",
+                {
+                    "step": step,
+                    "checkpoint": path.name,
+                    "micro_batch_size": run.state.micro_batch_size,
+                },
+            )
+        run.resumed = found is not None
+        run.savers.start(resumed=run.resumed)
+        cap = _micro_cap_from_supervisor()
+        if cap is not None and cap < run.state.micro_batch_size:
+            reason = f"{MICRO_CAP_ENV}={cap} (supervisor)"
+            files.record(
+                "micro_batch_cap", {"old": run.state.micro_batch_size, "new": cap, "reason": reason}
+            )
+            run.state.micro_batch_size = cap
+        return expected_loss
 
-    def _plan(self, runner, optimizer, sampler, state, device, precision) -> list[tuple]:
-        """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
-        size (and activation checkpointing) from `steadytrain.memory.plan`. The probe leaves
-        no trace in the run: gradients are dropped, buffers (BatchNorm statistics) and every
-        RNG stream are put back, so the run's losses are those of a run started at the chosen
-        size. Returns the `plan` and `estimate` events (what was chosen and why)."""
+    def _callbacks(
+        self, run: _Run, store: CheckpointStore, record, expected_loss, telemetry: list
+    ) -> list[Callback]:
+        """The default callbacks, in dispatch order, then the user's."""
+        cfg, state = self.config, run.state
+        host = HostBuffers()
+
+        def capture(state: TrainState) -> Payload:
+            return run.checkpoint.capture(self._probe_next_loss(run, state), host)
+
+        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
+        continuity = None
+        if expected_loss is not None:
+            continuity = ContinuityCheck(
+                expected_loss, state.micro_batch_size, run.device.type, record
+            )
+        callbacks = [
+            HangWatchdog.from_config(cfg, Path(cfg.run_dir), run.device, record),
+            MemoryWatch.from_config(cfg, run.device, record),
+            Checkpointing(store, capture, cfg.save_every_steps, async_save, record),
+            SignalStop(record),
+            continuity,
+            *telemetry,  # console, tensorboard, files (a late record after its fit_end
+            # reopens the file), the events decided before the start
+            *self.user_callbacks,
+        ]
+        return [c for c in callbacks if c is not None]
+
+    def _loop(self, run: _Run) -> Loop:
         cfg = self.config
-        indices = sampler.batch_at(0, 0)
-        batch = self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
-        model = runner.model
-        analytic, _ = analytic_for(
-            model, batch, precision=precision.name, optimizer=optimizer, device_type=device.type
+        return Loop(
+            runner=run.runner,
+            emit=run.emit,
+            batches=lambda epoch, start: self._batches(run.sampler, epoch, start, run.device),
+            time_every=cfg.log_every_steps,
+            fit_info={
+                "device": str(run.device.torch_device),
+                "device_skipped": list(run.device.skipped),
+                "precision": run.precision.name,
+                "budget": run.device.budget,
+                "micro_batch_size": run.state.micro_batch_size,
+                "resumed_from": run.state.step if run.resumed else None,
+                "config": cfg.model_dump(mode="json"),
+            },
         )
 
-        was, was_chunked = state.activation_checkpointing, state.chunked_loss
+    def _plan(self, run: _Run) -> list[tuple]:
+        """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
+        size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
+        in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
+        are put back, so the run's losses are those of a run started at the chosen size.
+        Returns the `plan` and `estimate` events (what was chosen and why)."""
+        cfg, state, savers, model = self.config, run.state, run.savers, run.model
+        batch = self._batch_at(run.sampler, 0, 0)
+        analytic, _ = analytic_for(
+            model,
+            batch,
+            precision=run.precision.name,
+            optimizer=run.optimizer,
+            device_type=run.device.type,
+        )
 
-        def passes(chunk: int | None):
-            def run(size: int, checkpointing: bool) -> None:
-                if checkpointing != state.activation_checkpointing:
-                    runner.set_activation_checkpointing(checkpointing)
-                if chunk != state.chunked_loss:
-                    runner.set_chunked_loss(chunk)
-                runner.trial_pass(batch, size)
+        def one_pass(size: int) -> None:
+            piece = to_device(
+                split_batch(batch, size)[0], run.device.torch_device, run.runner.non_blocking
+            )
+            trial_pass(model, self.loss_fn, piece, run.precision.autocast)
 
-            return run
-
+        before = savers.snapshot()
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
-        offer_chunked = was_chunked is None and runner.can_chunk_loss
+        offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
         rng = get_rng_state()
         buffers = [b.detach().clone() for b in model.buffers()]
         try:
             chosen = plan(
-                passes(was_chunked),
-                device,
+                savers.trial_run(one_pass, before.chunked_loss),
+                run.device,
                 effective_batch_size=cfg.effective_batch_size,
                 checkpointing=cfg.activation_checkpointing,
-                can_checkpoint=runner.can_checkpoint,
-                chunked_run=passes(DEFAULT_CHUNK_TOKENS) if offer_chunked else None,
+                can_checkpoint=savers.can_checkpoint,
+                chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
+                if offer_chunked
+                else None,
                 margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
                 policy=cfg.micro_batch_sizes,
                 cap=state.micro_batch_size,
                 analytic=analytic,
-                pending=first_step_bytes(optimizer),
+                pending=first_step_bytes(run.optimizer),
             )
         finally:
             set_rng_state(rng)
             with torch.no_grad():
                 for buffer, saved in zip(model.buffers(), buffers, strict=True):
                     buffer.copy_(saved)
-            if state.activation_checkpointing != was:
-                runner.set_activation_checkpointing(was)
-            if state.chunked_loss != was_chunked:
-                runner.set_chunked_loss(was_chunked)
+            savers.restore(before)
         state.micro_batch_size = chosen.micro_batch_size
-        if chosen.checkpointing and not state.activation_checkpointing:
-            runner.set_activation_checkpointing(True)
-        if chosen.chunked_loss and state.chunked_loss is None:
-            runner.set_chunked_loss(DEFAULT_CHUNK_TOKENS)
+        savers.restore(
+            Savers(
+                before.checkpointing or chosen.checkpointing,
+                before.chunked_loss or (DEFAULT_CHUNK_TOKENS if chosen.chunked_loss else None),
+            )
+        )
         estimate = chosen.estimate_event()
         return [("plan", chosen.to_event())] + ([("estimate", estimate)] if estimate else [])
 
-    def _probe_next_loss(self, runner, sampler, state: TrainState) -> float | None:
+    def _probe_next_loss(self, run: _Run, state: TrainState) -> float | None:
         """The loss the next step will report, computed now without changing anything, so that a
         resume from this checkpoint can prove it restored everything (see ContinuityCheck)."""
         if state.step >= state.max_steps:
@@ -409,13 +357,17 @@ class Trainer:
         epoch, position = state.epoch, state.batch_in_epoch
         if position >= state.steps_per_epoch:
             epoch, position = epoch + 1, 0
-        indices = sampler.batch_at(epoch, position)
-        batch = self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
+        batch = self._batch_at(run.sampler, epoch, position)
         rng = get_rng_state()
         try:
-            return runner.evaluate(batch)
+            return run.runner.evaluate(batch)
         finally:
             set_rng_state(rng)
+
+    def _batch_at(self, sampler: OptimizerBatchSampler, epoch: int, position: int) -> Any:
+        """The collated optimizer batch at (`epoch`, `position`), as the loop will load it."""
+        indices = sampler.batch_at(epoch, position)
+        return self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(self._optimizer, torch.optim.Optimizer):
@@ -457,6 +409,32 @@ class RecordAtStart(Callback):
         self.events = []
 
 
+@dataclass
+class _Run:
+    """The parts of one `fit()`, built by `Trainer._set_up` and wired by the phases after it."""
+
+    device: Device
+    precision: Precision
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: OptimizerBatchSampler
+    state: TrainState
+    checkpoint: RunState
+    savers: MemorySavers
+    runner: StepRunner
+    emit: Dispatcher
+    resumed: bool = False
+
+
+def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
+    def record(name: str, info: dict) -> None:
+        """An event from outside the loop's dispatch: into events.jsonl and onto the console."""
+        files.record(name, info)
+        console.note(name, info)
+
+    return record
+
+
 MICRO_CAP_ENV = "STEADYTRAIN_MAX_MICRO_BATCH"
 
 
@@ -469,10 +447,6 @@ def _micro_cap_from_supervisor() -> int | None:
         return max(1, int(value))
     except ValueError:
         raise BadInputError(f"{MICRO_CAP_ENV}: {value!r} is not a whole number") from None
-
-
-def _field(difference: str) -> str:
-    return difference.split(":", 1)[0]
 
 
 def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):

@@ -115,7 +115,9 @@ class OutOfMemory:
         return cls(lines[0][:400] if lines else "out of memory", oom_request_bytes(exc))
 
 
-def call_or_oom(fn: Callable[[], T], free: Callable[[], None]) -> tuple[T | None, OutOfMemory | None]:
+def call_or_oom(
+    fn: Callable[[], T], free: Callable[[], None]
+) -> tuple[T | None, OutOfMemory | None]:
     """``(fn(), None)``, or ``(None, what ran out)`` when `fn` runs out of memory; any other
     error propagates. After an out-of-memory the except block is left first (its traceback holds
     the failed pass's tensors), then garbage is collected and `free()` runs (drop what the caller

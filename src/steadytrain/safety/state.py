@@ -8,17 +8,22 @@ scheduler.pt        scheduler.state_dict()        (when there is a scheduler)
 scaler.pt           GradScaler.state_dict()       (fp16)
 rng.safetensors     torch CPU, every CUDA device and MPS generator states
 trainer_state.json  TrainState, python and numpy RNG streams, the run's identity, the loss check
+
+`RunState` is the pair: `capture()` writes all of it into a `Payload`, `load()` reads a payload
+back into the same objects (torchtitan's `Stateful` state_dict / load_state_dict idea).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import torch
 
-from steadytrain.device import get_rng_state
+from steadytrain.device import get_rng_state, set_rng_state
 from steadytrain.errors import BadInputError
 from steadytrain.safety.checkpoint import Payload
 
@@ -271,3 +276,102 @@ def capture_payload(
         objects=objects,
         json={STATE_FILE: document},
     )
+
+
+def load_train_state(state: Any, saved: dict[str, Any]) -> None:
+    """Put a checkpoint's `TrainState` (``state.to_dict()``) into `state`, field by field of the
+    dataclass. Fields that follow from this run's config (metadata ``from_config``) keep their
+    fresh values; a field the checkpoint lacks (written before the field existed, e.g.
+    ``chunked_loss``) takes its default."""
+    for spec in dataclasses.fields(state):
+        if not spec.metadata.get("from_config"):
+            setattr(state, spec.name, saved.get(spec.name, spec.default))
+
+
+def run_identity(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: Any,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """What defines a run (`settings`: the config values that do, model, optimizer, schedule,
+    data); a checkpoint of a different run must not be resumed into it."""
+    return {
+        **settings,
+        "model": model_shape(model),
+        "frozen_base": frozen_fingerprint(model),
+        "optimizer": optimizer_identity(optimizer),
+        "schedule": schedule_identity(scheduler),
+        "data": data_fingerprint(data),
+    }
+
+
+def check_identity(
+    saved: dict[str, Any], now: dict[str, Any], allowed: Collection[str], source: Any
+) -> list[str]:
+    """The differences `allowed` lets through (``resume_overrides``; ``model`` also allows a
+    changed ``frozen_base``). Any other difference is a `BadInputError` naming them."""
+    changed = differences(saved, now)
+
+    def field_of(difference: str) -> str:
+        return difference.split(":", 1)[0]
+
+    overridden = [
+        d
+        for d in changed
+        if field_of(d) in allowed or (field_of(d) == "frozen_base" and "model" in allowed)
+    ]
+    refused = [d for d in changed if d not in overridden]
+    if refused:
+        raise BadInputError(
+            f"resume: {source} belongs to a different run; what changed (old -> new):\n  "
+            + "\n  ".join(refused)
+            + "\nUse the settings, model, optimizer and data of that run, start a new run_dir, "
+            "or allow a change explicitly with resume_overrides (e.g. ['seed'])."
+        )
+    return overridden
+
+
+@dataclasses.dataclass
+class RunState:
+    """Everything a checkpoint holds, as one save/load pair over the run's live objects."""
+
+    state: Any
+    """The loop's `TrainState`."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    identity: dict[str, Any]
+    """`run_identity` of this run."""
+
+    def capture(self, next_loss: float | None, buffers: HostBuffers | None = None) -> Payload:
+        return capture_payload(
+            self.state,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.identity,
+            next_loss,
+            buffers,
+        )
+
+    def load(
+        self, payload: Payload, source: Any, allowed: Collection[str] = ()
+    ) -> tuple[list[str], float | None]:
+        """Read `payload` (written by `capture`) back into the objects, after checking that it
+        belongs to this run. Returns the identity differences `allowed` let through, and the
+        loss the first resumed step must reproduce (None when it cannot be checked)."""
+        doc = payload.json[STATE_FILE]
+        overridden = check_identity(doc["identity"], self.identity, allowed, source)
+        load_model_tensors(self.model, payload.tensors[MODEL_FILE])
+        self.optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
+        if self.scaler is not None and SCALER_FILE in payload.objects:
+            self.scaler.load_state_dict(payload.objects[SCALER_FILE])
+        load_train_state(self.state, doc["state"])
+        set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
+        return overridden, None if overridden else doc.get("next_loss")

@@ -166,9 +166,10 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        identity = run_identity(
-            model, optimizer, scheduler, SeededFetch(self.dataset), self._identity_settings()
-        )
+        settings = {
+            k: getattr(cfg, k) for k in ("effective_batch_size", "seed", "drop_last", "shuffle")
+        }
+        identity = run_identity(model, optimizer, scheduler, SeededFetch(self.dataset), settings)
         savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
         emit = Dispatcher([], state, Control())
         runner = StepRunner(
@@ -200,16 +201,6 @@ class Trainer:
                 "or set drop_last: false"
             )
         return sampler
-
-    def _identity_settings(self) -> dict[str, Any]:
-        """The config values that define a run (with the model, optimizer, schedule and data)."""
-        cfg = self.config
-        return {
-            "effective_batch_size": cfg.effective_batch_size,
-            "seed": cfg.seed,
-            "drop_last": cfg.drop_last,
-            "shuffle": cfg.shuffle,
-        }
 
     def _resume_or_start(self, run: _Run, store: CheckpointStore, files: RunFiles) -> float | None:
         """Load the newest verified checkpoint into the fresh objects, if there is one; put the

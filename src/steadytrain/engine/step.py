@@ -245,6 +245,34 @@ class StepRunner:
         if marks is not None:
             marks.mark()
         start = time.perf_counter()
+        loss = self._forward_backward(pieces, n)
+        if marks is not None:
+            marks.mark()
+        compute_time = time.perf_counter() - start
+        opt_start = time.perf_counter()
+        divisor = loss.divisor()
+        grad_norm, skipped = self._optimizer_step(divisor)
+        if marks is not None:
+            marks.mark()
+        optimizer_time = time.perf_counter() - opt_start
+        # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
+        timings = {"compute_time": compute_time, "optimizer_time": optimizer_time}
+        if marks is not None:
+            timings.update(marks.spans(compute_time, optimizer_time))
+        return {
+            "loss": loss.mean(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "micro_batch_size": micro,
+            "micro_steps": len(pieces),
+            "samples": n,
+            "tokens": divisor if divisor is not None else 0,
+            **timings,
+            "skipped": skipped,
+        }
+
+    def _forward_backward(self, pieces: list[Any], n: int) -> _BatchLoss:
+        """Every micro-batch forward and backward; the gradients sum in the parameters."""
         loss = _BatchLoss(n)
         self._versions_before_optimizer = None
         for i, piece in enumerate(pieces):
@@ -261,16 +289,15 @@ class StepRunner:
             self.emit(
                 Event.MICRO_STEP_END, {"index": i, "count": len(pieces), "size": batch_len(piece)}
             )
-        if marks is not None:
-            marks.mark()
-        compute_time = time.perf_counter() - start
+        return loss
 
+    def _optimizer_step(self, divisor: int | torch.Tensor | None) -> tuple[Any, Any]:
+        """Unscale, divide by the token count, clip, step, schedule, zero the gradients.
+        Returns (the norm before clipping or None, whether fp16's scaler skipped the step)."""
         self._phase = "optimizer"
-        opt_start = time.perf_counter()
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        divisor = loss.divisor()
         grad_norm = _divide_and_clip(self.params, divisor, self.max_grad_norm)
         self._versions_before_optimizer = self._versions()
         scale_before = None
@@ -284,26 +311,9 @@ class StepRunner:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if marks is not None:
-            marks.mark()
-        optimizer_time = time.perf_counter() - opt_start
         self._phase = "idle"
-        # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
         skipped = scaler._scale < scale_before if scale_before is not None else False
-        timings = {"compute_time": compute_time, "optimizer_time": optimizer_time}
-        if marks is not None:
-            timings.update(marks.spans(compute_time, optimizer_time))
-        return {
-            "loss": loss.mean(),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "micro_batch_size": micro,
-            "micro_steps": len(pieces),
-            "samples": n,
-            "tokens": divisor if divisor is not None else 0,
-            **timings,
-            "skipped": skipped,
-        }
+        return grad_norm, skipped
 
     def evaluate(self, batch: Any) -> float | None:
         """The loss `run(batch)` would report, without a backward or an update: the same split,

@@ -3,10 +3,11 @@ callbacks together from the config, and runs them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -306,9 +307,7 @@ class Trainer:
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
         offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        rng = get_rng_state()
-        buffers = [b.detach().clone() for b in model.buffers()]
-        try:
+        with _left_as_found(model, savers):
             chosen = plan(
                 savers.trial_run(one_pass, before.chunked_loss),
                 run.device,
@@ -324,12 +323,6 @@ class Trainer:
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),
             )
-        finally:
-            set_rng_state(rng)
-            with torch.no_grad():
-                for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                    buffer.copy_(saved)
-            savers.restore(before)
         state.micro_batch_size = chosen.micro_batch_size
         savers.restore(
             Savers(
@@ -398,6 +391,23 @@ class RecordAtStart(Callback):
         for name, data in self.events:
             self.record(name, data)
         self.events = []
+
+
+@contextlib.contextmanager
+def _left_as_found(model: torch.nn.Module, savers: MemorySavers) -> Iterator[None]:
+    """Every RNG stream, the model's buffers (BatchNorm statistics) and the memory savers put
+    back afterwards: the planner's passes leave no trace in the run."""
+    rng = get_rng_state()
+    buffers = [b.detach().clone() for b in model.buffers()]
+    before = savers.snapshot()
+    try:
+        yield
+    finally:
+        set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, saved in zip(model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        savers.restore(before)
 
 
 @dataclass

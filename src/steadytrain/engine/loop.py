@@ -45,6 +45,7 @@ class Loop:
                 + (" (fp16: try bf16)" if metrics.get("skipped") else "")
             )
         self.state.tokens_seen += metrics["tokens"]
+        self.state.skipped_steps += bool(metrics["skipped"])
         if metrics["step"] >= self._last_loss_step:
             self._last_loss_step = metrics["step"]
             self.state.last_loss = metrics["loss"]

@@ -72,12 +72,6 @@ class Fit:
     def samples_per_second(self, size: int) -> float:
         return size / max(self.seconds(size), 1e-9)
 
-    def largest_fitting(self, limit: float) -> int:
-        """The largest size whose predicted peak is within `limit` (0 when not even one)."""
-        if self.per_sample <= 0:
-            return 2**31 if self.fixed <= limit else 0
-        return max(int((limit - self.fixed) // self.per_sample), 0)
-
     def to_dict(self) -> dict:
         return {**asdict(self), "sizes": list(self.sizes)}
 

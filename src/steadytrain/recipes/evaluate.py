@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from steadytrain.device import Device, is_oom
+from steadytrain.device import Device, call_or_oom
 from steadytrain.engine.batching import to_device
 from steadytrain.errors import BadInputError, DoesNotFitError
 from steadytrain.recipes.artifact import Loaded, dtype_name, open_model
@@ -103,9 +103,10 @@ def token_loss(
     """(sum of target-token losses, number of target tokens) of `model` over `dataset`.
 
     Samples go longest first, so the batch most likely to run out of memory runs first. An
-    out-of-memory error (`is_oom`: torch's OOM type, or the known messages of CUDA, MPS and the
-    CPU allocator) halves ``batching.size`` and redoes the same samples; at one sample per batch
-    it raises `DoesNotFitError` (exit 3) with the knobs that help. Any other error propagates."""
+    out-of-memory error (`call_or_oom`: torch's OOM type, or the known messages of CUDA, MPS and
+    the CPU allocator) halves ``batching.size`` and redoes the same samples; at one sample per
+    batch it raises `DoesNotFitError` (exit 3) with the knobs that help. Any other error
+    propagates."""
     lengths = dataset.lengths()
     order = sorted(range(len(dataset)), key=lambda i: -lengths[i])
     total_loss = 0.0
@@ -113,20 +114,15 @@ def token_loss(
     start = 0
     while start < len(order):
         indices = order[start : start + batching.size]
-        out_of_memory = False
-        try:
+
+        def score(indices: list[int] = indices) -> tuple[float, int]:
             with torch.no_grad():
                 batch = to_device(collate([dataset[i] for i in indices]), device.torch_device)
                 loss_sum, count = loss_fn(model, batch)
-                batch_loss, batch_tokens = float(loss_sum), int(count)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            out_of_memory = True
-        if out_of_memory:
-            # Outside the except block: the traceback no longer holds the batch's tensors.
-            batch = loss_sum = count = None
-            device.empty_cache()
+                return float(loss_sum), int(count)
+
+        scored, oom = call_or_oom(score, device.empty_cache)
+        if oom is not None:
             if batching.size == 1:
                 elsewhere = "" if device.type == "cpu" else ", or evaluate on CPU (--device cpu)"
                 raise DoesNotFitError(
@@ -140,8 +136,8 @@ def token_loss(
             if on_shrink is not None:
                 on_shrink(old, batching.size)
             continue
-        total_loss += batch_loss
-        total_tokens += batch_tokens
+        total_loss += scored[0]
+        total_tokens += scored[1]
         start += len(indices)
         if advance is not None:
             advance(len(indices))

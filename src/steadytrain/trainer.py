@@ -18,13 +18,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from steadytrain.config import TrainConfig
-from steadytrain.device import (
-    Device,
-    get_rng_state,
-    resolve_device,
-    seed_everything,
-    set_rng_state,
-)
+from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks

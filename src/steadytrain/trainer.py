@@ -25,8 +25,9 @@ from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
+from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.plan import analytic_for, first_step_bytes, plan
+from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.checkpointing import Checkpointing
@@ -306,13 +307,13 @@ class Trainer:
                 savers.trial_run(one_pass, before.chunked_loss),
                 run.device,
                 effective_batch_size=cfg.effective_batch_size,
-                checkpointing=cfg.activation_checkpointing,
+                activation_checkpointing=cfg.activation_checkpointing,
                 can_checkpoint=savers.can_checkpoint,
                 chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
                 if offer_chunked
                 else None,
-                margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
-                policy=cfg.micro_batch_sizes,
+                plan_margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
+                micro_batch_sizes=cfg.micro_batch_sizes,
                 cap=state.micro_batch_size,
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),

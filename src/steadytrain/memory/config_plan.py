@@ -117,7 +117,7 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
     import torch
 
     from steadytrain.memory.chunked_loss import CausalLMLoss
-    from steadytrain.memory.probe import checkpointing_switch
+    from steadytrain.memory.savers import MemorySavers, trial_pass
 
     memory = settings.memory_budget
     device = resolve_device("auto", parse_bytes(memory) if memory else 0.9)
@@ -129,36 +129,27 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
     top = min(max(PROBE_SIZES), settings.effective_batch_size)
     tokens = torch.randint(0, vocab or 2, (top, settings.seq), generator=generator)
     tokens = tokens.to(device.torch_device)
-    state = {"checkpointing": False}
     loss_fn = CausalLMLoss()
+    savers = MemorySavers(model, loss_fn)
 
-    def passes(chunk_tokens: int | None):
-        def run(size: int, checkpointing: bool) -> None:
-            if checkpointing != state["checkpointing"]:
-                switch = checkpointing_switch(model, checkpointing)
-                if switch is None:
-                    raise BadInputError("plan: this model has no activation checkpointing switch")
-                switch()
-                state["checkpointing"] = checkpointing
-            loss_fn.set_chunking(chunk_tokens)
-            ids = tokens[:size]
-            with torch.autocast(
-                device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
-            ):
-                loss_sum, _ = loss_fn(model, {"input_ids": ids, "labels": ids})
-            loss_sum.backward()
-            for p in params:
-                p.grad = None
+    def autocast():
+        return torch.autocast(
+            device.type, dtype=dtypes[settings.precision], enabled=settings.autocast
+        )
 
-        return run
+    def one_pass(size: int) -> None:
+        ids = tokens[:size]
+        trial_pass(model, loss_fn, {"input_ids": ids, "labels": ids}, autocast)
 
     return plan(
-        passes(None),
+        savers.trial_run(one_pass, None),
         device,
         effective_batch_size=settings.effective_batch_size,
         activation_checkpointing=CHECKPOINTING[settings.activation_checkpointing],
-        can_checkpoint=checkpointing_switch(model, True) is not None,
-        chunked_run=passes(DEFAULT_CHUNK_TOKENS) if loss_fn.can_chunk(model) else None,
+        can_checkpoint=savers.can_checkpoint,
+        chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
+        if savers.can_chunk_loss
+        else None,
         plan_margin=settings.plan_margin,
         micro_batch_sizes=settings.micro_batch_sizes,
         analytic=analytic,

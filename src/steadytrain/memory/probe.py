@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 
 from steadytrain._units import format_bytes
 from steadytrain.device import Device, call_or_oom
-from steadytrain.memory.savers import checkpointing_switch  # noqa: F401  (plan.py's import)
 
 RunPass = Callable[[int, bool], None]
 """run(size, checkpointing): one forward and backward of `size` samples, model unchanged."""

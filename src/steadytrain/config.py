@@ -9,7 +9,6 @@ fields a rule reads are valid themselves.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -34,7 +33,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from steadytrain._durable import sync_dir
+from steadytrain._durable import write_atomic
 from steadytrain._units import parse_bytes
 from steadytrain.errors import BadInputError, ConfigError
 
@@ -359,18 +358,7 @@ class TrainConfig(BaseModel):
         """Write the resolved config (every default filled in) atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "w") as handle:
-                handle.write(self.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        with contextlib.suppress(OSError):  # best effort
-            sync_dir(path.parent)
+        write_atomic(path, self.to_json())
 
 
 def read_config_text(path: Path, encoding: str = "utf-8") -> str:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from steadytrain import run_files
 from steadytrain.config import TrainConfig
 from steadytrain.device import get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
@@ -25,11 +26,12 @@ from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import analytic_for, first_step_bytes, plan
+from steadytrain.run_files import ENV_MAX_MICRO_BATCH
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
-from steadytrain.safety.checkpointing import Checkpointing
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
+from steadytrain.safety.saving import CheckpointSaver
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import (
     MODEL_FILE,
@@ -167,11 +169,11 @@ class Trainer:
                     {
                         "old": state.micro_batch_size,
                         "new": cap,
-                        "reason": f"{MICRO_CAP_ENV}={cap} (supervisor)",
+                        "reason": f"{ENV_MAX_MICRO_BATCH}={cap} (supervisor)",
                     },
                 )
                 state.micro_batch_size = cap
-            cfg.dump(run_dir / "config.json")
+            cfg.dump(run_dir / run_files.CONFIG)
 
             control = Control()
             callbacks: list[Callback] = []
@@ -228,7 +230,7 @@ class Trainer:
             callbacks += [
                 HangWatchdog.from_config(cfg, run_dir, device, record),
                 MemoryWatch.from_config(cfg, device, record),
-                Checkpointing(store, capture, cfg.save_every_steps, async_save, record),
+                CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
                 SignalStop(record),
                 ContinuityCheck(expected_loss, state.micro_batch_size, device.type, record)
                 if expected_loss is not None
@@ -457,18 +459,15 @@ class RecordAtStart(Callback):
         self.events = []
 
 
-MICRO_CAP_ENV = "STEADYTRAIN_MAX_MICRO_BATCH"
-
-
 def _micro_cap_from_supervisor() -> int | None:
     """`steadytrain run` sets this after an OS kill, to start the restarted run smaller."""
-    value = os.environ.get(MICRO_CAP_ENV)
+    value = os.environ.get(ENV_MAX_MICRO_BATCH)
     if not value:
         return None
     try:
         return max(1, int(value))
     except ValueError:
-        raise BadInputError(f"{MICRO_CAP_ENV}: {value!r} is not a whole number") from None
+        raise BadInputError(f"{ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number") from None
 
 
 def _field(difference: str) -> str:

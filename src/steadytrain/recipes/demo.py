@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steadytrain import run_files
 from steadytrain.errors import BadInputError, SteadytrainError
 
 STEPS = 7
@@ -329,15 +330,15 @@ class Demo:
         if code != 0:
             raise DemoFailed(
                 f"fine-tune: `steadytrain run -- steadytrain finetune` exited with code {code}; "
-                f"see the lines above and {self.run_dir / 'events.jsonl'}",
+                f"see the lines above and {self.run_dir / run_files.EVENTS}",
                 code,
             )
         from steadytrain.telemetry.files import read_jsonl
 
-        events = read_jsonl(self.run_dir / "events.jsonl")
+        events = read_jsonl(self.run_dir / run_files.EVENTS)
         self._read_resume(events, interruption)
         self._read_plan(events)
-        final = self.run_dir / "final"
+        final = self.run_dir / run_files.FINAL
         self.summary["adapter"] = str(final)
         self.summary["interruption"] = {
             "signal": "SIGKILL" if interruption.killed_at_step is not None else None,
@@ -363,7 +364,7 @@ class Demo:
         from steadytrain.recipes.evaluate import comparison, score, table
 
         loaded = open_model(
-            self.run_dir / "final",
+            self.run_dir / run_files.FINAL,
             str(self.run_dir / "base"),  # as the user named it, not the absolute path recorded
             str(self.dev.torch_device),
             None,
@@ -392,7 +393,7 @@ class Demo:
             device=loaded.device.torch_device,
         )
         shown = [
-            "steadytrain", "generate", str(self.run_dir / "final"), PROMPT,
+            "steadytrain", "generate", str(self.run_dir / run_files.FINAL), PROMPT,
             "--temperature", str(TEMPERATURE), "--top-p", str(TOP_P),
         ]  # fmt: skip
         self._say(f"$ {shlex.join(shown)}")
@@ -458,7 +459,7 @@ class Demo:
 
         from steadytrain.safety.supervisor import checkpoint_step
 
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = self.run_dir / run_files.METRICS
         while supervisor.poll() is None:
             time.sleep(0.02)
             if checkpoint_step(self.run_dir) is None or (last_step(metrics) or 0) < kill_at:

@@ -42,15 +42,16 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from steadytrain import __version__
+from steadytrain import run_files
 from steadytrain._durable import sync as sync_fd
 from steadytrain._durable import sync_dir
 from steadytrain._units import format_bytes
+from steadytrain._version import __version__
 from steadytrain.errors import BadInputError
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
-POINTER = "latest"
+POINTER = run_files.LATEST
 FAULT_ENV = "STEADYTRAIN_FAULT_INJECT"
 FAULT_PHASES = (
     "mid-write",
@@ -356,7 +357,7 @@ class CheckpointStore:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer of at least 1, got {keep_last!r}")
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / "checkpoints"
+        self.root = self.run_dir / run_files.CHECKPOINTS
         self.keep_last = keep_last
         self.fingerprint = fingerprint
         self._log = log or (lambda event, info: None)

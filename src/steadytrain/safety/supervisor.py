@@ -42,7 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from steadytrain import run_files
 from steadytrain.errors import BadInputError
+from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
 from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
 
 GAVE_UP = 4
@@ -55,10 +57,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
 SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 
-ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"
-ENV_RESTART = "STEADYTRAIN_RESTART"
-ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"
-ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"
 
 POLL_S = 0.1  # how often the wait loop looks at forwarded signals and the stop deadline
 LEFTOVER_WAIT_S = 2.0  # killed processes go in milliseconds; a zombie counts until it is reaped
@@ -119,7 +117,7 @@ def checkpoint_step(run_dir: Path | None) -> int | None:
     if run_dir is None:
         return None
     try:
-        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+        name = (run_dir / run_files.CHECKPOINTS / run_files.LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
     match = _STEP_NAME.fullmatch(name)
@@ -133,7 +131,7 @@ def last_micro_batch_size(run_dir: Path | None) -> int | None:
     if run_dir is None:
         return None
     try:
-        with open(run_dir / "metrics.jsonl", "rb") as handle:
+        with open(run_dir / run_files.METRICS, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             handle.seek(max(0, size - METRICS_TAIL_BYTES))
             tail = handle.read()
@@ -153,7 +151,7 @@ def append_event(run_dir: Path, record: dict[str, Any]) -> None:
     """One line appended to RUN_DIR/events.jsonl with a single write in O_APPEND mode, so it
     cannot interleave with the child's own lines. A torn last line (the child was killed while
     writing it) is ended first, inside the same write."""
-    path = run_dir / "events.jsonl"
+    path = run_dir / run_files.EVENTS
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(record, default=str) + "\n").encode()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steadytrain import run_files
+from steadytrain._durable import write_atomic
 from steadytrain.errors import BadInputError
 from steadytrain.telemetry.files import read_jsonl
 
@@ -143,7 +145,7 @@ class Run:
 def load_run(run_dir: str | os.PathLike) -> Run:
     """Read a run directory; raises BadInputError when `run_dir` is not one."""
     path = Path(run_dir)
-    metrics_path, events_path = path / "metrics.jsonl", path / "events.jsonl"
+    metrics_path, events_path = path / run_files.METRICS, path / run_files.EVENTS
     if not path.is_dir():
         raise BadInputError(
             f"{path}: no such run directory; expected a directory holding metrics.jsonl and "
@@ -256,7 +258,7 @@ def find_estimate(run_dir: Path, events: list[dict]) -> dict[str, Any] | None:
         if event["event"] == "estimate" and _number(event.get("peak")) is not None:
             return event
     try:
-        doc = json.loads((run_dir / "estimate.json").read_text())
+        doc = json.loads((run_dir / run_files.ESTIMATE).read_text())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and _number(doc.get("peak")) is not None else None
@@ -664,7 +666,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     named after the page: RUN_DIR/report/)."""
     _figure_class()  # a missing matplotlib is reported before anything is read
     run = load_run(run_dir)
-    html_path = Path(out) if out is not None else run.run_dir / "report.html"
+    html_path = Path(out) if out is not None else run.run_dir / run_files.REPORT_HTML
     if html_path.suffix.lower() not in (".html", ".htm"):
         raise BadInputError(f"--out {html_path}: name an .html file (the PNGs go beside it)")
     png_dir = html_path.with_suffix("")
@@ -679,8 +681,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     for name, _ in PLOTS:
         images[name] = _png(drawn[name])
         pngs.append(png_dir / f"{name}.png")
-        _write_atomic(pngs[-1], images[name])
-    _write_atomic(html_path, render_html(run, images).encode())
+        write_atomic(pngs[-1], images[name])
+    write_atomic(html_path, render_html(run, images).encode())
     return Report(html=html_path, pngs=pngs, summary=summary_line(run))
 
 
@@ -827,14 +829,3 @@ def _value(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write under a temporary name in the same folder, then rename: a reader (a browser
-    refreshing, a second report) sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from steadytrain._durable import write_atomic
-from steadytrain._units import parse_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, parse_bytes
 from steadytrain.errors import BadInputError, ConfigError
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -132,7 +132,8 @@ class TrainConfig(BaseModel):
     memory_budget: Literal["auto"] | str | float = Field(
         "auto",
         description="Memory the run may use: a size ('12GiB', '16GB'; GB is 1000³ bytes, GiB "
-        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is 0.9 of it. Usable: "
+        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is "
+        f"{DEFAULT_BUDGET_FRACTION} of it. Usable: "
         "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
         "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "
         "cgroup limit.",
@@ -312,7 +313,7 @@ class TrainConfig(BaseModel):
     def budget_bytes_or_fraction(self) -> int | float:
         """memory_budget as bytes (int) or as a fraction of usable memory (float)."""
         if self.memory_budget == "auto":
-            return 0.9
+            return DEFAULT_BUDGET_FRACTION
         if isinstance(self.memory_budget, str):
             return parse_bytes(self.memory_budget)
         return float(self.memory_budget)

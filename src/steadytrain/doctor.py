@@ -18,10 +18,9 @@ from typing import Any, Literal
 
 import torch
 
-from steadytrain._units import format_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes
 from steadytrain.device import Device, SystemProbe, default_backends, is_oom, resolve_device
 from steadytrain.device.backends import Backend
-from steadytrain.device.budget import DEFAULT_FRACTION
 from steadytrain.device.selftest import run_selftest
 from steadytrain.device.watermarks import HIGH_VAR, LOW_VAR, read_watermarks, strtod
 from steadytrain.errors import DeviceUnavailableError
@@ -385,7 +384,7 @@ def _mps_not_working(exc: Exception, wanted: bool, data: dict) -> Finding:
 
 def check_device(ctx: _Context) -> list[Finding]:
     try:
-        device = resolve_device(ctx.device_spec, DEFAULT_FRACTION, ctx.backends, ctx.system)
+        device = resolve_device(ctx.device_spec, DEFAULT_BUDGET_FRACTION, ctx.backends, ctx.system)
     except DeviceUnavailableError as exc:
         return [
             Finding(
@@ -401,7 +400,7 @@ def check_device(ctx: _Context) -> list[Finding]:
     message = (
         f"{device.torch_device}{chosen}: {device.name}; memory total "
         f"{format_bytes(reading.total)}, usable {format_bytes(reading.usable)}, budget "
-        f"{format_bytes(reading.budget)} ({DEFAULT_FRACTION:g} of usable by default)"
+        f"{format_bytes(reading.budget)} ({DEFAULT_BUDGET_FRACTION:g} of usable by default)"
     )
     if device.skipped:
         message += "; skipped " + "; ".join(device.skipped)

@@ -25,7 +25,7 @@ from steadytrain.device import Device, get_rng_state, is_oom, oom_request_bytes,
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.metrics import DeviceSpan
 from steadytrain.engine.precision import Precision
-from steadytrain.errors import BadInputError, DoesNotFitError, SteadytrainError
+from steadytrain.errors import BadInputError, DoesNotFitError, OptimizerStateTouched
 from steadytrain.events import Event, TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.probe import checkpointing_switch as _switch
@@ -177,11 +177,6 @@ class _PhaseMarks:
             "device_compute_time": DeviceSpan(start, middle),
             "device_optimizer_time": DeviceSpan(middle, end),
         }
-
-
-class OptimizerStateTouched(SteadytrainError):
-    """Out of memory inside optimizer.step after it had already changed parameters or state:
-    redoing the step would apply part of the update twice, so the run stops (restartable)."""
 
 
 class StepRunner:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.errors import BadInputError, DemoFailed
 
 STEPS = 7
 SEQ = 128
@@ -104,14 +104,6 @@ MODULES = [
     "urllib",
 ]
 """Standard-library modules whose docstrings are the demo's text (and the quickstart's)."""
-
-
-class DemoFailed(SteadytrainError):
-    """A step of the demo ended with the code of the command it ran."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass

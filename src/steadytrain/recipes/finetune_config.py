@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -46,14 +46,15 @@ from steadytrain.config import (
 )
 from steadytrain.errors import BadInputError, ConfigError
 
-OPTIMIZERS = (
+Optim = Literal[
     "adamw_torch",
     "adamw_torch_fused",
     "adamw_hf",
     "sgd",
     "paged_adamw_8bit",
     "adamw_bnb_8bit",
-)
+]
+OPTIMIZERS: tuple[str, ...] = get_args(Optim)
 BNB_OPTIMIZERS = ("paged_adamw_8bit", "adamw_bnb_8bit")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
@@ -263,14 +264,7 @@ class FinetuneConfig(BaseModel):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    optim: Literal[
-        "adamw_torch",
-        "adamw_torch_fused",
-        "adamw_hf",
-        "sgd",
-        "paged_adamw_8bit",
-        "adamw_bnb_8bit",
-    ] = Field(
+    optim: Optim = Field(
         "adamw_torch",
         description="adamw_torch; adamw_torch_fused (CUDA); adamw_hf (read as adamw_torch: "
         "transformers removed its own AdamW); sgd; paged_adamw_8bit and adamw_bnb_8bit "

@@ -47,7 +47,7 @@ from steadytrain._durable import sync as sync_fd
 from steadytrain._durable import sync_dir
 from steadytrain._units import format_bytes
 from steadytrain._version import __version__
-from steadytrain.errors import BadInputError
+from steadytrain.errors import CheckpointError, DiskFullError
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -110,18 +110,6 @@ class Payload:
 
     def names(self) -> list[str]:
         return [*self.tensors, *self.objects, *self.json]
-
-
-class CheckpointError(BadInputError):
-    """A checkpoint cannot be written, found or read; the message names the folder and file."""
-
-
-class DiskFullError(CheckpointError):
-    """The disk filled up during a save. The previous checkpoint is untouched."""
-
-    def __init__(self, message: str, path: Path, needed: int, free: int):
-        super().__init__(message)
-        self.path, self.needed, self.free = path, needed, free
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from steadytrain import run_files
-from steadytrain.errors import BadInputError
+from steadytrain.errors import RESTARTABLE_EXIT, BadInputError
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
 from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
 
 GAVE_UP = 4
-HANG = 75
+HANG = RESTARTABLE_EXIT
 STOPPED = (130, 143)
 NOT_RESTARTABLE = {2: "bad input", 3: "does not fit even at micro-batch 1"}
 # Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.

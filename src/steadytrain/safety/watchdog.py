@@ -59,9 +59,10 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain._durable import write_atomic
+from steadytrain.errors import RESTARTABLE_EXIT
 from steadytrain.events import Callback, Control, TrainState
 
-HANG_EXIT = 75
+HANG_EXIT = RESTARTABLE_EXIT
 FLOOR_S = 300.0
 """'auto' never declares a hang sooner: a step can legitimately stall this long (swap, a slow
 disk, another process on the GPU), and a false restart costs the steps since the checkpoint."""

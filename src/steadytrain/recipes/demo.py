@@ -672,14 +672,6 @@ def last_step(metrics: Path) -> int | None:
     return None
 
 
-def _mib(value: float | None) -> str:
-    if value is None:
-        return "?"
-    if value >= 2**30:
-        return f"{value / 2**30:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB"
-
-
 def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 

@@ -21,8 +21,6 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain.events import Callback, Control, TrainState
 
-EVENT_NAMES = ("oom", "shrink", "memory_saver", "fit_start", "fit_end", "epoch_end")
-
 
 class JsonlFile:
     """One JSONL file held open in append mode; each record is one ``write`` of one line, with

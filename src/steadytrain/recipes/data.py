@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from steadytrain.config_files import read_user_text
 from steadytrain.errors import BadInputError
 from steadytrain.memory import chunked_loss
 
@@ -159,16 +160,7 @@ def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
             f"data file {path}: expected a .jsonl file (one JSON object per line) or a .json "
             "file (a list of objects); rename it if it is one of these"
         )
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise BadInputError(f"data file {path} does not exist; check the path") from None
-    except IsADirectoryError:
-        raise BadInputError(f"data file {path} is a directory; give the file inside it") from None
-    except UnicodeDecodeError:
-        raise BadInputError(f"data file {path} is not UTF-8 text; re-save it as UTF-8") from None
-    except OSError as exc:
-        raise BadInputError(f"data file {path} cannot be read: {exc.strerror}") from None
+    text = read_user_text(path, "data file", "utf-8-sig", "; re-save it as UTF-8")
     records: list[tuple[str, dict]] = []
     if suffix == ".jsonl":
         # Not str.splitlines: it also splits at U+2028 and friends, which JSON allows in strings.

@@ -34,16 +34,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steadytrain.config import (
-    TrainConfig,
-    _flat_types,
-    _rule,
-    _show,
-    _suggestion,
-    load_mapping,
-    parse_overrides,
-    read_config_text,
-)
+from steadytrain.config import TrainConfig
+from steadytrain.config_explain import _flat_types, _rule, _show, _suggestion
+from steadytrain.config_files import load_mapping, parse_overrides, read_config_text
 from steadytrain.errors import BadInputError, ConfigError
 
 Optim = Literal[
@@ -598,7 +591,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """A config file as a dict. `.json` / `.jsonc` may hold `//` and `/* */` comments (people
     paste annotated JSON from guides, as in the seed's config); they are blanked outside strings
     with line and column positions kept, so a JSON error still points at the right place.
-    Anything else is read as YAML by `steadytrain.config.load_mapping`."""
+    Anything else is read as YAML by `steadytrain.config_files.load_mapping`."""
     path = Path(path)
     if path.suffix.lower() not in (".json", ".jsonc"):
         return load_mapping(path)

@@ -1,6 +1,6 @@
 """Reading what a user wrote: a text file with its errors in words (config, data and prompt
-files all come through `read_user_text`), JSON and YAML mappings that refuse duplicate keys, and
-`--set field=value` overrides."""
+files all come through `read_user_text`), JSON (with comments, for the fine-tune config) and YAML
+mappings that refuse duplicate keys, and `--set field=value` overrides."""
 
 from __future__ import annotations
 
@@ -138,3 +138,74 @@ def _yaml_problem(exc: Exception) -> str:
     context = getattr(exc, "context", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}"
     return problem + where + (f" ({context})" if context else "")
+
+
+# -- JSON with comments (the fine-tune config), or YAML ----------------------------------------
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file as a dict. `.json` / `.jsonc` may hold `//` and `/* */` comments (people
+    paste annotated JSON from guides, as in the seed's config); they are blanked outside strings
+    with line and column positions kept, so a JSON error still points at the right place.
+    Anything else goes to `load_mapping`."""
+    path = Path(path)
+    if path.suffix.lower() not in (".json", ".jsonc"):
+        return load_mapping(path)
+    text = read_config_text(path, encoding="utf-8-sig")
+    try:
+        text = strip_json_comments(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except ValueError as exc:
+        raise BadInputError(f"config file {path}: {_json_problem(exc, text)}") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"config file {path} must hold a mapping of field: value")
+    return data
+
+
+def strip_json_comments(text: str) -> str:
+    """`text` with `//` line comments and `/* */` block comments replaced by spaces (newlines
+    kept). Slashes inside strings, escaped quotes included, are left alone."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    in_string = False
+    while i < n:
+        char = text[i]
+        if in_string:
+            out.append(char)
+            if char == "\\" and i + 1 < n:
+                out.append(text[i + 1])
+                i += 2
+                continue
+            if char == '"':
+                in_string = False
+            i += 1
+        elif char == '"':
+            in_string = True
+            out.append(char)
+            i += 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            end = n if end == -1 else end
+            out.append(" " * (end - i))
+            i = end
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            if end == -1:
+                line = text.count("\n", 0, i) + 1
+                raise ValueError(f"a /* comment opened at line {line} is never closed with */")
+            out.append("".join(c if c == "\n" else " " for c in text[i : end + 2]))
+            i = end + 2
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
+
+
+def _json_problem(exc: ValueError, text: str) -> str:
+    if not isinstance(exc, json.JSONDecodeError):
+        return str(exc)
+    where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+    before = text[: exc.pos].rstrip()
+    if before.endswith(",") and text[exc.pos : exc.pos + 1] in ("}", "]"):
+        return f"not valid JSON: {where}: a trailing comma before it; remove the comma"
+    return f"not valid JSON: {where}"

@@ -30,19 +30,7 @@ def _watermark_findings(ctx: Context) -> list[Finding]:
     )
     data = {"high": wm.high, "low": wm.low, "high_text": wm.high_text, "low_text": wm.low_text}
     inert = "" if mps_here else " (no effect on this machine, which has no MPS)"
-    found = []
-    for var, text in ((HIGH_VAR, wm.high_text), (LOW_VAR, wm.low_text)):
-        if text is not None and not is_number(text):
-            found.append(
-                Finding(
-                    "env.mps_watermarks",
-                    "warn",
-                    f"{var}={text!r} is not a number: the allocator's strtod reads it as "
-                    f"{strtod(text):g}{' (which disables the limit)' if strtod(text) == 0 else ''}{inert}",
-                    f"set {var} to a number such as 1.7 (HIGH) or 1.4 (LOW), or unset it",
-                    data,
-                )
-            )
+    found = _unparsable_watermarks(wm, data, inert)
     error = wm.init_error()
     if error is not None:
         found.append(
@@ -80,6 +68,24 @@ def _watermark_findings(ctx: Context) -> list[Finding]:
                 data=data,
             )
         )
+    return found
+
+
+def _unparsable_watermarks(wm, data: dict, inert: str) -> list[Finding]:
+    """A watermark that is not a number: the allocator's strtod reads a prefix of it, or 0."""
+    found = []
+    for var, text in ((HIGH_VAR, wm.high_text), (LOW_VAR, wm.low_text)):
+        if text is not None and not is_number(text):
+            found.append(
+                Finding(
+                    "env.mps_watermarks",
+                    "warn",
+                    f"{var}={text!r} is not a number: the allocator's strtod reads it as "
+                    f"{strtod(text):g}{' (which disables the limit)' if strtod(text) == 0 else ''}{inert}",
+                    f"set {var} to a number such as 1.7 (HIGH) or 1.4 (LOW), or unset it",
+                    data,
+                )
+            )
     return found
 
 

@@ -224,21 +224,9 @@ def _build(
     return dataset, stats
 
 
-def load_datasets(
-    train_path: str | Path,
-    tokenizer: Any,
-    *,
-    max_seq_length: int,
-    eval_path: str | Path | None = None,
-    eval_split: float | None = None,
-    packing: bool = False,
-    seed: int = 0,
-) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
-    """Read, check and tokenise the training data (and an eval file or a seeded share of the
-    training records), truncate to `max_seq_length`, and pack if asked.
-
-    Returns ``(train, eval or None, stats)``. Batch them with ``Collator(pad_token_id(tok))``
-    and train with `causal_lm_loss`."""
+def _check_arguments(max_seq_length: Any, eval_path: Any, eval_split: Any, packing: bool) -> None:
+    """`load_datasets`'s arguments, refused with the fix; packing without per-sample attention
+    is a warning (it trains, with samples of a window seeing each other)."""
     if (
         isinstance(max_seq_length, bool)
         or not isinstance(max_seq_length, int)
@@ -267,8 +255,26 @@ def load_datasets(
             "sample also attends to the samples before it in its window. Upgrade transformers, "
             "load the model with attn_implementation='flash_attention_2', or set packing: false.",
             PackingAttentionWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def load_datasets(
+    train_path: str | Path,
+    tokenizer: Any,
+    *,
+    max_seq_length: int,
+    eval_path: str | Path | None = None,
+    eval_split: float | None = None,
+    packing: bool = False,
+    seed: int = 0,
+) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
+    """Read, check and tokenise the training data (and an eval file or a seeded share of the
+    training records), truncate to `max_seq_length`, and pack if asked.
+
+    Returns ``(train, eval or None, stats)``. Batch them with ``Collator(pad_token_id(tok))``
+    and train with `causal_lm_loss`."""
+    _check_arguments(max_seq_length, eval_path, eval_split, packing)
     train_path = Path(train_path)
     records, fmt = read_file(train_path)
     eval_records: list[tuple[str, dict]] | None = None

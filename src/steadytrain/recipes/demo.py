@@ -1,3 +1,4 @@
+# long-module: one script of seven steps, each a method of `Demo`, read top to bottom
 """`steadytrain demo`: the whole product in about a minute, offline.
 
 Nothing is downloaded. The demo builds a tiny Llama-style model with random weights and a
@@ -325,6 +326,11 @@ class Demo:
                 f"see the lines above and {self.run_dir / run_files.EVENTS}",
                 code,
             )
+        self._read_outcome(interruption)
+        return interruption
+
+    def _read_outcome(self, interruption: Interruption) -> None:
+        """What the fine-tune's events say: the resume after the kill, the plan, the adapter."""
         from steadytrain.telemetry.files import read_jsonl
 
         events = read_jsonl(self.run_dir / run_files.EVENTS)
@@ -348,7 +354,6 @@ class Demo:
                 "the fine-tune finished before the demo could interrupt it (a fast device); "
                 f"rerun with more steps: --steps {self.steps * 4}"
             )
-        return interruption
 
     def evaluate_after(self, held_out: Path) -> Any:
         self._heading("after: base and base + adapter on the held-out docstrings")
@@ -449,7 +454,7 @@ class Demo:
         power cut would end it: no signal handler runs, nothing is saved."""
         import psutil
 
-        from steadytrain.safety.supervisor import checkpoint_step
+        from steadytrain.safety.child import checkpoint_step
 
         metrics = self.run_dir / run_files.METRICS
         while supervisor.poll() is None:

@@ -1,3 +1,4 @@
+# long-module: every fine-tune field with its docs, and the Hugging Face name tables
 """The `steadytrain finetune` config: the names people already write in Hugging Face
 `TrainingArguments` (and in peft / bitsandbytes blocks), validated like `TrainConfig` and mapped
 onto it.
@@ -16,11 +17,9 @@ holds the mapping table.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import (
@@ -36,7 +35,7 @@ from pydantic_core import PydanticCustomError
 
 from steadytrain.config import TrainConfig
 from steadytrain.config_explain import _flat_types, _rule, _show, _suggestion
-from steadytrain.config_files import load_mapping, parse_overrides, read_config_text
+from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
 Optim = Literal[
@@ -582,86 +581,6 @@ def _explain(exc: ValidationError) -> list[str]:
         else:
             lines.append(f"{where}: {err['msg']} (found {_show(err['input'])})")
     return lines
-
-
-# -- files: JSON with comments, or YAML ----------------------------------------------------
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A config file as a dict. `.json` / `.jsonc` may hold `//` and `/* */` comments (people
-    paste annotated JSON from guides, as in the seed's config); they are blanked outside strings
-    with line and column positions kept, so a JSON error still points at the right place.
-    Anything else is read as YAML by `steadytrain.config_files.load_mapping`."""
-    path = Path(path)
-    if path.suffix.lower() not in (".json", ".jsonc"):
-        return load_mapping(path)
-    text = read_config_text(path, encoding="utf-8-sig")
-    try:
-        text = strip_json_comments(text)
-        data = json.loads(text, object_pairs_hook=_unique_keys)
-    except ValueError as exc:
-        raise BadInputError(f"config file {path}: {_json_problem(exc, text)}") from None
-    if not isinstance(data, dict):
-        raise BadInputError(f"config file {path} must hold a mapping of field: value")
-    return data
-
-
-def strip_json_comments(text: str) -> str:
-    """`text` with `//` line comments and `/* */` block comments replaced by spaces (newlines
-    kept). Slashes inside strings, escaped quotes included, are left alone."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    in_string = False
-    while i < n:
-        char = text[i]
-        if in_string:
-            out.append(char)
-            if char == "\\" and i + 1 < n:
-                out.append(text[i + 1])
-                i += 2
-                continue
-            if char == '"':
-                in_string = False
-            i += 1
-        elif char == '"':
-            in_string = True
-            out.append(char)
-            i += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            end = n if end == -1 else end
-            out.append(" " * (end - i))
-            i = end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            if end == -1:
-                line = text.count("\n", 0, i) + 1
-                raise ValueError(f"a /* comment opened at line {line} is never closed with */")
-            out.append("".join(c if c == "\n" else " " for c in text[i : end + 2]))
-            i = end + 2
-        else:
-            out.append(char)
-            i += 1
-    return "".join(out)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise ValueError(f"key {key!r} appears twice; keep one")
-        data[key] = value
-    return data
-
-
-def _json_problem(exc: ValueError, text: str) -> str:
-    if not isinstance(exc, json.JSONDecodeError):
-        return str(exc)
-    where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
-    before = text[: exc.pos].rstrip()
-    if before.endswith(",") and text[exc.pos : exc.pos + 1] in ("}", "]"):
-        return f"not valid JSON: {where}: a trailing comma before it; remove the comma"
-    return f"not valid JSON: {where}"
 
 
 __all__ = [

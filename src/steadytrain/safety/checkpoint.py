@@ -1,3 +1,4 @@
+# long-module: one store: save, verify and load share the folder format and `_write` (tests patch)
 """Checkpoint storage: atomic commit, verification on load, keep-last-K, background writes.
 
 Knows files, not models: a `Payload` is a set of named files (safetensors tensors, pickled

@@ -1,3 +1,4 @@
+# long-module: the watcher thread, its backstops and the hang report share one clock and state
 """Hang watchdog: a step that makes no progress for too long is caught, written down and ended.
 
 The loop beats at every ``step_start``, ``micro_step_end`` and ``step_end``. A beat is one integer

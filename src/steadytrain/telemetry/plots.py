@@ -199,6 +199,7 @@ def plot_step_time(run: Run):
     return fig
 
 
+# long: one figure drawn top to bottom: memory lines, the budget, then the event marks
 def plot_memory_events(run: Run):
     """Memory over wall-clock time, every line kept (a resumed stretch shows twice, as it ran),
     the budget as a line, and below it one row per event kind on the same time axis."""

@@ -108,6 +108,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     return Report(html=html_path, pngs=pngs, summary=summary_line(run))
 
 
+# long: the page template, in the order the page reads
 def render_html(run: Run, images: dict[str, bytes]) -> str:
     e = html.escape
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

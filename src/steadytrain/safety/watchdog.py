@@ -336,7 +336,7 @@ class HangWatchdog(Callback):
             + 2 * self.heartbeat_every_s,
             "action": self.action,
             "dump_signal": DUMP_SIGNAL.name if self._signal_registered else None,
-            "dump_file": f"hangs/backstop-{os.getpid()}.txt",
+            "dump_file": f"{run_files.HANGS}/backstop-{os.getpid()}.txt",
             "written": time.time(),
         }
         with contextlib.suppress(OSError):  # a full disk must not end the watching

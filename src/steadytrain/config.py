@@ -34,11 +34,11 @@ from steadytrain._durable import write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, parse_bytes
 from steadytrain.config_explain import (
     RULES,
-    _explain,
-    _flat_types,
-    _rule,
-    _show,
-    _type_name,
+    accepts,
+    explain,
+    flat_types,
+    show_value,
+    type_name,
 )
 from steadytrain.config_files import load_mapping, parse_overrides, read_config_text, read_user_text
 from steadytrain.errors import ConfigError
@@ -258,7 +258,7 @@ class TrainConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = _explain(exc, type(self))
+            problems = explain(exc, type(self))
             if not any(not err["loc"] for err in exc.errors()):
                 # The rules between fields did not run: check them on the fields that are valid.
                 problems += _combination_problems(_valid_values(type(self), data, exc), set(data))
@@ -270,7 +270,7 @@ class TrainConfig(BaseModel):
         # Lax mode would read true as 1 and false as 0; only fields that take a bool get one.
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
-            if bool not in _flat_types(annotation):
+            if bool not in flat_types(annotation):
                 raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
 
@@ -325,13 +325,13 @@ class TrainConfig(BaseModel):
             raise ConfigError(
                 [
                     f"the config must be a mapping of field: value, found "
-                    f"{_type_name(data)} {_show(data)}"
+                    f"{type_name(data)} {show_value(data)}"
                 ],
                 source,
             )
         odd = [key for key in data if not isinstance(key, str)]
         if odd:
-            problems = [f"{_show(key)}: not a field name (field names are text)" for key in odd]
+            problems = [f"{show_value(key)}: not a field name (field names are text)" for key in odd]
             try:
                 cls(**{k: v for k, v in data.items() if isinstance(k, str)})
             except ConfigError as exc:
@@ -455,7 +455,7 @@ def reference_markdown() -> str:
     for name, info in TrainConfig.model_fields.items():
         value = info.get_default(call_default_factory=True)
         default = "required" if info.is_required() else f"`{json.dumps(value)}`"
-        lines.append(f"| `{name}` | {default} | {_rule(TrainConfig, name)} | {info.description} |")
+        lines.append(f"| `{name}` | {default} | {accepts(TrainConfig, name)} | {info.description} |")
     lines += [
         "",
         "Rules between fields:",

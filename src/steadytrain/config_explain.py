@@ -17,7 +17,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 # What a field accepts, in words, where its type alone does not say it (a string with a format).
-# Every other field's rule is written from its type and bounds by `_rule`.
+# Every other field's rule is written from its type and bounds by `accepts`.
 RULES = {
     "device": "'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'",
     "memory_budget": "'auto', a size like '12GiB' or '16GB', or a fraction of usable memory in (0, 1]",
@@ -27,7 +27,7 @@ RULES = {
 # -- problems --------------------------------------------------------------------------
 
 
-def _explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
+def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     """One plain line per problem: the field, what is allowed, what was found."""
     fields = list(model.model_fields)
     by_field: dict[str, list[Any]] = {}
@@ -41,25 +41,25 @@ def _explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     for name, errors in by_field.items():
         first = errors[0]
         if first["type"] == "extra_forbidden":
-            lines.append(f"{name}: unknown field; {_suggestion(name, fields)}")
+            lines.append(f"{name}: unknown field; {suggestion(name, fields)}")
         elif first["type"] == "missing":
             info = model.model_fields[name]
             lines.append(
-                f"{name}: missing, and it has no default; set it to {_rule(model, name)} "
+                f"{name}: missing, and it has no default; set it to {accepts(model, name)} "
                 f"({_first_sentence(info.description)})"
             )
         else:
             # A union reports one error per branch; say once what the field accepts. A rule of
             # our own (a validator's ValueError) is more precise than the type, so it wins.
             own = [e for e in errors if e["type"] == "value_error"]
-            rule = str(own[0]["ctx"]["error"]) if own else f"must be {_rule(model, name)}"
+            rule = str(own[0]["ctx"]["error"]) if own else f"must be {accepts(model, name)}"
             if any(e["type"] == "finite_number" for e in errors):
                 rule += "; inf and nan are not accepted"
-            lines.append(f"{name}: {rule} (found {_show(first['input'])})")
+            lines.append(f"{name}: {rule} (found {show_value(first['input'])})")
     return lines + problems
 
 
-def _suggestion(key: str, fields: list[str]) -> str:
+def suggestion(key: str, fields: list[str]) -> str:
     close = _closest(key, fields)
     if close:
         return "did you mean " + _join_or([f"'{name}'" for name in close]) + "?"
@@ -124,7 +124,7 @@ def _in_order(part: list[str], whole: list[str]) -> bool:
     return all(word in rest for word in part)
 
 
-def _rule(model: type[BaseModel], name: str) -> str:
+def accepts(model: type[BaseModel], name: str) -> str:
     """What field `name` accepts, in words, from its type and bounds ('a whole number ≥ 1')."""
     if name in RULES:
         return RULES[name]
@@ -140,7 +140,7 @@ def _type_words(annotation: Any, bounds: list[Any]) -> list[str]:
     if origin in (Union, types.UnionType):
         return [word for arg in get_args(annotation) for word in _type_words(arg, bounds)]
     if origin is Literal:
-        return [_show(value) for value in get_args(annotation)]
+        return [show_value(value) for value in get_args(annotation)]
     if annotation is type(None):
         return ["null"]
     if annotation is bool:
@@ -169,12 +169,12 @@ def _bounds_words(bounds: list[Any]) -> str:
     return " and".join(words)
 
 
-def _flat_types(annotation: Any) -> set[Any]:
+def flat_types(annotation: Any) -> set[Any]:
     origin = get_origin(annotation)
     if origin is Annotated:
-        return _flat_types(get_args(annotation)[0])
+        return flat_types(get_args(annotation)[0])
     if origin in (Union, types.UnionType):
-        return {t for arg in get_args(annotation) for t in _flat_types(arg)}
+        return {t for arg in get_args(annotation) for t in flat_types(arg)}
     if origin is Literal:
         return {type(value) for value in get_args(annotation)}
     return {annotation}
@@ -184,7 +184,7 @@ def _join_or(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value as the user wrote it in JSON or YAML: 'text', 12, true, null; long ones cut."""
     if value is None:
         return "null"
@@ -200,7 +200,7 @@ def _show(value: Any) -> str:
     return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return {
         list: "a list",
         str: "text",

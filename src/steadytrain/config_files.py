@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from steadytrain.config_explain import _type_name
+from steadytrain.config_explain import type_name
 from steadytrain.errors import BadInputError
 
 
@@ -61,7 +61,7 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
         raise BadInputError(f"config file {path} is empty; it must hold a mapping of field: value")
     if not isinstance(data, dict):
         raise BadInputError(
-            f"config file {path} must hold a mapping of field: value, found {_type_name(data)}"
+            f"config file {path} must hold a mapping of field: value, found {type_name(data)}"
         )
     return data
 

@@ -34,7 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from steadytrain.config import TrainConfig
-from steadytrain.config_explain import _flat_types, _rule, _show, _suggestion
+from steadytrain.config_explain import accepts, flat_types, show_value, suggestion
 from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
@@ -330,7 +330,7 @@ class FinetuneConfig(BaseModel):
         if (
             isinstance(value, bool)
             and field is not None
-            and bool not in _flat_types(cls.model_fields[field].annotation)
+            and bool not in flat_types(cls.model_fields[field].annotation)
         ):
             raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
@@ -421,7 +421,7 @@ class FinetuneConfig(BaseModel):
         asked = self._engine.get("precision")
         if asked is not None and (self.fp16 or self.bf16) and asked != self.precision:
             problems.append(
-                f"precision: {_show(asked)} contradicts {self.precision}: true; keep one of them"
+                f"precision: {show_value(asked)} contradicts {self.precision}: true; keep one of them"
             )
         if self.warmup_steps and self.warmup_ratio:
             problems.append(
@@ -441,7 +441,7 @@ class FinetuneConfig(BaseModel):
     def from_dict(cls, data: Any, source: str | None = None) -> FinetuneConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(
-                [f"the config must be a mapping of field: value, found {_show(data)}"], source
+                [f"the config must be a mapping of field: value, found {show_value(data)}"], source
             )
         try:
             return cls(**{str(k): v for k, v in data.items()})
@@ -499,7 +499,7 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
             if fields[target] != value:
                 problems.append(
                     f"{written_as[target]}, {key}: the same setting given twice with different "
-                    f"values ({_show(fields[target])}, {_show(value)}); keep one"
+                    f"values ({show_value(fields[target])}, {show_value(value)}); keep one"
                 )
             continue
         fields[target], written_as[target] = value, key
@@ -570,16 +570,16 @@ def _explain(exc: ValidationError) -> list[str]:
             known = list(model.model_fields)
             if model is FinetuneConfig:
                 known += ENGINE_FIELDS + list(ENGINE_NAMES) + list(DATA_ALIASES)
-            lines.append(f"{where}: unknown field; {_suggestion(name, known)}")
+            lines.append(f"{where}: unknown field; {suggestion(name, known)}")
         elif err["type"] == "missing":
             description = model.model_fields[name].description or ""
             lines.append(f"{where}: missing, and it has no default ({description.split('. ')[0]})")
         elif err["type"] == "value_error":
-            lines.append(f"{where}: {err['ctx']['error']} (found {_show(err['input'])})")
+            lines.append(f"{where}: {err['ctx']['error']} (found {show_value(err['input'])})")
         elif name in model.model_fields:
-            lines.append(f"{where}: must be {_rule(model, name)} (found {_show(err['input'])})")
+            lines.append(f"{where}: must be {accepts(model, name)} (found {show_value(err['input'])})")
         else:
-            lines.append(f"{where}: {err['msg']} (found {_show(err['input'])})")
+            lines.append(f"{where}: {err['msg']} (found {show_value(err['input'])})")
     return lines
 
 

@@ -331,7 +331,9 @@ class TrainConfig(BaseModel):
             )
         odd = [key for key in data if not isinstance(key, str)]
         if odd:
-            problems = [f"{show_value(key)}: not a field name (field names are text)" for key in odd]
+            problems = [
+                f"{show_value(key)}: not a field name (field names are text)" for key in odd
+            ]
             try:
                 cls(**{k: v for k, v in data.items() if isinstance(k, str)})
             except ConfigError as exc:
@@ -455,7 +457,9 @@ def reference_markdown() -> str:
     for name, info in TrainConfig.model_fields.items():
         value = info.get_default(call_default_factory=True)
         default = "required" if info.is_required() else f"`{json.dumps(value)}`"
-        lines.append(f"| `{name}` | {default} | {accepts(TrainConfig, name)} | {info.description} |")
+        lines.append(
+            f"| `{name}` | {default} | {accepts(TrainConfig, name)} | {info.description} |"
+        )
     lines += [
         "",
         "Rules between fields:",

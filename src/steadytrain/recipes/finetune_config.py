@@ -577,7 +577,9 @@ def _explain(exc: ValidationError) -> list[str]:
         elif err["type"] == "value_error":
             lines.append(f"{where}: {err['ctx']['error']} (found {show_value(err['input'])})")
         elif name in model.model_fields:
-            lines.append(f"{where}: must be {accepts(model, name)} (found {show_value(err['input'])})")
+            lines.append(
+                f"{where}: must be {accepts(model, name)} (found {show_value(err['input'])})"
+            )
         else:
             lines.append(f"{where}: {err['msg']} (found {show_value(err['input'])})")
     return lines

@@ -287,7 +287,7 @@ def steadytrain_round(s: Setup, steps: int, arm: str, tag: str) -> dict[str, Any
 # -- main -------------------------------------------------------------------------------------
 
 
-# Watching and telemetry; Checkpointing is measured on its own (checkpoint_save.py).
+# Watching and telemetry; the checkpoint saver is measured on its own (checkpoint_save.py).
 WATCHING = ("HangWatchdog", "MemoryWatch", "SignalStop", "ConsoleLog", "RunFiles", "TensorBoardLog")
 
 

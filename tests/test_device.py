@@ -163,7 +163,7 @@ def test_mps_budget_is_a_fraction_of_recommended_max_memory():
     device = resolve_device("mps", 0.9, **mac(mps))
     assert device.usable == 12 * GiB
     assert device.budget == int(12 * GiB * 0.9)
-    assert device.with_budget(0.5).budget == 6 * GiB
+    assert Device(device.backend, device.index, 0.5, device.system).budget == 6 * GiB
 
 
 def test_explicit_bytes_win():

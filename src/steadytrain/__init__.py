@@ -1,5 +1,6 @@
 """steadytrain: a training run on a memory-constrained machine finishes."""
 
+from steadytrain._version import __version__
 from steadytrain.config import TrainConfig
 from steadytrain.entry import entrypoint
 from steadytrain.errors import (
@@ -10,8 +11,6 @@ from steadytrain.errors import (
     SteadytrainError,
 )
 from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

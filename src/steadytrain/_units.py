@@ -1,8 +1,13 @@
-"""Byte sizes as people write them ("12GiB", "512 MB") and as we print them."""
+"""Byte sizes as people write them ("12GiB", "512 MB") and as we print them; the default share
+of usable memory a run may take (the config, the device layer and doctor all read it here)."""
 
 from __future__ import annotations
 
 import re
+
+DEFAULT_BUDGET_FRACTION = 0.9
+"""`memory_budget: auto`: 10% of usable memory stays free for what the estimate cannot see
+(allocator fragmentation, the CUDA context, other processes sharing unified memory)."""
 
 _UNITS = {
     "": 1,

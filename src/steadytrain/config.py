@@ -9,18 +9,15 @@ fields a rule reads are valid themselves.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import os
 import re
-import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
-import annotated_types
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -31,22 +28,22 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from steadytrain._durable import sync_dir
-from steadytrain._units import parse_bytes
-from steadytrain.errors import BadInputError, ConfigError
+from steadytrain._durable import write_atomic
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, parse_bytes
+from steadytrain.config_explain import (
+    RULES,
+    accepts,
+    explain,
+    flat_types,
+    show_value,
+    type_name,
+)
+from steadytrain.config_files import load_mapping, parse_overrides, read_config_text, read_user_text
+from steadytrain.errors import ConfigError
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-# What a field accepts, in words, where its type alone does not say it (a string with a format).
-# Every other field's rule is written from its type and bounds by `_rule`.
-_RULES = {
-    "device": "'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'",
-    "memory_budget": "'auto', a size like '12GiB' or '16GB', or a fraction of usable memory in (0, 1]",
-}
-
 
 RunDefiningField = Literal[
     "effective_batch_size", "seed", "model", "optimizer", "schedule", "data", "drop_last", "shuffle"
@@ -133,7 +130,8 @@ class TrainConfig(BaseModel):
     memory_budget: Literal["auto"] | str | float = Field(
         "auto",
         description="Memory the run may use: a size ('12GiB', '16GB'; GB is 1000³ bytes, GiB "
-        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is 0.9 of it. Usable: "
+        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is "
+        f"{DEFAULT_BUDGET_FRACTION} of it. Usable: "
         "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
         "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "
         "cgroup limit.",
@@ -260,7 +258,7 @@ class TrainConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = _explain(exc, type(self))
+            problems = explain(exc, type(self))
             if not any(not err["loc"] for err in exc.errors()):
                 # The rules between fields did not run: check them on the fields that are valid.
                 problems += _combination_problems(_valid_values(type(self), data, exc), set(data))
@@ -272,7 +270,7 @@ class TrainConfig(BaseModel):
         # Lax mode would read true as 1 and false as 0; only fields that take a bool get one.
         if isinstance(value, bool) and info.field_name is not None:
             annotation = cls.model_fields[info.field_name].annotation
-            if bool not in _flat_types(annotation):
+            if bool not in flat_types(annotation):
                 raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
 
@@ -280,7 +278,7 @@ class TrainConfig(BaseModel):
     @classmethod
     def _device_spec(cls, value: str) -> str:
         if not _DEVICE.match(value):
-            raise ValueError(f"must be {_RULES['device']}")
+            raise ValueError(f"must be {RULES['device']}")
         return value
 
     @field_validator("memory_budget")
@@ -290,7 +288,7 @@ class TrainConfig(BaseModel):
             try:
                 size = parse_bytes(value)
             except ValueError:
-                raise ValueError(f"must be {_RULES['memory_budget']}") from None
+                raise ValueError(f"must be {RULES['memory_budget']}") from None
             if size <= 0:
                 raise ValueError(
                     "a size must be more than 0 bytes; a fraction is written as a number like "
@@ -313,7 +311,7 @@ class TrainConfig(BaseModel):
     def budget_bytes_or_fraction(self) -> int | float:
         """memory_budget as bytes (int) or as a fraction of usable memory (float)."""
         if self.memory_budget == "auto":
-            return 0.9
+            return DEFAULT_BUDGET_FRACTION
         if isinstance(self.memory_budget, str):
             return parse_bytes(self.memory_budget)
         return float(self.memory_budget)
@@ -327,13 +325,15 @@ class TrainConfig(BaseModel):
             raise ConfigError(
                 [
                     f"the config must be a mapping of field: value, found "
-                    f"{_type_name(data)} {_show(data)}"
+                    f"{type_name(data)} {show_value(data)}"
                 ],
                 source,
             )
         odd = [key for key in data if not isinstance(key, str)]
         if odd:
-            problems = [f"{_show(key)}: not a field name (field names are text)" for key in odd]
+            problems = [
+                f"{show_value(key)}: not a field name (field names are text)" for key in odd
+            ]
             try:
                 cls(**{k: v for k, v in data.items() if isinstance(k, str)})
             except ConfigError as exc:
@@ -359,79 +359,7 @@ class TrainConfig(BaseModel):
         """Write the resolved config (every default filled in) atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "w") as handle:
-                handle.write(self.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        with contextlib.suppress(OSError):  # best effort
-            sync_dir(path.parent)
-
-
-def read_config_text(path: Path, encoding: str = "utf-8") -> str:
-    """A config file's text; a missing, unreadable or non-text file is BadInputError."""
-    try:
-        return path.read_text(encoding=encoding)
-    except FileNotFoundError:
-        raise BadInputError(f"config file {path} does not exist; check the path") from None
-    except UnicodeDecodeError:
-        raise BadInputError(f"config file {path} is not UTF-8 text; is it a config?") from None
-    except OSError as exc:
-        raise BadInputError(f"config file {path} cannot be read: {exc.strerror}") from None
-
-
-def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """A JSON or YAML file as a dict; a missing, unreadable or malformed file is BadInputError."""
-    import yaml
-
-    path = Path(path)
-    text = read_config_text(path)
-    try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text, object_pairs_hook=_unique_keys)
-        else:
-            data = yaml.load(text, Loader=_unique_key_loader())
-    except _DuplicateKeyError as exc:
-        raise BadInputError(f"config file {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise BadInputError(
-            f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno}, "
-            f"column {exc.colno}"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise BadInputError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
-    if data is None:
-        raise BadInputError(f"config file {path} is empty; it must hold a mapping of field: value")
-    if not isinstance(data, dict):
-        raise BadInputError(
-            f"config file {path} must hold a mapping of field: value, found {_type_name(data)}"
-        )
-    return data
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`field=value` strings (the CLI's `--set`) as a dict; each value is read as a YAML scalar,
-    so `4` is a number, `null` is None, `true` a bool and `12GiB` text."""
-    import yaml
-
-    overrides: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, text = pair.partition("=")
-        if not sep or not key.strip():
-            raise BadInputError(f"--set {pair!r}: write it as field=value, e.g. micro_batch_size=4")
-        try:
-            overrides[key.strip()] = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise BadInputError(
-                f"--set {pair!r}: the value is not valid YAML: {_yaml_problem(exc)}; to pass it as "
-                f"text, quote the value for YAML"
-            ) from None
-    return overrides
+        write_atomic(path, self.to_json())
 
 
 # -- rules between fields -------------------------------------------------------------------------
@@ -506,251 +434,6 @@ def _adapter(model: type[BaseModel], name: str) -> TypeAdapter:
     return TypeAdapter(Annotated[(info.annotation, *info.metadata)])
 
 
-# -- explaining problems --------------------------------------------------------------------------
-
-
-def _explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
-    """One plain line per problem: the field, what is allowed, what was found."""
-    fields = list(model.model_fields)
-    by_field: dict[str, list[Any]] = {}
-    problems: list[str] = []
-    for err in exc.errors():
-        if not err["loc"]:  # a rule between fields: its message is already lines of plain text
-            problems.extend(str(err["ctx"]["error"]).splitlines())
-            continue
-        by_field.setdefault(str(err["loc"][0]), []).append(err)
-    lines = []
-    for name, errors in by_field.items():
-        first = errors[0]
-        if first["type"] == "extra_forbidden":
-            lines.append(f"{name}: unknown field; {_suggestion(name, fields)}")
-        elif first["type"] == "missing":
-            info = model.model_fields[name]
-            lines.append(
-                f"{name}: missing, and it has no default; set it to {_rule(model, name)} "
-                f"({_first_sentence(info.description)})"
-            )
-        else:
-            # A union reports one error per branch; say once what the field accepts. A rule of
-            # our own (a validator's ValueError) is more precise than the type, so it wins.
-            own = [e for e in errors if e["type"] == "value_error"]
-            rule = str(own[0]["ctx"]["error"]) if own else f"must be {_rule(model, name)}"
-            if any(e["type"] == "finite_number" for e in errors):
-                rule += "; inf and nan are not accepted"
-            lines.append(f"{name}: {rule} (found {_show(first['input'])})")
-    return lines + problems
-
-
-def _suggestion(key: str, fields: list[str]) -> str:
-    close = _closest(key, fields)
-    if close:
-        return "did you mean " + _join_or([f"'{name}'" for name in close]) + "?"
-    return "the fields are: " + ", ".join(fields)
-
-
-def _closest(key: str, fields: list[str]) -> list[str]:
-    """Fields the unknown `key` was probably meant to be, best kind of match first.
-
-    In order: the same name spelled another way (camelCase, dashes, capitals); a typo (one or two
-    edits, fewer for short names); the start of a field name, maybe with a typo (`efective`);
-    the words of a field inside the key or the key's words inside a field (`save_steps`,
-    `dataloader_num_workers`). Matches that share only a generic word like `steps` are not made.
-    """
-    wanted = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key.strip())
-    wanted = re.sub(r"[-\s.]+", "_", wanted).lower()
-    if wanted in fields:
-        return [wanted]
-    distance = {name: _edits(wanted, name) for name in fields}
-    best = min(distance.values())
-    typos = [n for n in fields if distance[n] == best <= max(1, round(len(n) / 4))]
-    if typos:
-        return typos
-
-    def starts(name: str) -> bool:
-        if len(wanted) >= 3 and name.startswith(wanted):
-            return True
-        widths = (len(wanted) - 1, len(wanted), len(wanted) + 1)
-        return len(wanted) >= 5 and min(_edits(wanted, name[:w]) for w in widths) <= 1
-
-    prefixed = [name for name in fields if starts(name)]
-    if prefixed:
-        return prefixed[:3]
-    words = wanted.split("_")
-
-    def shares_words(name: str) -> bool:
-        theirs = name.split("_")
-        if _in_order(words, theirs):
-            return True
-        # A field's words at the start or end of the key: keep_last_k, num_train_epochs.
-        return words[: len(theirs)] == theirs or words[-len(theirs) :] == theirs
-
-    return [name for name in fields if shares_words(name)][:3]
-
-
-def _edits(a: str, b: str) -> int:
-    """Edits (insert, delete, replace, swap two neighbours) that turn a into b."""
-    before, previous = [0] * (len(b) + 1), list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        current = [i]
-        for j, cb in enumerate(b, 1):
-            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb))
-            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                cost = min(cost, before[j - 2] + 1)
-            current.append(cost)
-        before, previous = previous, current
-    return previous[-1]
-
-
-def _in_order(part: list[str], whole: list[str]) -> bool:
-    rest = iter(whole)
-    return all(word in rest for word in part)
-
-
-def _rule(model: type[BaseModel], name: str) -> str:
-    """What field `name` accepts, in words, from its type and bounds ('a whole number ≥ 1')."""
-    if name in _RULES:
-        return _RULES[name]
-    info = model.model_fields[name]
-    return _join_or(_type_words(info.annotation, info.metadata))
-
-
-def _type_words(annotation: Any, bounds: list[Any]) -> list[str]:
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        inner, *metadata = get_args(annotation)
-        return _type_words(inner, [*bounds, *metadata])
-    if origin in (Union, types.UnionType):
-        return [word for arg in get_args(annotation) for word in _type_words(arg, bounds)]
-    if origin is Literal:
-        return [_show(value) for value in get_args(annotation)]
-    if annotation is type(None):
-        return ["null"]
-    if annotation is bool:
-        return ["true", "false"]
-    if annotation is int:
-        return ["a whole number" + _bounds_words(bounds)]
-    if annotation is float:
-        return ["a number" + _bounds_words(bounds)]
-    if annotation is str:
-        return ["text"]
-    return [getattr(annotation, "__name__", str(annotation))]
-
-
-def _bounds_words(bounds: list[Any]) -> str:
-    words = []
-    for bound in bounds:
-        for item in bound.metadata if isinstance(bound, FieldInfo) else [bound]:
-            if isinstance(item, annotated_types.Ge):
-                words.append(f" ≥ {item.ge}")
-            elif isinstance(item, annotated_types.Gt):
-                words.append(f" > {item.gt}")
-            elif isinstance(item, annotated_types.Le):
-                words.append(f" ≤ {item.le}")
-            elif isinstance(item, annotated_types.Lt):
-                words.append(f" < {item.lt}")
-    return " and".join(words)
-
-
-def _flat_types(annotation: Any) -> set[Any]:
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        return _flat_types(get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        return {t for arg in get_args(annotation) for t in _flat_types(arg)}
-    if origin is Literal:
-        return {type(value) for value in get_args(annotation)}
-    return {annotation}
-
-
-def _join_or(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def _show(value: Any) -> str:
-    """A value as the user wrote it in JSON or YAML: 'text', 12, true, null; long ones cut."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str | int | float):
-        shown = repr(value)
-    else:
-        try:
-            shown = json.dumps(value, default=str)
-        except ValueError:
-            shown = repr(value)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
-
-
-def _type_name(value: Any) -> str:
-    return {
-        list: "a list",
-        str: "text",
-        int: "a number",
-        float: "a number",
-        bool: "true/false",
-    }.get(type(value), type(value).__name__)
-
-
-def _first_sentence(text: str | None) -> str:
-    first = (text or "").split(". ")[0].rstrip(".")
-    return first[:1].lower() + first[1:]
-
-
-# -- files ----------------------------------------------------------------------------------------
-
-
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise _DuplicateKeyError(f"key {key!r} appears twice; keep one")
-        data[key] = value
-    return data
-
-
-@functools.cache
-def _unique_key_loader() -> type:
-    """yaml.SafeLoader that refuses a key given twice (plain PyYAML keeps the last silently)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = loader.construct_object(key_node)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # an unhashable key: construct_mapping reports it
-                continue
-            if duplicate:
-                line = key_node.start_mark.line + 1
-                raise _DuplicateKeyError(
-                    f"key {key!r} appears twice (again at line {line}); keep one"
-                )
-        return loader.construct_mapping(node)
-
-    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return UniqueKeyLoader
-
-
-def _yaml_problem(exc: Exception) -> str:
-    problem = getattr(exc, "problem", None)
-    mark = getattr(exc, "problem_mark", None)
-    if problem is None or mark is None:
-        return str(exc).replace("\n", " ")
-    context = getattr(exc, "context", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}"
-    return problem + where + (f" ({context})" if context else "")
-
-
 # -- reference page -------------------------------------------------------------------------------
 
 
@@ -774,7 +457,9 @@ def reference_markdown() -> str:
     for name, info in TrainConfig.model_fields.items():
         value = info.get_default(call_default_factory=True)
         default = "required" if info.is_required() else f"`{json.dumps(value)}`"
-        lines.append(f"| `{name}` | {default} | {_rule(TrainConfig, name)} | {info.description} |")
+        lines.append(
+            f"| `{name}` | {default} | {accepts(TrainConfig, name)} | {info.description} |"
+        )
     lines += [
         "",
         "Rules between fields:",
@@ -783,6 +468,16 @@ def reference_markdown() -> str:
         "- `save_every_steps` must be at most `max_steps` when `max_steps` is set.",
     ]
     return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "TrainConfig",
+    "load_mapping",
+    "parse_overrides",
+    "read_config_text",
+    "read_user_text",
+    "reference_markdown",
+]
 
 
 if __name__ == "__main__":

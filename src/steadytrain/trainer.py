@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from steadytrain import run_files
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
@@ -30,10 +31,10 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
-from steadytrain.safety.checkpointing import Checkpointing
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
+from steadytrain.safety.saving import CheckpointSaver
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import HostBuffers, RunState, run_identity
 from steadytrain.safety.watchdog import HangWatchdog
@@ -113,7 +114,7 @@ class Trainer:
         try:
             store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
             expected_loss = self._resume_or_start(run, store, files)
-            cfg.dump(run_dir / "config.json")
+            cfg.dump(run_dir / run_files.CONFIG)
             console = console_callback(cfg)
             record = _recorder(files, console)
             planned = RecordAtStart(record)
@@ -223,7 +224,7 @@ class Trainer:
         run.savers.start(resumed=run.resumed)
         cap = _micro_cap_from_supervisor()
         if cap is not None and cap < run.state.micro_batch_size:
-            reason = f"{MICRO_CAP_ENV}={cap} (supervisor)"
+            reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
             files.record(
                 "micro_batch_cap", {"old": run.state.micro_batch_size, "new": cap, "reason": reason}
             )
@@ -249,7 +250,7 @@ class Trainer:
         callbacks = [
             HangWatchdog.from_config(cfg, Path(cfg.run_dir), run.device, record),
             MemoryWatch.from_config(cfg, run.device, record),
-            Checkpointing(store, capture, cfg.save_every_steps, async_save, record),
+            CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
             SignalStop(record),
             continuity,
             *telemetry,  # console, tensorboard, files (a late record after its fit_end
@@ -431,18 +432,17 @@ def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
     return record
 
 
-MICRO_CAP_ENV = "STEADYTRAIN_MAX_MICRO_BATCH"
-
-
 def _micro_cap_from_supervisor() -> int | None:
     """`steadytrain run` sets this after an OS kill, to start the restarted run smaller."""
-    value = os.environ.get(MICRO_CAP_ENV)
+    value = os.environ.get(run_files.ENV_MAX_MICRO_BATCH)
     if not value:
         return None
     try:
         return max(1, int(value))
     except ValueError:
-        raise BadInputError(f"{MICRO_CAP_ENV}: {value!r} is not a whole number") from None
+        raise BadInputError(
+            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
+        ) from None
 
 
 def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):

@@ -1,7 +1,7 @@
 """How much memory a run may use, per device type.
 
 "Usable" is what this process may reach in total before the real ceiling stops it; the budget is
-an explicit byte count when the user gave one, else a fraction (default 0.9) of usable:
+an explicit byte count when the user gave one, else a fraction (default `DEFAULT_BUDGET_FRACTION`, 0.9) of usable:
 
 * CUDA: device total, times the per-process memory fraction cap when one is set
   (`torch.cuda.set_per_process_memory_fraction`).
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from steadytrain.device.system import SystemProbe
 from steadytrain.errors import BadInputError
-
-DEFAULT_FRACTION = 0.9
 
 
 def check_budget_spec(spec: int | float) -> int | float:

@@ -8,14 +8,14 @@ from functools import cached_property
 
 import torch
 
+from steadytrain._units import DEFAULT_BUDGET_FRACTION
 from steadytrain.device.autocast import CANDIDATES, AutocastResult, check_autocast
 from steadytrain.device.backends import Backend, CPUBackend, CUDABackend
-from steadytrain.device.budget import DEFAULT_FRACTION, budget_bytes, check_budget_spec
+from steadytrain.device.budget import budget_bytes, check_budget_spec
 from steadytrain.device.mps import MPSBackend
 from steadytrain.device.system import SystemProbe
 from steadytrain.errors import DeviceUnavailableError
 
-AUTO_BUDGET_FRACTION = DEFAULT_FRACTION
 ACCELERATORS = ("cuda", "mps")  # the order "auto" tries them in
 _SPEC = re.compile(r"^(cuda|mps|cpu)(?::(\d+))?$")
 
@@ -61,7 +61,7 @@ class Device:
         self,
         backend: Backend,
         index: int = 0,
-        budget_spec: int | float = AUTO_BUDGET_FRACTION,
+        budget_spec: int | float = DEFAULT_BUDGET_FRACTION,
         system: SystemProbe | None = None,
         skipped: tuple[str, ...] = (),
     ) -> None:
@@ -84,9 +84,6 @@ class Device:
     def name(self) -> str:
         """What the hardware calls itself: GPU name, Apple chip, CPU model."""
         return self.backend.device_name(self.index)
-
-    def with_budget(self, spec: int | float) -> Device:
-        return Device(self.backend, self.index, spec, self.system, self.skipped)
 
     @cached_property
     def usable(self) -> int | None:
@@ -178,7 +175,7 @@ def default_backends(system: SystemProbe | None = None) -> dict[str, Backend]:
 
 def resolve_device(
     spec: str = "auto",
-    budget_spec: int | float = AUTO_BUDGET_FRACTION,
+    budget_spec: int | float = DEFAULT_BUDGET_FRACTION,
     backends: dict[str, Backend] | None = None,
     system: SystemProbe | None = None,
 ) -> Device:

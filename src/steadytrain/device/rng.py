@@ -14,13 +14,9 @@ import numpy as np
 import torch
 
 from steadytrain.device import mps
-from steadytrain.errors import BadInputError
+from steadytrain.errors import RNGStateError
 
 STREAMS = ("python", "numpy", "torch", "cuda", "mps")
-
-
-class RNGStateError(BadInputError, RuntimeError):
-    """A saved RNG snapshot cannot be restored on this machine."""
 
 
 def seed_everything(seed: int) -> None:

@@ -30,7 +30,7 @@ from steadytrain.device import (
 )
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.precision import Precision
-from steadytrain.errors import BadInputError, DoesNotFitError, SteadytrainError
+from steadytrain.errors import BadInputError, DoesNotFitError, OptimizerStateTouched
 from steadytrain.events import DeviceSpan, Event, TrainState
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -188,11 +188,6 @@ class _PhaseMarks:
             "device_compute_time": DeviceSpan(start, middle),
             "device_optimizer_time": DeviceSpan(middle, end),
         }
-
-
-class OptimizerStateTouched(SteadytrainError):
-    """Out of memory inside optimizer.step after it had already changed parameters or state:
-    redoing the step would apply part of the update twice, so the run stops (restartable)."""
 
 
 class StepRunner:

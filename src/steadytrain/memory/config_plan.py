@@ -3,7 +3,7 @@ or from real passes of the model built with random weights on this device."""
 
 from __future__ import annotations
 
-from steadytrain._units import format_bytes, parse_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
 from steadytrain.device import resolve_device
 from steadytrain.errors import BadInputError
 from steadytrain.memory.analytic import Analytic
@@ -120,7 +120,7 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
     from steadytrain.memory.savers import MemorySavers, trial_pass
 
     memory = settings.memory_budget
-    device = resolve_device("auto", parse_bytes(memory) if memory else 0.9)
+    device = resolve_device("auto", parse_bytes(memory) if memory else DEFAULT_BUDGET_FRACTION)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     model = _random_model(config, settings, dtypes[settings.weights_dtype], device.torch_device)
     params = [p for p in model.parameters() if p.requires_grad]

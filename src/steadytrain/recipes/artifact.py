@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from steadytrain import run_files
 from steadytrain.device import Device
 from steadytrain.errors import BadInputError
 
@@ -85,8 +86,8 @@ def _locate(path: Path, what: str) -> Path:
             f"or {MODEL_CONFIG} (a model), or a run directory"
         )
     has_own = (path / ADAPTER_CONFIG).is_file() or _is_model_config(path / MODEL_CONFIG)
-    if not has_own and (path / "final").is_dir():
-        return path / "final"
+    if not has_own and (path / run_files.FINAL).is_dir():
+        return path / run_files.FINAL
     return path
 
 

@@ -19,9 +19,7 @@ each optimizer batch without touching the engine's seeded, resumable sampler. Wi
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import warnings
 from array import array
 from bisect import bisect_left, insort
@@ -35,25 +33,9 @@ from torch.utils.data import Dataset
 
 from steadytrain.errors import BadInputError
 from steadytrain.memory import chunked_loss
-
-IGNORE_INDEX = -100
-"""Label of a position that is not a target; the value `torch.nn.functional.cross_entropy` and
-Hugging Face models skip by default."""
-
-MAX_PROBLEMS = 10
-"""Problems listed in one error; the rest are counted. Enough to see a pattern (a whole file in
-the wrong format) without burying the first one."""
-
-ROLES = ("system", "user", "assistant")
-FORMATS = ("text", "prompt_completion", "messages")
-_FORMAT_NAMES = {
-    "text": '"text"',
-    "prompt_completion": '"prompt" + "completion"',
-    "messages": '"messages"',
-}
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-_ENCODE_CHUNK = 512
-
+from steadytrain.recipes.byte_tokenizer import BYTE_CHAT_TEMPLATE, byte_tokenizer
+from steadytrain.recipes.records import FORMAT_NAMES, FORMATS, read_file
+from steadytrain.recipes.tokens import IGNORE_INDEX, _tokenize, pad_token_id
 
 # -- statistics ------------------------------------------------------------------------------
 
@@ -77,7 +59,7 @@ class SplitStats:
 
     def summary(self) -> str:
         lines = [
-            f"{self.name}: {self.records:,} {_FORMAT_NAMES[self.format]} records from {self.path}, "
+            f"{self.name}: {self.records:,} {FORMAT_NAMES[self.format]} records from {self.path}, "
             f"{self.tokens:,} tokens ({self.target_tokens:,} in the loss)"
         ]
         if self.truncated:
@@ -105,404 +87,6 @@ class DataStats:
 
     def summary(self) -> str:
         return "\n".join(s.summary() for s in (self.train, self.eval) if s is not None)
-
-
-# -- reading and checking records ------------------------------------------------------------
-
-
-class _Problems:
-    """Problems of one file, collected so that all of them are reported in one error."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.items: list[str] = []
-
-    def add(self, where: str, message: str) -> None:
-        self.items.append(f"{where}: {message}")
-
-    def raise_if_any(self) -> None:
-        if not self.items:
-            return
-        shown = "\n".join(f"  - {p}" for p in self.items[:MAX_PROBLEMS])
-        more = len(self.items) - MAX_PROBLEMS
-        tail = f"\n  ... and {more} more" if more > 0 else ""
-        raise BadInputError(
-            f"data file {self.path}: {len(self.items)} problem(s):\n{shown}{tail}\n"
-            "  See docs/finetune-data.md for the formats."
-        )
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true/false"
-    if isinstance(value, (int, float)):
-        return f"a number ({value})"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
-def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
-    """The records of a ``.jsonl`` (one object per line; blank lines skipped) or ``.json`` file
-    (a list of objects, or ``{"data": [...]}``) as ``(where, record)``; `where` names the record
-    in errors: "line 7" (1-based) for JSONL, "item [3]" (0-based index) for JSON."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json"):
-        raise BadInputError(
-            f"data file {path}: expected a .jsonl file (one JSON object per line) or a .json "
-            "file (a list of objects); rename it if it is one of these"
-        )
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise BadInputError(f"data file {path} does not exist; check the path") from None
-    except IsADirectoryError:
-        raise BadInputError(f"data file {path} is a directory; give the file inside it") from None
-    except UnicodeDecodeError:
-        raise BadInputError(f"data file {path} is not UTF-8 text; re-save it as UTF-8") from None
-    except OSError as exc:
-        raise BadInputError(f"data file {path} cannot be read: {exc.strerror}") from None
-    records: list[tuple[str, dict]] = []
-    if suffix == ".jsonl":
-        # Not str.splitlines: it also splits at U+2028 and friends, which JSON allows in strings.
-        for number, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            where = f"line {number}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problems.add(
-                    where,
-                    f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                    "complete JSON object",
-                )
-                continue
-            if not isinstance(value, dict):
-                problems.add(where, f"expected a JSON object {{...}}, found {_type_name(value)}")
-                continue
-            records.append((where, value))
-    else:
-        try:
-            value = json.loads(text) if text.strip() else []
-        except json.JSONDecodeError as exc:
-            raise BadInputError(
-                f"data file {path}: invalid JSON ({exc.msg} at line {exc.lineno}, column "
-                f"{exc.colno})"
-            ) from None
-        if isinstance(value, dict) and isinstance(value.get("data"), list) and len(value) == 1:
-            value = value["data"]
-        if not isinstance(value, list):
-            raise BadInputError(
-                f"data file {path}: expected a list of records [{{...}}, ...] or "
-                f'{{"data": [...]}}, found {_type_name(value)}'
-            )
-        for index, item in enumerate(value):
-            if not isinstance(item, dict):
-                problems.add(
-                    f"item [{index}]", f"expected an object {{...}}, found {_type_name(item)}"
-                )
-                continue
-            records.append((f"item [{index}]", item))
-    return records
-
-
-def _record_format(record: dict) -> tuple[str | None, str | None]:
-    """(format, None), or (None, the problem) for a record with no format or more than one."""
-    found = []
-    if "messages" in record:
-        found.append("messages")
-    if "prompt" in record or "completion" in record:
-        found.append("prompt_completion")
-    if "text" in record:
-        found.append("text")
-    if len(found) == 1:
-        return found[0], None
-    if not found:
-        keys = ", ".join(f'"{k}"' for k in list(record)[:8]) or "none"
-        return None, (
-            'has none of "text", "prompt" + "completion" or "messages" '
-            f"(its keys: {keys}); rename the field that holds the training text"
-        )
-    names = " and ".join(_FORMAT_NAMES[f] for f in found)
-    return None, f"has both {names}; keep the fields of one format"
-
-
-def _string_problem(record: dict, key: str, *, allow_empty: bool) -> str | None:
-    if key not in record:
-        return None
-    value = record[key]
-    if not isinstance(value, str):
-        return f'"{key}" must be a string, found {_type_name(value)}'
-    if not allow_empty and not value.strip():
-        return f'"{key}" is empty; there is nothing to learn from this record, remove it'
-    return None
-
-
-def _check_record(record: dict, fmt: str) -> list[str]:
-    """Problems of one record in a file of format `fmt`."""
-    if fmt == "text":
-        problem = _string_problem(record, "text", allow_empty=False)
-        return [problem] if problem else []
-    if fmt == "prompt_completion":
-        problems = [
-            f'missing "{key}"; a prompt + completion record needs both (an empty prompt is "")'
-            for key in ("prompt", "completion")
-            if key not in record
-        ]
-        for key, allow_empty in (("prompt", True), ("completion", False)):
-            problem = _string_problem(record, key, allow_empty=allow_empty)
-            if problem:
-                problems.append(problem)
-        return problems
-    messages = record["messages"]
-    if not isinstance(messages, list):
-        return [
-            f'"messages" must be a list of {{"role", "content"}} objects, found {_type_name(messages)}'
-        ]
-    if not messages:
-        return ['"messages" is empty; a conversation needs a user and an assistant message']
-    problems = []
-    for i, message in enumerate(messages):
-        at = f"messages[{i}]"
-        if not isinstance(message, dict):
-            problems.append(
-                f'{at} must be an object {{"role", "content"}}, found {_type_name(message)}'
-            )
-            continue
-        role = message.get("role")
-        if "role" not in message:
-            problems.append(f'{at} has no "role"; use one of {", ".join(ROLES)}')
-        elif role not in ROLES:
-            shown = json.dumps(role) if isinstance(role, str) else _type_name(role)
-            problems.append(f"{at}: role {shown} is not one of {', '.join(ROLES)}")
-        if "content" not in message:
-            problems.append(f'{at} has no "content"')
-        elif not isinstance(message["content"], str):
-            problems.append(
-                f'{at}: "content" must be a string, found {_type_name(message["content"])}'
-            )
-        elif role == "assistant" and not message["content"].strip():
-            problems.append(f"{at}: the assistant's content is empty; nothing to learn from it")
-    roles = [m.get("role") for m in messages if isinstance(m, dict)]
-    if "assistant" not in roles:
-        problems.append("no assistant message; the loss is on the assistant's replies")
-    elif roles and roles[0] == "assistant":
-        problems.append(
-            "the conversation starts with the assistant; start with a system or user message"
-        )
-    return problems
-
-
-def _check_records(records: list[tuple[str, dict]], problems: _Problems) -> str | None:
-    """The format of a file's records (from the first that has one); adds every problem."""
-    fmt: str | None = None
-    first = ""
-    for where, record in records:
-        found, problem = _record_format(record)
-        if problem:
-            problems.add(where, problem)
-            continue
-        if fmt is None:
-            fmt, first = found, where
-        elif found != fmt:
-            problems.add(
-                where,
-                f"is a {_FORMAT_NAMES[found]} record but the file's first record ({first}) is "
-                f"{_FORMAT_NAMES[fmt]}; use one format per file",
-            )
-            continue
-        for problem in _check_record(record, fmt):
-            problems.add(where, problem)
-    return fmt
-
-
-def read_file(path: str | Path) -> tuple[list[tuple[str, dict]], str]:
-    """The checked records of a data file and its format, or one BadInputError listing every
-    problem in it (unreadable lines and bad fields alike)."""
-    path = Path(path)
-    problems = _Problems(path)
-    records = _read_records(path, problems)
-    if not records and not problems.items:
-        raise BadInputError(
-            f"data file {path} is empty: it holds no records; add records such as "
-            '{"text": "..."} or {"prompt": "...", "completion": "..."}'
-        )
-    fmt = _check_records(records, problems)
-    problems.raise_if_any()
-    return records, fmt or ""
-
-
-# -- tokenising ------------------------------------------------------------------------------
-
-
-def pad_token_id(tokenizer: Any) -> int:
-    """The id padding uses: the tokenizer's pad token, else its eos token. Padded positions are
-    never targets and (with right padding under a causal mask) never attended to, so its value
-    does not change the loss."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    raise BadInputError(
-        "tokenizer: has neither a pad_token nor an eos_token; set tokenizer.pad_token"
-    )
-
-
-def _eos_id(tokenizer: Any) -> int:
-    if tokenizer.eos_token_id is None:
-        raise BadInputError(
-            "tokenizer: has no eos_token, so samples cannot teach the model where to stop; set "
-            "tokenizer.eos_token to the model's end-of-text token"
-        )
-    return int(tokenizer.eos_token_id)
-
-
-def _leading_specials(tokenizer: Any) -> list[int]:
-    """The special ids the tokenizer puts before a text (a BOS for Llama, none for GPT-2).
-    Text is encoded without special tokens and these are added once, so a prompt and its
-    completion encoded separately do not each get a BOS, and tokenizers that also append an
-    EOS do not end a prompt with one."""
-    probe = "a"
-    with_specials = list(tokenizer(probe)["input_ids"])
-    plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    for start in range(len(with_specials) - len(plain) + 1):
-        if with_specials[start : start + len(plain)] == plain:
-            return with_specials[:start]
-    return []
-
-
-def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for i in range(0, len(texts), _ENCODE_CHUNK):
-        out.extend(tokenizer(texts[i : i + _ENCODE_CHUNK], add_special_tokens=False)["input_ids"])
-    return out
-
-
-def _chat_template(tokenizer: Any, path: Path) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    if not isinstance(template, str) or not template:
-        raise BadInputError(
-            f"data file {path}: the records are chat messages but the tokenizer has no chat "
-            "template; set tokenizer.chat_template, use the model's instruct tokenizer, or write "
-            "the data as prompt + completion records"
-        )
-    return template
-
-
-class _NotPrefixStable(Exception):
-    """The template renders a conversation's beginning differently on its own and inside the
-    whole (it may hide earlier reasoning, or number the turns), so spans cannot be diffed."""
-
-
-class _ChatEncoder:
-    """Token ids and the assistant mask of one conversation.
-
-    A template with ``{% generation %}`` markers says itself which characters are the
-    assistant's (`return_assistant_tokens_mask`). Without markers the conversation is rendered
-    before each assistant message (with the generation prompt) and up to its end: the characters
-    between the two renderings are that message, its end-of-turn token included, so the model
-    learns to stop. The full rendering is tokenised once and a token is a target when its first
-    character lies in such a span, so tokens are exactly those inference will see.
-    """
-
-    def __init__(self, tokenizer: Any, path: Path):
-        self.tokenizer = tokenizer
-        self.marked = bool(_GENERATION_TAG.search(_chat_template(tokenizer, path)))
-        if not getattr(tokenizer, "is_fast", False):
-            raise BadInputError(
-                f"data file {path}: the assistant's tokens of chat records are located by "
-                "character offsets, which need a fast tokenizer; load it with "
-                "AutoTokenizer.from_pretrained(..., use_fast=True), or write the data as "
-                "prompt + completion records"
-            )
-
-    def __call__(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if self.marked:
-            out = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        full = self._render(messages, generation_prompt=False)
-        spans = []
-        for k, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self._render(messages[:k], generation_prompt=True)
-            through = self._render(messages[: k + 1], generation_prompt=False)
-            if not (through.startswith(before) and full.startswith(through)):
-                raise _NotPrefixStable(
-                    f"the chat template renders messages[:{k}] differently inside the whole "
-                    "conversation, so the assistant's tokens cannot be located; add "
-                    "{% generation %} ... {% endgeneration %} around the assistant's content in "
-                    "the template"
-                )
-            spans.append((len(before), len(through)))
-        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [
-            any(lo <= start < hi for lo, hi in spans) and end > start
-            for start, end in encoded["offset_mapping"]
-        ]
-        return list(encoded["input_ids"]), mask
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
-
-def _template_errors() -> tuple[type[Exception], ...]:
-    from jinja2.exceptions import TemplateError
-
-    return (TemplateError, ValueError, TypeError, KeyError, IndexError)
-
-
-def _tokenize(
-    path: Path, fmt: str, records: list[tuple[str, dict]], tokenizer: Any
-) -> list[tuple[list[int], list[bool]]]:
-    """(ids, is_target) per record, before truncation."""
-    eos = _eos_id(tokenizer)
-    if fmt == "messages":
-        encode = _ChatEncoder(tokenizer, path)
-        problems = _Problems(path)
-        out = []
-        for where, record in records:
-            try:
-                ids, mask = encode(record["messages"])
-            except _NotPrefixStable as exc:
-                problems.add(where, str(exc))
-                continue
-            except _template_errors() as exc:
-                problems.add(where, f"the chat template failed: {exc}")
-                continue
-            if not any(mask):
-                problems.add(where, "the chat template marked no assistant tokens")
-                continue
-            out.append((ids, mask))
-        problems.raise_if_any()
-        return out
-    head = _leading_specials(tokenizer)
-    if fmt == "text":
-        bodies = _encode(tokenizer, [r["text"] for _, r in records])
-        return [(head + ids + [eos], [True] * (len(head) + len(ids) + 1)) for ids in bodies]
-    prompts = _encode(tokenizer, [r["prompt"] for _, r in records])
-    completions = _encode(tokenizer, [r["completion"] for _, r in records])
-    out = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        context = head + prompt
-        out.append(
-            (context + completion + [eos], [False] * len(context) + [True] * (len(completion) + 1))
-        )
-    return out
 
 
 # -- datasets --------------------------------------------------------------------------------
@@ -640,21 +224,9 @@ def _build(
     return dataset, stats
 
 
-def load_datasets(
-    train_path: str | Path,
-    tokenizer: Any,
-    *,
-    max_seq_length: int,
-    eval_path: str | Path | None = None,
-    eval_split: float | None = None,
-    packing: bool = False,
-    seed: int = 0,
-) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
-    """Read, check and tokenise the training data (and an eval file or a seeded share of the
-    training records), truncate to `max_seq_length`, and pack if asked.
-
-    Returns ``(train, eval or None, stats)``. Batch them with ``Collator(pad_token_id(tok))``
-    and train with `causal_lm_loss`."""
+def _check_arguments(max_seq_length: Any, eval_path: Any, eval_split: Any, packing: bool) -> None:
+    """`load_datasets`'s arguments, refused with the fix; packing without per-sample attention
+    is a warning (it trains, with samples of a window seeing each other)."""
     if (
         isinstance(max_seq_length, bool)
         or not isinstance(max_seq_length, int)
@@ -683,8 +255,26 @@ def load_datasets(
             "sample also attends to the samples before it in its window. Upgrade transformers, "
             "load the model with attn_implementation='flash_attention_2', or set packing: false.",
             PackingAttentionWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def load_datasets(
+    train_path: str | Path,
+    tokenizer: Any,
+    *,
+    max_seq_length: int,
+    eval_path: str | Path | None = None,
+    eval_split: float | None = None,
+    packing: bool = False,
+    seed: int = 0,
+) -> tuple[TokenizedDataset, TokenizedDataset | None, DataStats]:
+    """Read, check and tokenise the training data (and an eval file or a seeded share of the
+    training records), truncate to `max_seq_length`, and pack if asked.
+
+    Returns ``(train, eval or None, stats)``. Batch them with ``Collator(pad_token_id(tok))``
+    and train with `causal_lm_loss`."""
+    _check_arguments(max_seq_length, eval_path, eval_split, packing)
     train_path = Path(train_path)
     records, fmt = read_file(train_path)
     eval_records: list[tuple[str, dict]] | None = None
@@ -831,66 +421,6 @@ class LMLoss(chunked_loss.CausalLMLoss):
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens)
-
-
-# -- an offline tokenizer --------------------------------------------------------------------
-
-BYTE_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{% else %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-"""The chat template of `byte_tokenizer`: role tokens, the assistant's turn ended by EOS, and
-``{% generation %}`` markers so the assistant mask comes from the template itself."""
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-to-character map: each byte as a printable character, which is the alphabet
-    the `tokenizers` ByteLevel pre-tokenizer produces."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
-
-
-def byte_tokenizer(chat_template: str | None = BYTE_CHAT_TEMPLATE) -> Any:
-    """A Hugging Face fast tokenizer built offline: ids 0-255 are the bytes of UTF-8 text, then
-    ``<bos>`` (256, prepended to every text), ``<eos>`` (257), ``<pad>`` (258) and the role
-    tokens ``<|system|>``, ``<|user|>``, ``<|assistant|>``. Any text round-trips; nothing is
-    downloaded, so tests and the offline demo can fine-tune a tiny model from scratch."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    roles = ["<|system|>", "<|user|>", "<|assistant|>"]
-    backend.add_special_tokens(["<bos>", "<eos>", "<pad>", *roles])
-    backend.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 256)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
 
 
 __all__: list[str] = [

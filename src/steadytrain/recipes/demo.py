@@ -1,3 +1,4 @@
+# long-module: one script of seven steps, each a method of `Demo`, read top to bottom
 """`steadytrain demo`: the whole product in about a minute, offline.
 
 Nothing is downloaded. The demo builds a tiny Llama-style model with random weights and a
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain import run_files
+from steadytrain.errors import BadInputError, DemoFailed
 
 STEPS = 7
 SEQ = 128
@@ -103,14 +105,6 @@ MODULES = [
     "urllib",
 ]
 """Standard-library modules whose docstrings are the demo's text (and the quickstart's)."""
-
-
-class DemoFailed(SteadytrainError):
-    """A step of the demo ended with the code of the command it ran."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -329,15 +323,20 @@ class Demo:
         if code != 0:
             raise DemoFailed(
                 f"fine-tune: `steadytrain run -- steadytrain finetune` exited with code {code}; "
-                f"see the lines above and {self.run_dir / 'events.jsonl'}",
+                f"see the lines above and {self.run_dir / run_files.EVENTS}",
                 code,
             )
+        self._read_outcome(interruption)
+        return interruption
+
+    def _read_outcome(self, interruption: Interruption) -> None:
+        """What the fine-tune's events say: the resume after the kill, the plan, the adapter."""
         from steadytrain.telemetry.files import read_jsonl
 
-        events = read_jsonl(self.run_dir / "events.jsonl")
+        events = read_jsonl(self.run_dir / run_files.EVENTS)
         self._read_resume(events, interruption)
         self._read_plan(events)
-        final = self.run_dir / "final"
+        final = self.run_dir / run_files.FINAL
         self.summary["adapter"] = str(final)
         self.summary["interruption"] = {
             "signal": "SIGKILL" if interruption.killed_at_step is not None else None,
@@ -355,7 +354,6 @@ class Demo:
                 "the fine-tune finished before the demo could interrupt it (a fast device); "
                 f"rerun with more steps: --steps {self.steps * 4}"
             )
-        return interruption
 
     def evaluate_after(self, held_out: Path) -> Any:
         self._heading("after: base and base + adapter on the held-out docstrings")
@@ -363,7 +361,7 @@ class Demo:
         from steadytrain.recipes.evaluate import comparison, score, table
 
         loaded = open_model(
-            self.run_dir / "final",
+            self.run_dir / run_files.FINAL,
             str(self.run_dir / "base"),  # as the user named it, not the absolute path recorded
             str(self.dev.torch_device),
             None,
@@ -392,7 +390,7 @@ class Demo:
             device=loaded.device.torch_device,
         )
         shown = [
-            "steadytrain", "generate", str(self.run_dir / "final"), PROMPT,
+            "steadytrain", "generate", str(self.run_dir / run_files.FINAL), PROMPT,
             "--temperature", str(TEMPERATURE), "--top-p", str(TOP_P),
         ]  # fmt: skip
         self._say(f"$ {shlex.join(shown)}")
@@ -456,9 +454,9 @@ class Demo:
         power cut would end it: no signal handler runs, nothing is saved."""
         import psutil
 
-        from steadytrain.safety.supervisor import checkpoint_step
+        from steadytrain.safety.child import checkpoint_step
 
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = self.run_dir / run_files.METRICS
         while supervisor.poll() is None:
             time.sleep(0.02)
             if checkpoint_step(self.run_dir) is None or (last_step(metrics) or 0) < kill_at:
@@ -677,14 +675,6 @@ def last_step(metrics: Path) -> int | None:
         except (ValueError, KeyError, TypeError):
             continue
     return None
-
-
-def _mib(value: float | None) -> str:
-    if value is None:
-        return "?"
-    if value >= 2**30:
-        return f"{value / 2**30:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB"
 
 
 def _ordinal(n: int) -> str:

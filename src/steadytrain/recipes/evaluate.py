@@ -259,6 +259,27 @@ def comparison(report: EvalReport) -> str | None:
     )
 
 
+def _progress_bar(err_console: Any) -> tuple[Any, Callable[[str, int], Callable[[int], None]]]:
+    """A progress bar on stderr (shown only on a terminal) and the callback `score` reports to."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    )
+
+    def progress(label: str, samples: int) -> Callable[[int], None]:
+        task = bar.add_task(f"eval {label}", total=samples)
+        return lambda n: bar.advance(task, n)
+
+    return bar, progress
+
+
 def evaluate_command(
     eval_file: str,
     model: str,
@@ -274,7 +295,6 @@ def evaluate_command(
     """`steadytrain evaluate`: print the table (or JSON with ``--json``); exit 0. Progress and
     out-of-memory notes go to stderr, the progress bar only on a terminal."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console(highlight=False)
     err_console = err_console or Console(stderr=True, highlight=False)
@@ -293,20 +313,7 @@ def evaluate_command(
             markup=False,
         )
 
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,
-    )
-
-    def progress(label: str, samples: int) -> Callable[[int], None]:
-        task = bar.add_task(f"eval {label}", total=samples)
-        return lambda n: bar.advance(task, n)
-
+    bar, progress = _progress_bar(err_console)
     with bar:
         report = score(
             loaded,

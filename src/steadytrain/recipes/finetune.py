@@ -13,7 +13,6 @@ on the same output_dir resumes it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -25,7 +24,8 @@ from typing import Any
 
 import torch
 
-from steadytrain._durable import sync_dir
+from steadytrain import run_files
+from steadytrain._durable import replace_dir, sync_tree
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
@@ -48,7 +48,7 @@ from steadytrain.recipes.model import (
 )
 from steadytrain.trainer import FitResult, Trainer
 
-FINAL = "final"
+FINAL = run_files.FINAL
 TRAINING_CONFIG = "training_config.json"
 
 
@@ -236,29 +236,17 @@ def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Pa
     during export leaves either the old final/ or the new one, never half of one."""
     final = run_dir / FINAL
     staging = run_dir / f".{FINAL}.staging-{os.getpid()}"
-    old = run_dir / f".{FINAL}.old-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         (staging / TRAINING_CONFIG).write_text(json.dumps(config.resolved(), indent=2) + "\n")
-        for item in staging.iterdir():
-            with open(item, "rb") as handle:
-                os.fsync(handle.fileno())
-        with contextlib.suppress(OSError):  # best effort
-            sync_dir(staging)
-        if final.exists():
-            final.rename(old)
-        staging.rename(final)
-        with contextlib.suppress(OSError):  # best effort
-            sync_dir(run_dir)
+        sync_tree(staging)
+        replace_dir(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        if old.exists() and not final.exists():
-            old.rename(final)
         raise
-    shutil.rmtree(old, ignore_errors=True)
     return final
 
 

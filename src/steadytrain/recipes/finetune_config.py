@@ -1,3 +1,4 @@
+# long-module: every fine-tune field with its docs, and the Hugging Face name tables
 """The `steadytrain finetune` config: the names people already write in Hugging Face
 `TrainingArguments` (and in peft / bitsandbytes blocks), validated like `TrainConfig` and mapped
 onto it.
@@ -16,12 +17,10 @@ holds the mapping table.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -34,26 +33,20 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steadytrain.config import (
-    TrainConfig,
-    _flat_types,
-    _rule,
-    _show,
-    _suggestion,
-    load_mapping,
-    parse_overrides,
-    read_config_text,
-)
+from steadytrain.config import TrainConfig
+from steadytrain.config_explain import accepts, flat_types, show_value, suggestion
+from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
-OPTIMIZERS = (
+Optim = Literal[
     "adamw_torch",
     "adamw_torch_fused",
     "adamw_hf",
     "sgd",
     "paged_adamw_8bit",
     "adamw_bnb_8bit",
-)
+]
+OPTIMIZERS: tuple[str, ...] = get_args(Optim)
 BNB_OPTIMIZERS = ("paged_adamw_8bit", "adamw_bnb_8bit")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
@@ -263,14 +256,7 @@ class FinetuneConfig(BaseModel):
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    optim: Literal[
-        "adamw_torch",
-        "adamw_torch_fused",
-        "adamw_hf",
-        "sgd",
-        "paged_adamw_8bit",
-        "adamw_bnb_8bit",
-    ] = Field(
+    optim: Optim = Field(
         "adamw_torch",
         description="adamw_torch; adamw_torch_fused (CUDA); adamw_hf (read as adamw_torch: "
         "transformers removed its own AdamW); sgd; paged_adamw_8bit and adamw_bnb_8bit "
@@ -344,7 +330,7 @@ class FinetuneConfig(BaseModel):
         if (
             isinstance(value, bool)
             and field is not None
-            and bool not in _flat_types(cls.model_fields[field].annotation)
+            and bool not in flat_types(cls.model_fields[field].annotation)
         ):
             raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
@@ -435,7 +421,7 @@ class FinetuneConfig(BaseModel):
         asked = self._engine.get("precision")
         if asked is not None and (self.fp16 or self.bf16) and asked != self.precision:
             problems.append(
-                f"precision: {_show(asked)} contradicts {self.precision}: true; keep one of them"
+                f"precision: {show_value(asked)} contradicts {self.precision}: true; keep one of them"
             )
         if self.warmup_steps and self.warmup_ratio:
             problems.append(
@@ -455,7 +441,7 @@ class FinetuneConfig(BaseModel):
     def from_dict(cls, data: Any, source: str | None = None) -> FinetuneConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(
-                [f"the config must be a mapping of field: value, found {_show(data)}"], source
+                [f"the config must be a mapping of field: value, found {show_value(data)}"], source
             )
         try:
             return cls(**{str(k): v for k, v in data.items()})
@@ -513,7 +499,7 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
             if fields[target] != value:
                 problems.append(
                     f"{written_as[target]}, {key}: the same setting given twice with different "
-                    f"values ({_show(fields[target])}, {_show(value)}); keep one"
+                    f"values ({show_value(fields[target])}, {show_value(value)}); keep one"
                 )
             continue
         fields[target], written_as[target] = value, key
@@ -584,97 +570,19 @@ def _explain(exc: ValidationError) -> list[str]:
             known = list(model.model_fields)
             if model is FinetuneConfig:
                 known += ENGINE_FIELDS + list(ENGINE_NAMES) + list(DATA_ALIASES)
-            lines.append(f"{where}: unknown field; {_suggestion(name, known)}")
+            lines.append(f"{where}: unknown field; {suggestion(name, known)}")
         elif err["type"] == "missing":
             description = model.model_fields[name].description or ""
             lines.append(f"{where}: missing, and it has no default ({description.split('. ')[0]})")
         elif err["type"] == "value_error":
-            lines.append(f"{where}: {err['ctx']['error']} (found {_show(err['input'])})")
+            lines.append(f"{where}: {err['ctx']['error']} (found {show_value(err['input'])})")
         elif name in model.model_fields:
-            lines.append(f"{where}: must be {_rule(model, name)} (found {_show(err['input'])})")
+            lines.append(
+                f"{where}: must be {accepts(model, name)} (found {show_value(err['input'])})"
+            )
         else:
-            lines.append(f"{where}: {err['msg']} (found {_show(err['input'])})")
+            lines.append(f"{where}: {err['msg']} (found {show_value(err['input'])})")
     return lines
-
-
-# -- files: JSON with comments, or YAML ----------------------------------------------------
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A config file as a dict. `.json` / `.jsonc` may hold `//` and `/* */` comments (people
-    paste annotated JSON from guides, as in the seed's config); they are blanked outside strings
-    with line and column positions kept, so a JSON error still points at the right place.
-    Anything else is read as YAML by `steadytrain.config.load_mapping`."""
-    path = Path(path)
-    if path.suffix.lower() not in (".json", ".jsonc"):
-        return load_mapping(path)
-    text = read_config_text(path, encoding="utf-8-sig")
-    try:
-        text = strip_json_comments(text)
-        data = json.loads(text, object_pairs_hook=_unique_keys)
-    except ValueError as exc:
-        raise BadInputError(f"config file {path}: {_json_problem(exc, text)}") from None
-    if not isinstance(data, dict):
-        raise BadInputError(f"config file {path} must hold a mapping of field: value")
-    return data
-
-
-def strip_json_comments(text: str) -> str:
-    """`text` with `//` line comments and `/* */` block comments replaced by spaces (newlines
-    kept). Slashes inside strings, escaped quotes included, are left alone."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    in_string = False
-    while i < n:
-        char = text[i]
-        if in_string:
-            out.append(char)
-            if char == "\\" and i + 1 < n:
-                out.append(text[i + 1])
-                i += 2
-                continue
-            if char == '"':
-                in_string = False
-            i += 1
-        elif char == '"':
-            in_string = True
-            out.append(char)
-            i += 1
-        elif text.startswith("//", i):
-            end = text.find("\n", i)
-            end = n if end == -1 else end
-            out.append(" " * (end - i))
-            i = end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            if end == -1:
-                line = text.count("\n", 0, i) + 1
-                raise ValueError(f"a /* comment opened at line {line} is never closed with */")
-            out.append("".join(c if c == "\n" else " " for c in text[i : end + 2]))
-            i = end + 2
-        else:
-            out.append(char)
-            i += 1
-    return "".join(out)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise ValueError(f"key {key!r} appears twice; keep one")
-        data[key] = value
-    return data
-
-
-def _json_problem(exc: ValueError, text: str) -> str:
-    if not isinstance(exc, json.JSONDecodeError):
-        return str(exc)
-    where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
-    before = text[: exc.pos].rstrip()
-    if before.endswith(",") and text[exc.pos : exc.pos + 1] in ("}", "]"):
-        return f"not valid JSON: {where}: a trailing comma before it; remove the comma"
-    return f"not valid JSON: {where}"
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from steadytrain.config_files import read_user_text
 from steadytrain.device import seed_everything
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import Loaded, dtype_name, open_model
@@ -37,14 +38,7 @@ def read_prompts(path: str | Path) -> list[str]:
     line; any other file holds one prompt per line (blank lines skipped). A prompt that needs
     line breaks goes in JSONL, where ``\\n`` keeps it one record."""
     path = Path(path).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise BadInputError(f"--prompts-file: {path} does not exist; check the path") from None
-    except IsADirectoryError:
-        raise BadInputError(f"--prompts-file: {path} is a folder; give a file") from None
-    except UnicodeDecodeError:
-        raise BadInputError(f"--prompts-file: {path} is not UTF-8 text") from None
+    text = read_user_text(path, "--prompts-file:", "utf-8-sig")
     prompts: list[str] = []
     problems: list[str] = []
     for number, line in enumerate(text.split("\n"), 1):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from steadytrain._durable import sync_dir
+from steadytrain._durable import replace_dir, sync_tree
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import (
     dtype_name,
@@ -94,7 +94,7 @@ def merge(
         _save(merged, tokenizer, staging)
         files = tuple(sorted(p.name for p in staging.iterdir()))
         size = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
-        _commit(staging, out)
+        replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return MergeResult(out, artifact.path, str(artifact.base), load_as, files, size)
@@ -130,29 +130,7 @@ def _save(model: Any, tokenizer: Any, folder: Path) -> None:
     with quiet_transformers():
         model.save_pretrained(folder, **kwargs)
         tokenizer.save_pretrained(folder)
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    sync_dir(folder)
-
-
-def _commit(staging: Path, out: Path) -> None:
-    """Put the complete `staging` folder at `out`; an old `out` goes only after the new one is
-    in place."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    try:
-        staging.rename(out)
-    except BaseException:
-        if old is not None:
-            old.rename(out)
-        raise
-    sync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old)
+    sync_tree(folder)
 
 
 def merge_command(

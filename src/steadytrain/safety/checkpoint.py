@@ -1,3 +1,4 @@
+# long-module: one store: save, verify and load share the folder format and `_write` (tests patch)
 """Checkpoint storage: atomic commit, verification on load, keep-last-K, background writes.
 
 Knows files, not models: a `Payload` is a set of named files (safetensors tensors, pickled
@@ -42,15 +43,16 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from steadytrain import __version__
+from steadytrain import run_files
 from steadytrain._durable import sync as sync_fd
 from steadytrain._durable import sync_dir
 from steadytrain._units import format_bytes
-from steadytrain.errors import BadInputError
+from steadytrain._version import __version__
+from steadytrain.errors import CheckpointError, DiskFullError
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
-POINTER = "latest"
+POINTER = run_files.LATEST
 FAULT_ENV = "STEADYTRAIN_FAULT_INJECT"
 FAULT_PHASES = (
     "mid-write",
@@ -109,18 +111,6 @@ class Payload:
 
     def names(self) -> list[str]:
         return [*self.tensors, *self.objects, *self.json]
-
-
-class CheckpointError(BadInputError):
-    """A checkpoint cannot be written, found or read; the message names the folder and file."""
-
-
-class DiskFullError(CheckpointError):
-    """The disk filled up during a save. The previous checkpoint is untouched."""
-
-    def __init__(self, message: str, path: Path, needed: int, free: int):
-        super().__init__(message)
-        self.path, self.needed, self.free = path, needed, free
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +346,7 @@ class CheckpointStore:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer of at least 1, got {keep_last!r}")
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / "checkpoints"
+        self.root = self.run_dir / run_files.CHECKPOINTS
         self.keep_last = keep_last
         self.fingerprint = fingerprint
         self._log = log or (lambda event, info: None)

@@ -13,14 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from steadytrain.errors import BadInputError
+from steadytrain.errors import StateNotRestoredError
 from steadytrain.events import Callback, Control, TrainState
 
 ACCELERATOR_RTOL = 1e-3
-
-
-class StateNotRestoredError(BadInputError):
-    """The first loss after a resume differs from the one the checkpoint recorded."""
 
 
 class ContinuityCheck(Callback):

@@ -15,14 +15,13 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 
+from steadytrain import run_files
 from steadytrain.errors import BadInputError
 
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
-
-LOCK_FILE = ".lock"
 
 
 class RunLock:
@@ -33,7 +32,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = self.run_dir / run_files.LOCK
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:

@@ -1,3 +1,4 @@
+# long-module: the leak, swap and cache watchers read the same samples at each step
 """Memory watch: leaks, swap and pressure, cache policy. A callback; docs/memory-watch.md.
 
 Three questions, answered from readings the loop already takes (the step's `memory` and

@@ -1,3 +1,4 @@
+# long-module: the watcher thread, its backstops and the hang report share one clock and state
 """Hang watchdog: a step that makes no progress for too long is caught, written down and ended.
 
 The loop beats at every ``step_start``, ``micro_step_end`` and ``step_end``. A beat is one integer
@@ -33,7 +34,7 @@ The limit of a phase (`HangWatchdog.limit`):
   the median step time once 5 steps have run in this process;
 * the first step of each process (compilation, first allocations, data workers starting): at
   least 600 s;
-* a checkpoint save (`allowance`, entered by `Checkpointing.on_step_end`): at least 300 s, and
+* a checkpoint save (`allowance`, entered by `CheckpointSaver.on_step_end`): at least 300 s, and
   at least 4 times the longest save so far.
 
 This module imports neither torch nor the loop: the supervisor reads the heartbeat with it.
@@ -57,9 +58,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from steadytrain import run_files
+from steadytrain._durable import write_atomic
+from steadytrain.errors import RESTARTABLE_EXIT
 from steadytrain.events import Callback, Control, TrainState
 
-HANG_EXIT = 75
+HANG_EXIT = RESTARTABLE_EXIT
 FLOOR_S = 300.0
 """'auto' never declares a hang sooner: a step can legitimately stall this long (swap, a slow
 disk, another process on the GPU), and a false restart costs the steps since the checkpoint."""
@@ -82,7 +86,6 @@ MAX_POLL_S = 5.0
 EVENTS_TAIL = 20
 """Lines of events.jsonl copied into a hang report: what the run did just before."""
 EVENTS_TAIL_BYTES = 64 * 1024
-HEARTBEAT_FILE = "heartbeat"
 DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 """What the supervisor sends for a stack dump before it kills a frozen child (no Windows)."""
 
@@ -214,7 +217,7 @@ class HangWatchdog(Callback):
         global _active
         self._state = state
         self._fit_frame, self._fit_thread = _caller_of_dispatch(), threading.get_ident()
-        hangs = self.run_dir / "hangs"
+        hangs = self.run_dir / run_files.HANGS
         hangs.mkdir(parents=True, exist_ok=True)
         adopt_backstop_dumps(self.run_dir, self.record, skip_pid=os.getpid())
         self._backstop = open(hangs / f"backstop-{os.getpid()}.txt", "w")  # noqa: SIM115
@@ -250,7 +253,7 @@ class HangWatchdog(Callback):
             faulthandler.unregister(DUMP_SIGNAL)
             self._signal_registered = False
         with contextlib.suppress(OSError):
-            (self.run_dir / HEARTBEAT_FILE).unlink()
+            (self.run_dir / run_files.HEARTBEAT).unlink()
         if self._backstop is not None:
             self._backstop.close()
             self._backstop = None
@@ -333,16 +336,11 @@ class HangWatchdog(Callback):
             + 2 * self.heartbeat_every_s,
             "action": self.action,
             "dump_signal": DUMP_SIGNAL.name if self._signal_registered else None,
-            "dump_file": f"hangs/backstop-{os.getpid()}.txt",
+            "dump_file": f"{run_files.HANGS}/backstop-{os.getpid()}.txt",
             "written": time.time(),
         }
-        path = self.run_dir / HEARTBEAT_FILE
-        tmp = path.with_name(f".{HEARTBEAT_FILE}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a full disk must not end the watching
+        with contextlib.suppress(OSError):  # a full disk must not end the watching
+            write_atomic(self.run_dir / run_files.HEARTBEAT, json.dumps(record), durable=False)
 
     # -- firing ------------------------------------------------------------------------------
 
@@ -381,7 +379,7 @@ class HangWatchdog(Callback):
         bounded). Returns (the file or None when it could not be written, the reading or None)."""
         memory = None
         try:
-            path = _new_hang_file(self.run_dir / "hangs")
+            path = _new_hang_file(self.run_dir / run_files.HANGS)
             with open(path, "w") as out:
                 out.write(
                     "steadytrain hang report\n"
@@ -397,7 +395,7 @@ class HangWatchdog(Callback):
                 out.flush()
                 faulthandler.dump_traceback(out, all_threads=True)
                 out.write("\nLast events (events.jsonl):\n")
-                out.writelines(_tail_lines(self.run_dir / "events.jsonl", EVENTS_TAIL))
+                out.writelines(_tail_lines(self.run_dir / run_files.EVENTS, EVENTS_TAIL))
                 out.flush()
                 memory, note = _read_with_timeout(self.device.memory, min(5.0, budget / 2))
                 out.write("\nMemory reading:\n")
@@ -432,7 +430,7 @@ _active: HangWatchdog | None = None
 @contextlib.contextmanager
 def allowance(phase: str) -> Iterator[None]:
     """Give a long operation of the running fit (a checkpoint save) its own limit; a no-op when
-    no watchdog runs. A function of the module so that `Checkpointing` needs no reference to the
+    no watchdog runs. A function of the module so that `CheckpointSaver` needs no reference to the
     watchdog (the trainer builds both)."""
     watchdog = _active
     if watchdog is None:
@@ -448,7 +446,7 @@ def allowance(phase: str) -> Iterator[None]:
 def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
     """RUN_DIR/heartbeat as a dict, or None when missing or unreadable."""
     try:
-        record = json.loads((Path(run_dir) / HEARTBEAT_FILE).read_text())
+        record = json.loads((Path(run_dir) / run_files.HEARTBEAT).read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
@@ -467,7 +465,7 @@ def adopt_backstop_dumps(
     ``hangs/backstop-<pid>.txt`` into hang reports with a ``hang`` event; empty ones (a process
     that ended without a hang) are removed. `skip_pid`: a file still in use (this process's) is
     left alone; `only_pid`: only that process's file is looked at. Returns the reports made."""
-    hangs = Path(run_dir) / "hangs"
+    hangs = Path(run_dir) / run_files.HANGS
     made = []
     for path in sorted(hangs.glob("backstop-*.txt")):
         pid_text = path.stem.removeprefix("backstop-")

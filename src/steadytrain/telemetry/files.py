@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from steadytrain import run_files
 from steadytrain.events import Callback, Control, TrainState
-
-EVENT_NAMES = ("oom", "shrink", "memory_saver", "fit_start", "fit_end", "epoch_end")
 
 
 class JsonlFile:
@@ -78,8 +77,8 @@ class RunFiles(Callback):
 
     def __init__(self, run_dir: str | os.PathLike):
         run_dir = Path(run_dir)
-        self.metrics = JsonlFile(run_dir / "metrics.jsonl")
-        self.events = JsonlFile(run_dir / "events.jsonl")
+        self.metrics = JsonlFile(run_dir / run_files.METRICS)
+        self.events = JsonlFile(run_dir / run_files.EVENTS)
         self._pending = None
 
     def event(self, name: str, state: TrainState, info: dict) -> None:

@@ -1,4 +1,5 @@
-"""The checkpoint callback: when to save, and the save itself (state capture is the trainer's).
+"""The checkpoint saver (a callback): when to save, and the save itself (state capture is the
+trainer's). Not to be confused with activation checkpointing, which recomputes activations.
 
 Saves every `save_every_steps` optimizer steps, when a callback asks (`control.request_save()`,
 e.g. on a signal), and at the end of a run that finished or was stopped; never after an error,
@@ -18,7 +19,7 @@ from steadytrain.safety.watchdog import allowance
 STOP_CODES = (0, 130, 143)
 
 
-class Checkpointing(Callback):
+class CheckpointSaver(Callback):
     def __init__(
         self,
         store: CheckpointStore,

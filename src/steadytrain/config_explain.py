@@ -1,0 +1,215 @@
+"""How config problems are put in words: one plain line per problem (the field, what it
+accepts, what was found), the closest valid name for an unknown key, and a field's rule written
+from its type and bounds. Shared by `TrainConfig` and the fine-tune config."""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
+from pydantic import (
+    BaseModel,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
+
+# What a field accepts, in words, where its type alone does not say it (a string with a format).
+# Every other field's rule is written from its type and bounds by `accepts`.
+RULES = {
+    "device": "'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'",
+    "memory_budget": "'auto', a size like '12GiB' or '16GB', or a fraction of usable memory in (0, 1]",
+}
+
+
+# -- problems --------------------------------------------------------------------------
+
+
+def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
+    """One plain line per problem: the field, what is allowed, what was found."""
+    fields = list(model.model_fields)
+    by_field: dict[str, list[Any]] = {}
+    problems: list[str] = []
+    for err in exc.errors():
+        if not err["loc"]:  # a rule between fields: its message is already lines of plain text
+            problems.extend(str(err["ctx"]["error"]).splitlines())
+            continue
+        by_field.setdefault(str(err["loc"][0]), []).append(err)
+    lines = []
+    for name, errors in by_field.items():
+        first = errors[0]
+        if first["type"] == "extra_forbidden":
+            lines.append(f"{name}: unknown field; {suggestion(name, fields)}")
+        elif first["type"] == "missing":
+            info = model.model_fields[name]
+            lines.append(
+                f"{name}: missing, and it has no default; set it to {accepts(model, name)} "
+                f"({_first_sentence(info.description)})"
+            )
+        else:
+            # A union reports one error per branch; say once what the field accepts. A rule of
+            # our own (a validator's ValueError) is more precise than the type, so it wins.
+            own = [e for e in errors if e["type"] == "value_error"]
+            rule = str(own[0]["ctx"]["error"]) if own else f"must be {accepts(model, name)}"
+            if any(e["type"] == "finite_number" for e in errors):
+                rule += "; inf and nan are not accepted"
+            lines.append(f"{name}: {rule} (found {show_value(first['input'])})")
+    return lines + problems
+
+
+def suggestion(key: str, fields: list[str]) -> str:
+    close = _closest(key, fields)
+    if close:
+        return "did you mean " + _join_or([f"'{name}'" for name in close]) + "?"
+    return "the fields are: " + ", ".join(fields)
+
+
+def _closest(key: str, fields: list[str]) -> list[str]:
+    """Fields the unknown `key` was probably meant to be, best kind of match first.
+
+    In order: the same name spelled another way (camelCase, dashes, capitals); a typo (one or two
+    edits, fewer for short names); the start of a field name, maybe with a typo (`efective`);
+    the words of a field inside the key or the key's words inside a field (`save_steps`,
+    `dataloader_num_workers`). Matches that share only a generic word like `steps` are not made.
+    """
+    wanted = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key.strip())
+    wanted = re.sub(r"[-\s.]+", "_", wanted).lower()
+    if wanted in fields:
+        return [wanted]
+    distance = {name: _edits(wanted, name) for name in fields}
+    best = min(distance.values())
+    typos = [n for n in fields if distance[n] == best <= max(1, round(len(n) / 4))]
+    if typos:
+        return typos
+
+    def starts(name: str) -> bool:
+        if len(wanted) >= 3 and name.startswith(wanted):
+            return True
+        widths = (len(wanted) - 1, len(wanted), len(wanted) + 1)
+        return len(wanted) >= 5 and min(_edits(wanted, name[:w]) for w in widths) <= 1
+
+    prefixed = [name for name in fields if starts(name)]
+    if prefixed:
+        return prefixed[:3]
+    words = wanted.split("_")
+
+    def shares_words(name: str) -> bool:
+        theirs = name.split("_")
+        if _in_order(words, theirs):
+            return True
+        # A field's words at the start or end of the key: keep_last_k, num_train_epochs.
+        return words[: len(theirs)] == theirs or words[-len(theirs) :] == theirs
+
+    return [name for name in fields if shares_words(name)][:3]
+
+
+def _edits(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap two neighbours) that turn a into b."""
+    before, previous = [0] * (len(b) + 1), list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, before[j - 2] + 1)
+            current.append(cost)
+        before, previous = previous, current
+    return previous[-1]
+
+
+def _in_order(part: list[str], whole: list[str]) -> bool:
+    rest = iter(whole)
+    return all(word in rest for word in part)
+
+
+def accepts(model: type[BaseModel], name: str) -> str:
+    """What field `name` accepts, in words, from its type and bounds ('a whole number ≥ 1')."""
+    if name in RULES:
+        return RULES[name]
+    info = model.model_fields[name]
+    return _join_or(_type_words(info.annotation, info.metadata))
+
+
+def _type_words(annotation: Any, bounds: list[Any]) -> list[str]:
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        inner, *metadata = get_args(annotation)
+        return _type_words(inner, [*bounds, *metadata])
+    if origin in (Union, types.UnionType):
+        return [word for arg in get_args(annotation) for word in _type_words(arg, bounds)]
+    if origin is Literal:
+        return [show_value(value) for value in get_args(annotation)]
+    if annotation is type(None):
+        return ["null"]
+    if annotation is bool:
+        return ["true", "false"]
+    if annotation is int:
+        return ["a whole number" + _bounds_words(bounds)]
+    if annotation is float:
+        return ["a number" + _bounds_words(bounds)]
+    if annotation is str:
+        return ["text"]
+    return [getattr(annotation, "__name__", str(annotation))]
+
+
+def _bounds_words(bounds: list[Any]) -> str:
+    words = []
+    for bound in bounds:
+        for item in bound.metadata if isinstance(bound, FieldInfo) else [bound]:
+            if isinstance(item, annotated_types.Ge):
+                words.append(f" ≥ {item.ge}")
+            elif isinstance(item, annotated_types.Gt):
+                words.append(f" > {item.gt}")
+            elif isinstance(item, annotated_types.Le):
+                words.append(f" ≤ {item.le}")
+            elif isinstance(item, annotated_types.Lt):
+                words.append(f" < {item.lt}")
+    return " and".join(words)
+
+
+def flat_types(annotation: Any) -> set[Any]:
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return flat_types(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return {t for arg in get_args(annotation) for t in flat_types(arg)}
+    if origin is Literal:
+        return {type(value) for value in get_args(annotation)}
+    return {annotation}
+
+
+def _join_or(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def show_value(value: Any) -> str:
+    """A value as the user wrote it in JSON or YAML: 'text', 12, true, null; long ones cut."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        shown = repr(value)
+    else:
+        try:
+            shown = json.dumps(value, default=str)
+        except ValueError:
+            shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def type_name(value: Any) -> str:
+    return {
+        list: "a list",
+        str: "text",
+        int: "a number",
+        float: "a number",
+        bool: "true/false",
+    }.get(type(value), type(value).__name__)
+
+
+def _first_sentence(text: str | None) -> str:
+    first = (text or "").split(". ")[0].rstrip(".")
+    return first[:1].lower() + first[1:]

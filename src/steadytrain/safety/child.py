@@ -1,0 +1,244 @@
+"""What `steadytrain run` reads about its child, with no torch and nothing of the loop: the run
+directory's progress (the newest checkpoint, the last micro-batch size), the events it appends,
+the OS out-of-memory killer's counter, and how the child ended (`ChildExit`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from steadytrain import run_files
+from steadytrain.errors import RESTARTABLE_EXIT
+
+HANG = RESTARTABLE_EXIT
+STOPPED = (130, 143)
+NOT_RESTARTABLE = {2: "bad input", 3: "does not fit even at micro-batch 1"}
+# Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A shell or launcher between us and the trainer reports a process killed by signal N as exit
+# 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
+SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+METRICS_TAIL_BYTES = 64 * 1024  # enough for the last few metrics lines, however long the run
+_STEP_NAME = re.compile(r"step-(\d+)")
+
+
+# ---- what the run directory says -----------------------------------------------------------
+
+
+def checkpoint_step(run_dir: Path | None) -> int | None:
+    """The step of the newest committed checkpoint (RUN_DIR/checkpoints/latest holds its folder
+    name, e.g. step-00000250); None when there is none or the pointer cannot be read."""
+    if run_dir is None:
+        return None
+    try:
+        name = (run_dir / run_files.CHECKPOINTS / run_files.LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def last_micro_batch_size(run_dir: Path | None) -> int | None:
+    """micro_batch_size of the last complete line of RUN_DIR/metrics.jsonl, read from its tail
+    (the file grows by a line per step). A torn last line (the child was killed mid-write) is
+    skipped."""
+    if run_dir is None:
+        return None
+    try:
+        with open(run_dir / run_files.METRICS, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - METRICS_TAIL_BYTES))
+            tail = handle.read()
+    except OSError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            value = json.loads(line).get("micro_batch_size")
+        except (ValueError, AttributeError):
+            continue  # torn, or the partial first line of the tail
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def append_event(run_dir: Path, record: dict[str, Any]) -> None:
+    """One line appended to RUN_DIR/events.jsonl with a single write in O_APPEND mode, so it
+    cannot interleave with the child's own lines. A torn last line (the child was killed while
+    writing it) is ended first, inside the same write."""
+    path = run_dir / run_files.EVENTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(record, default=str) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+# ---- the OS out-of-memory killer's counter -------------------------------------------------
+
+
+def read_oom_kill_count(
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+    cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+) -> int | None:
+    """How many processes of our cgroup the kernel's OOM killer has killed, or None where no
+    counter can be read (macOS, no cgroup, permissions). The child inherits our cgroup, and the
+    counter includes descendant cgroups, so a kill of the child or its workers shows here.
+
+    cgroup v2: ``oom_kill`` in ``<root>/<path>/memory.events`` (also under ``<root>/unified``,
+    the hybrid layout). cgroup v1: ``oom_kill`` in ``<root>/memory/<path>/memory.oom_control``.
+    Where the path from /proc/self/cgroup is not under the mount (a container without a cgroup
+    namespace sees its own cgroup as the mount's root), the root is tried too.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    root = Path(cgroup_root)
+    candidates: list[Path] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        relative = path.strip().lstrip("/")
+        if hierarchy == "0" and controllers == "":
+            for mount in (root, root / "unified"):
+                candidates += [mount / relative / "memory.events", mount / "memory.events"]
+        elif "memory" in controllers.split(","):
+            mount = root / "memory"
+            candidates += [mount / relative / "memory.oom_control", mount / "memory.oom_control"]
+    for candidate in dict.fromkeys(candidates):  # ordered, without repeats
+        count = _oom_kill_field(candidate)
+        if count is not None:
+            return count
+    return None
+
+
+def _oom_kill_field(path: Path) -> int | None:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+# ---- how a child ended ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), and how
+    much the cgroup's oom_kill counter rose meanwhile (None: not readable)."""
+
+    returncode: int
+    oom_kill_delta: int | None = None
+
+    @property
+    def killed_by(self) -> signal.Signals | None:
+        """The signal that killed the child, directly or as reported by a shell (128 + N)."""
+        if self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode)
+            except ValueError:
+                return None
+        if self.returncode - 128 in SHELL_REPORTED:
+            return signal.Signals(self.returncode - 128)
+        return None
+
+    @property
+    def via_shell(self) -> bool:
+        return self.returncode > 0 and self.killed_by is not None
+
+    @property
+    def kind(self) -> str:
+        """One of finished, stopped, not_restartable, restart."""
+        if self.returncode == 0:
+            return "finished"
+        if self.returncode in STOPPED or -self.returncode in STOP_SIGNALS:
+            return "stopped"
+        if self.returncode in NOT_RESTARTABLE:
+            return "not_restartable"
+        return "restart"
+
+    @property
+    def memory_kill_suspected(self) -> bool:
+        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam).
+        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start."""
+        if self.oom_kill_delta:
+            return True
+        return self.killed_by == signal.SIGKILL and self.oom_kill_delta is None
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell would report: the code, or 128 + the signal."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def describe(self) -> str:
+        rc, sig = self.returncode, self.killed_by
+        if rc == 0:
+            text = "child finished (exit 0)"
+        elif self.kind == "stopped":
+            name = sig.name if sig else signal.Signals(rc - 128).name
+            text = (
+                f"child stopped by {name} after saving (exit {rc})"
+                if rc > 0
+                else f"child stopped by {name} (exit {rc}); it did not handle the signal, so it "
+                "saved nothing on the way out"
+            )
+        elif rc in NOT_RESTARTABLE:
+            text = f"child exited {rc}: {NOT_RESTARTABLE[rc]}"
+        elif rc == HANG:
+            text = f"hang detected by the watchdog (exit {HANG})"
+        elif sig is None:
+            text = f"child crashed with exit {rc}"
+        else:
+            text = self._describe_signal(sig)
+        if self.oom_kill_delta:
+            text += f"; cgroup oom_kill count +{self.oom_kill_delta}"
+        return text
+
+    def _describe_signal(self, sig: signal.Signals) -> str:
+        if self.via_shell:
+            head = (
+                f"child exited {self.returncode} = 128 + {sig.name} "
+                "(a shell or launcher reporting a kill)"
+            )
+        elif sig == signal.SIGKILL:
+            head = f"child killed by SIGKILL (exit {self.returncode}, shell {128 + sig})"
+        elif sig == signal.SIGABRT:
+            head = f"child aborted (exit {self.returncode}, SIGABRT)"
+        else:
+            head = f"child killed by {sig.name} (exit {self.returncode})"
+        why = {
+            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta),
+            signal.SIGABRT: "on a Mac often a Metal assertion",
+            signal.SIGSEGV: "a crash in native code",
+            signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
+        }.get(sig)
+        return f"{head}: {why}" if why else head
+
+
+def _sigkill_cause(oom_kill_delta: int | None) -> str:
+    if oom_kill_delta is None:  # no counter (macOS, no cgroup): the usual sender is the OS
+        return "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
+    if oom_kill_delta > 0:
+        return "the OS out-of-memory killer"
+    return (
+        "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
+        "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
+    )

@@ -1,0 +1,324 @@
+"""Reading a run directory for the report: metrics and events (with the attempts that were
+killed without a word), the device, the estimate, and the summary figures. The reading rules
+and why they are so are in `steadytrain.telemetry.report`'s docstring."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steadytrain import run_files
+from steadytrain.errors import BadInputError
+from steadytrain.telemetry.files import read_jsonl
+
+GIB = 2**30
+
+# What to plot as memory on each device, first is the one the summary calls the peak.
+MEMORY_COUNTERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "cuda": (
+        ("mem_peak", "peak allocated"),
+        ("mem_allocated", "allocated"),
+        ("mem_reserved", "reserved (allocator cache)"),
+    ),
+    "mps": (("mem_reserved", "driver memory (reserved)"), ("mem_allocated", "allocated")),
+    "cpu": (("mem_rss", "resident set (RSS)"),),
+}
+
+
+# ---- reading the run directory ---------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What the run directory holds, read once."""
+
+    run_dir: Path
+    lines: list[dict[str, Any]]
+    """Every metrics line with a step, in file order (repeats included)."""
+    steps: list[dict[str, Any]]
+    """The last line of each step, by step."""
+    events: list[dict[str, Any]]
+    """Every event, the derived `killed` ones included, by time."""
+    device: str
+    estimate: dict[str, Any] | None
+    start: float | None = None
+    end: float | None = None
+    lost_steps: int = 0
+    status: str = ""
+    counts: Counter = field(default_factory=Counter)
+
+
+def load_run(run_dir: str | os.PathLike) -> Run:
+    """Read a run directory; raises BadInputError when `run_dir` is not one."""
+    path = Path(run_dir)
+    metrics_path, events_path = path / run_files.METRICS, path / run_files.EVENTS
+    if not path.is_dir():
+        raise BadInputError(
+            f"{path}: no such run directory; expected a directory holding metrics.jsonl and "
+            "events.jsonl (the run_dir of a Trainer.fit run)"
+        )
+    if not metrics_path.is_file() and not events_path.is_file():
+        raise BadInputError(
+            f"{path} is not a run directory: it holds neither metrics.jsonl nor events.jsonl "
+            "(they are written there by Trainer.fit once the run starts)"
+        )
+    lines = [r for r in _records(metrics_path) if is_int(r.get("step"))]
+    last: dict[int, dict[str, Any]] = {}
+    for record in lines:
+        last[record["step"]] = record
+    events = [r for r in _records(events_path) if isinstance(r.get("event"), str)]
+    events.sort(key=lambda e: as_number(e.get("time")) or 0.0)
+    events = _with_kills(events, lines)
+    times = [t for r in (*lines, *events) if (t := as_number(r.get("time"))) is not None]
+    run = Run(
+        run_dir=path,
+        lines=lines,
+        steps=[last[s] for s in sorted(last)],
+        events=events,
+        device=_device(events, lines),
+        estimate=find_estimate(path, events),
+        start=min(times) if times else None,
+        end=max(times) if times else None,
+        lost_steps=len(lines) - len(last),
+        counts=Counter(e["event"] for e in events),
+    )
+    run.status = _status(events)
+    return run
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(path) if isinstance(r, dict)]
+
+
+# Written by the next attempt before its own fit_start (it restores, then starts): when an attempt
+# died, these belong to the one after it.
+BEFORE_START = ("resume", "resume_override", "micro_batch_cap")
+
+
+def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
+    """Add a `killed` event where an attempt ended without fit_end and nothing else says why.
+    It is placed at the last metrics line the attempt wrote; without one, at its last event that
+    has a step (an oom in the first step), else at its fit_start."""
+    starts = [i for i, e in enumerate(events) if e["event"] == "fit_start"]
+    derived = []
+    for here, following in itertools.pairwise(starts):
+        between = events[here + 1 : following]
+        if any(e["event"] in ("fit_end", "restart", "supervisor_gave_up") for e in between):
+            continue
+        begin, end = as_number(events[here].get("time")), as_number(events[following].get("time"))
+        if begin is None or end is None:
+            continue
+        stepped = [e for e in between if is_int(e.get("step")) and e["event"] not in BEFORE_START]
+        written = [r for r in lines if begin <= (as_number(r.get("time")) or -1.0) < end]
+        last = max(written or stepped or [events[here]], key=lambda r: r["time"])
+        derived.append(
+            {
+                "time": last["time"],
+                "event": "killed",
+                "step": last.get("step"),
+                "reason": "the attempt ended without fit_end: killed (SIGKILL, the OS "
+                "out-of-memory killer) or the machine stopped; placed at its last step",
+                "derived": True,
+            }
+        )
+    return sorted([*events, *derived], key=lambda e: as_number(e.get("time")) or 0.0)
+
+
+def _device(events: list[dict], lines: list[dict]) -> str:
+    """cuda, mps or cpu: from the last fit_start, else from which counters the metrics carry."""
+    for event in reversed(events):
+        if event["event"] == "fit_start" and isinstance(event.get("device"), str):
+            kind = event["device"].split(":")[0]
+            if kind in MEMORY_COUNTERS:
+                return kind
+    if any(r.get("mem_peak") is not None for r in lines):
+        return "cuda"
+    if any(r.get("mem_reserved") is not None for r in lines):
+        return "mps"
+    return "cpu"
+
+
+def _status(events: list[dict]) -> str:
+    """How the last attempt ended, from the events after its fit_start."""
+    last_start = max((i for i, e in enumerate(events) if e["event"] == "fit_start"), default=-1)
+    ends = ("fit_end", "supervisor_end", "supervisor_gave_up")
+    after = {e["event"]: e for e in events[last_start + 1 :] if e["event"] in ends}
+    if "supervisor_gave_up" in after:
+        return f"the supervisor gave up (exit {after['supervisor_gave_up'].get('exit_code')})"
+    if "fit_end" in after:
+        end = after["fit_end"]
+        return f"{end.get('reason') or 'ended'} (exit {end.get('exit_code')})"
+    if "supervisor_end" in after:
+        return f"supervisor: {after['supervisor_end'].get('reason')}"
+    if last_start < 0:
+        return "not started: no fit_start recorded yet"
+    return "no fit_end after the last start: still running, or killed"
+
+
+def find_estimate(run_dir: Path, events: list[dict]) -> dict[str, Any] | None:
+    """The planner's memory estimate, where the run recorded one: the last `estimate` event, else
+    RUN_DIR/estimate.json. Either carries `peak` (bytes, the estimated peak of the counter the
+    report plots) and may carry `micro_batch_size`. None when there is none: the summary then
+    leaves the estimate row out rather than show an empty comparison."""
+    for event in reversed(events):
+        if event["event"] == "estimate" and as_number(event.get("peak")) is not None:
+            return event
+    try:
+        doc = json.loads((run_dir / run_files.ESTIMATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and as_number(doc.get("peak")) is not None else None
+
+
+def _estimate_for(estimate: dict[str, Any], device: str) -> float:
+    """The estimate to set against the measured counter. `peak` is tensor bytes, what CUDA's
+    peak allocated measures; MPS driver memory and CPU RSS also hold the framework and the
+    allocator's slack, which the estimate's `total` adds, so that is used there when given."""
+    total = as_number(estimate.get("total"))
+    if device != "cuda" and total is not None:
+        return total
+    return float(estimate["peak"])
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+# ---- summary -----------------------------------------------------------------------------------
+
+
+def memory_counters(run: Run) -> list[tuple[str, str]]:
+    """The (metrics key, label) pairs to plot for this run's device that hold any value."""
+    return [
+        (key, label)
+        for key, label in MEMORY_COUNTERS[run.device]
+        if any(as_number(r.get(key)) is not None for r in run.lines)
+    ]
+
+
+def peak_memory(run: Run) -> tuple[float, str] | None:
+    """The highest reading of the device's main counter, and its label."""
+    for key, label in memory_counters(run):
+        values = [v for r in run.lines if (v := as_number(r.get(key))) is not None]
+        if values:
+            return max(values), label
+    return None
+
+
+def budget(run: Run) -> float | None:
+    values = [v for r in run.lines if (v := as_number(r.get("mem_budget"))) is not None]
+    if values:
+        return values[-1]
+    starts = [as_number(e.get("budget")) for e in run.events if e["event"] == "fit_start"]
+    return next((b for b in reversed(starts) if b is not None), None)
+
+
+def summary_rows(run: Run) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = [("status", run.status), ("device", run.device)]
+    last = run.steps[-1] if run.steps else None
+    planned = _planned_steps(run)
+    if last is None:
+        rows.append(("steps", "none recorded yet"))
+    else:
+        of = f" of {planned}" if planned else ""
+        rows.append(("steps", f"{last['step']}{of} (lines for {len(run.steps)} steps)"))
+    if run.start is not None and run.end is not None:
+        computing = sum(v for r in run.steps if (v := as_number(r.get("step_time"))) is not None)
+        rows.append(
+            (
+                "time",
+                f"{duration_text(run.end - run.start)} from first to last record; "
+                f"{duration_text(computing)} in the kept steps",
+            )
+        )
+    rows.append(
+        (
+            "lost steps",
+            f"{run.lost_steps} (steps recorded before a crash and computed again after resuming)",
+        )
+    )
+    killed = run.counts["killed"]
+    rows.append(
+        (
+            "restarts",
+            f"{run.counts['restart']} by the supervisor; {run.counts['resume']} resume(s) from "
+            f"a checkpoint; {run.counts['fit_start']} attempt(s)"
+            + (f"; {killed} attempt(s) killed without fit_end" if killed else ""),
+        )
+    )
+    rows.append(("out of memory", _oom_text(run)))
+    peak, limit = peak_memory(run), budget(run)
+    if peak is not None:
+        share = f" ({peak[0] / limit:.0%} of the {gib(limit)} budget)" if limit else ""
+        rows.append(("peak memory", f"{gib(peak[0])} {peak[1]}{share}"))
+    elif limit is not None:
+        rows.append(("memory budget", gib(limit)))
+    if run.estimate is not None:
+        estimated = _estimate_for(run.estimate, run.device)
+        measured = f"measured {gib(peak[0])}" if peak else "no measurement yet"
+        off = f" ({(peak[0] - estimated) / estimated:+.0%})" if peak and estimated else ""
+        rows.append(("estimated vs measured peak", f"estimated {gib(estimated)}, {measured}{off}"))
+    micro = last.get("micro_batch_size") if last else None
+    if micro is not None:
+        rows.append(("final micro-batch", str(micro)))
+    loss = as_number(last.get("loss")) if last else None
+    if loss is not None:
+        rows.append(("final loss", f"{loss:.4g}"))
+    return rows
+
+
+def summary_line(run: Run) -> str:
+    """One line for the terminal."""
+    last = run.steps[-1]["step"] if run.steps else 0
+    parts = [
+        f"{last} steps",
+        f"{run.counts['oom']} out-of-memory",
+        f"{run.counts['shrink']} shrink(s)",
+        f"{run.counts['resume']} resume(s)",
+        f"{run.counts['restart']} restart(s)",
+        f"{run.lost_steps} lost step(s)",
+    ]
+    peak = peak_memory(run)
+    if peak is not None:
+        parts.append(f"peak {gib(peak[0])}")
+    return ", ".join(parts) + f"; {run.status}"
+
+
+def _planned_steps(run: Run) -> int | None:
+    for event in reversed(run.events):
+        if event["event"] == "fit_start" and isinstance(event.get("config"), dict):
+            value = event["config"].get("max_steps")
+            return value if is_int(value) else None
+    return None
+
+
+def _oom_text(run: Run) -> str:
+    shrinks = [e for e in run.events if e["event"] == "shrink"]
+    path = ""
+    if shrinks:
+        sizes = [shrinks[0].get("old"), *(e.get("new") for e in shrinks)]
+        path = "; micro-batch " + " → ".join(str(s) for s in sizes)
+    return f"{run.counts['oom']} event(s), {len(shrinks)} shrink(s){path}"
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def duration_text(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

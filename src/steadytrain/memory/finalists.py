@@ -4,11 +4,10 @@ the small probed sizes (`time_finalists` says why)."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from steadytrain.device import Device, is_oom
+from steadytrain.device import Device, call_or_oom
 from steadytrain.memory.choice import Mode, Predict
 from steadytrain.memory.probe import Fit, ProbeResult, RunPass, measure
 
@@ -98,17 +97,14 @@ def _time_one(
     warm = any(  # this mode ran this size in the probe: kernels chosen, blocks cached
         (s.size, s.checkpointing, s.chunked_loss) == (size, *mode) for s in result.samples
     )
-    try:
-        sample = measure(run, device, size, mode.checkpointing, reps=1 if warm else 2)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        error = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "out of memory"
-    else:
+    sample, oom = call_or_oom(
+        lambda: measure(run, device, size, mode.checkpointing, reps=1 if warm else 2),
+        device.empty_cache,
+    )
+    if oom is None:
         result.samples.append(dataclasses.replace(sample, chunked_loss=mode.chunked_loss))
         return size / max(sample.seconds, 1e-9)
-    gc.collect()  # out of the except block: its frames held the activations
-    device.empty_cache()
+    error = oom.error[:300]
     result.failed.append((size, mode.checkpointing, error))
     return None
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._units import format_bytes
-from steadytrain.device import Device, is_oom
+from steadytrain.device import Device, call_or_oom
 from steadytrain.memory.analytic import Analytic, analytic_for
 from steadytrain.memory.choice import SAVER_GAIN, Candidate, Mode, allowed_sizes, choose
 from steadytrain.memory.finalists import measured_speed, time_finalists
@@ -194,11 +194,11 @@ def plan(
 def _first_pass(job: _Job) -> ProbeResult:
     """One pass at micro-batch 1 (none recorded when it runs out of memory)."""
     result = ProbeResult(baseline=job.room.in_use)
-    try:
-        first = measure(job.run, job.device, 1, job.start.checkpointing, reps=1)
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
+    first, oom = call_or_oom(
+        lambda: measure(job.run, job.device, 1, job.start.checkpointing, reps=1),
+        job.device.empty_cache,
+    )
+    if oom is not None:
         return result
     result.samples.append(first)
     result.kind = job.device.peak_reading().kind

@@ -41,7 +41,7 @@ class HostBuffers:
     Fresh host memory for each save costs a page fault per page (a 1 GB checkpoint copied at
     about 1.2 GB/s on an H100 host); reused buffers, pinned on CUDA, copy at bus speed. The
     buffers of one save must not be overwritten while it is written: the caller waits for an
-    async save in flight before capturing the next (`Checkpointing` does).
+    async save in flight before capturing the next (`CheckpointSaver` does).
     """
 
     def __init__(self) -> None:

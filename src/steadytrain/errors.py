@@ -14,6 +14,9 @@ from pathlib import Path
 BAD_INPUT_EXIT = 2
 DOES_NOT_FIT_EXIT = 3
 RESTARTABLE_EXIT = 75  # EX_TEMPFAIL: try again; also what a detected hang exits with
+SHRINK_EXIT = 76
+"""Out of memory in a loop steadytrain does not own (a Lightning or Keras callback, `RunGuard`):
+restart me with half the micro-batch and twice the accumulation (`steadytrain run` does)."""
 
 
 class SteadytrainError(Exception):

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain.errors import RESTARTABLE_EXIT
+from steadytrain.errors import RESTARTABLE_EXIT, SHRINK_EXIT
 
 HANG = RESTARTABLE_EXIT
+SHRINK = SHRINK_EXIT
 STOPPED = (130, 143)
 NOT_RESTARTABLE = {2: "bad input", 3: "does not fit even at micro-batch 1"}
 # Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.
@@ -178,8 +179,9 @@ class ChildExit:
     @property
     def memory_kill_suspected(self) -> bool:
         """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam).
-        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start."""
-        if self.oom_kill_delta:
+        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start.
+        Exit 76: the child ran out of memory and asks for a smaller start itself."""
+        if self.oom_kill_delta or self.returncode == SHRINK:
             return True
         return self.killed_by == signal.SIGKILL and self.oom_kill_delta is None
 
@@ -204,6 +206,8 @@ class ChildExit:
             text = f"child exited {rc}: {NOT_RESTARTABLE[rc]}"
         elif rc == HANG:
             text = f"hang detected by the watchdog (exit {HANG})"
+        elif rc == SHRINK:
+            text = f"out of memory; the child asks for a smaller micro-batch (exit {SHRINK})"
         elif sig is None:
             text = f"child crashed with exit {rc}"
         else:

@@ -6,7 +6,7 @@ must outlive whatever kills the trainer. One pass of its loop::
 
     read the checkpoint step (RUN_DIR/checkpoints/latest) and the cgroup oom_kill counter
     start CMD in its own session (process group), with STEADYTRAIN_SUPERVISED=1,
-      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill)
+      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill or exit 76)
     wait; SIGINT / SIGTERM (SIGHUP as SIGTERM) to us are forwarded to the child's group, and
       no restart follows; SIGKILL if the child is still there --stop-timeout later
     while waiting, RUN_DIR/heartbeat (rewritten every second or so by the child's hang watchdog)
@@ -18,9 +18,10 @@ must outlive whatever kills the trainer. One pass of its loop::
       2, 3                    -> bad input / does not fit: the same input fails the same way,
                                  so exit with that code
       anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
-                                 (75): read the checkpoint step again; a newer one is progress
-                                 and resets the count and the backoff; after more than
-                                 max_restarts failures in a row without progress, exit 4;
+                                 (75), out of memory in a library's loop (76): read the
+                                 checkpoint step again; a newer one is progress and resets
+                                 the count and the backoff; after more than max_restarts
+                                 failures in a row without progress, exit 4;
                                  else SIGKILL what is left of the child's group, append a
                                  "restart" event, sleep the backoff, go again
 

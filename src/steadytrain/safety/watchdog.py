@@ -216,7 +216,10 @@ class HangWatchdog(Callback):
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         global _active
         self._state = state
-        self._fit_frame, self._fit_thread = _caller_of_dispatch(), threading.get_ident()
+        # info["fit_frame"]: the frame whose return ends the fit, when the loop is another
+        # library's (steadytrain.integrations); else the frame that emitted fit_start.
+        self._fit_frame = info.get("fit_frame") or _caller_of_dispatch()
+        self._fit_thread = threading.get_ident()
         hangs = self.run_dir / run_files.HANGS
         hangs.mkdir(parents=True, exist_ok=True)
         adopt_backstop_dumps(self.run_dir, self.record, skip_pid=os.getpid())

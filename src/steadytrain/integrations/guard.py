@@ -1,0 +1,291 @@
+"""`RunGuard`: steadytrain's guarantees around a training loop it does not own.
+
+The callbacks for Hugging Face, Lightning and Keras are thin translations of their library's hooks
+onto this object; a program that keeps its own loop uses it directly::
+
+    from steadytrain.integrations import RunGuard
+
+    with RunGuard("runs/my-run", config=vars(args)) as guard:
+        for step, batch in enumerate(loader, start=1):
+            with guard.step() as row:         # heartbeat; an out-of-memory is recorded
+                loss = train_step(batch)      # guard.beat() inside, per micro-batch, if long
+                row.update(loss=loss.item(), lr=scheduler.get_last_lr()[0])
+            if step % 100 == 0 or guard.stop_requested:
+                save_checkpoint(step)         # then guard.checkpoint_saved(path, step)
+            if guard.stop_requested:
+                break                         # leaving the block exits 130 / 143
+
+What it gives: the hang watchdog (a step without a beat for ``hang_timeout`` seconds: stacks in
+``RUN_DIR/hangs/``, exit 75, and ``RUN_DIR/heartbeat`` for ``steadytrain run``); the memory watch
+(leaks, swap); ``metrics.jsonl``, ``events.jsonl`` and ``config.json`` that ``steadytrain report``
+reads; SIGINT / SIGTERM turned into `stop_requested` (save, then exit 130 / 143); and an
+out-of-memory that escapes the block recorded and turned into exit 76, which `steadytrain run`
+answers with a restart under half the micro-batch (`max_micro_batch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from steadytrain.device import is_oom, oom_kind, resolve_device
+from steadytrain.errors import SHRINK_EXIT as SHRINK
+from steadytrain.events import Control, TrainState
+from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
+from steadytrain.safety import watchdog as watchdog_module
+from steadytrain.safety.memory_watch import MemoryWatch
+from steadytrain.safety.signals import SignalStop
+from steadytrain.safety.watchdog import HangWatchdog
+from steadytrain.telemetry.files import RunFiles
+
+DOES_NOT_FIT = 3
+
+
+def max_micro_batch() -> int | None:
+    """The micro-batch cap `steadytrain run` sets after an out-of-memory, or None."""
+    text = os.environ.get(ENV_MAX_MICRO_BATCH, "")
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
+def restart_count() -> int:
+    """How many times `steadytrain run` restarted this command (0: first attempt or unsupervised)."""
+    text = os.environ.get(ENV_RESTART, "0")
+    return int(text) if text.isdigit() else 0
+
+
+def divisor_at_most(total: int, limit: int) -> int:
+    """The largest micro-batch not above `limit` that splits `total` samples evenly, so the
+    optimizer still sees exactly `total` per step."""
+    limit = max(1, min(limit, total))
+    return next(d for d in range(limit, 0, -1) if total % d == 0)
+
+
+def library_frame(modules: tuple[str, ...], names: tuple[str, ...]) -> FrameType | None:
+    """The innermost frame on this thread's stack running one of `names` in a module under one
+    of `modules` (the library's ``fit`` / ``train``): its return is the end of the fit."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name in names and module.startswith(modules):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+class RunGuard:
+    """The watchdog, memory watch, run files and signal handling of one run directory.
+
+    `hang_timeout`: seconds a step may go without a beat ("auto": 300 s, or 10 median steps);
+    the first step of a process always gets 600 s. `hang_action`: "exit" (75) or "report".
+    `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu").
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        config: dict[str, Any] | None = None,
+        hang_timeout: float | str = "auto",
+        hang_action: str = "exit",
+        device: str = "auto",
+        memory_watch: bool = True,
+        handle_signals: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.config = dict(config or {})
+        self.device_spec = device
+        self.state, self.control = TrainState(), Control()
+        self.files = RunFiles(self.run_dir)
+        self.device = None
+        self.watchdog = HangWatchdog(self.run_dir, hang_timeout, hang_action, None, self.record)
+        self.memory_watch_on = memory_watch
+        self.memory_watch: MemoryWatch | None = None
+        self.signals = SignalStop(self.record) if handle_signals else None
+        self.started = False
+        self._step_started = 0.0
+        self._rows = 0
+
+    # -- start and end -----------------------------------------------------------------------
+
+    def __enter__(self) -> RunGuard:
+        return self.start(fit_frame=sys._getframe(1))
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if exc is not None and is_oom(exc):
+            self.out_of_memory(exc)
+            self.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
+            print(self.shrink_message(), file=sys.stderr, flush=True)
+            raise SystemExit(SHRINK) from exc
+        if exc is not None:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self.finish(f"{type(exc).__name__}: {first}", getattr(exc, "code", 1) or 1)
+            return
+        code = self.exit_code
+        self.finish(self.control.stop_reason or "finished", code)
+        if code:
+            raise SystemExit(code)
+
+    def start(
+        self,
+        config: dict[str, Any] | None = None,
+        fit_frame: FrameType | None = None,
+        **fit_info: Any,
+    ) -> RunGuard:
+        """Write config.json, record ``fit_start``, install the signal handlers, start watching.
+        `fit_frame`: the frame whose return ends the run (the watchdog stands down then)."""
+        if self.started:
+            return self
+        self.started = True
+        self.config.update(config or {})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device = resolve_device(self.device_spec)
+        self.watchdog.device = self.device
+        _write_json(self.run_dir / "config.json", self.config)
+        reading = self.device.memory().to_dict()
+        info = {
+            "device": str(self.device.torch_device),
+            "config": self.config,
+            "budget": reading.get("budget"),
+            "restart": restart_count(),
+            **fit_info,
+        }
+        self.files.on_fit_start(self.state, self.control, info)
+        if self.signals is not None:
+            self.signals.on_fit_start(self.state, self.control, {})
+        self.watchdog.on_fit_start(
+            self.state, self.control, {"fit_frame": fit_frame or sys._getframe(1)}
+        )
+        if self.memory_watch_on:
+            self.memory_watch = MemoryWatch(self.device, self.record)
+            self.memory_watch.on_fit_start(self.state, self.control, {})
+        return self
+
+    def finish(self, reason: str = "finished", exit_code: int = 0) -> None:
+        """Stop watching, restore the signal handlers, record ``fit_end``. Idempotent."""
+        if not self.started:
+            return
+        self.started = False
+        info = {"reason": reason, "exit_code": exit_code}
+        self.watchdog.on_fit_end(self.state, self.control, info)
+        if self.signals is not None:
+            self.signals.on_fit_end(self.state, self.control, info)
+        self.files.on_fit_end(self.state, self.control, info)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        """A sign of life inside a step (after each micro-batch): one integer increment."""
+        self.watchdog.beats += 1
+
+    def start_step(self) -> None:
+        self._step_started = time.perf_counter()
+        self.watchdog.on_step_start(self.state, self.control, {})
+
+    def end_step(self, step: int | None = None, **values: Any) -> None:
+        """Record one optimizer step: `values` (loss, lr, micro_batch_size, ...) become its line
+        of metrics.jsonl, with the step time and the memory reading."""
+        self.state.step = self.state.step + 1 if step is None else step
+        row = {
+            "time": time.time(),
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "step_time": time.perf_counter() - self._step_started,
+            **values,
+        }
+        if "micro_batch_size" in values:
+            self.state.micro_batch_size = values["micro_batch_size"]
+        if values.get("loss") is not None:
+            self.state.last_loss = values["loss"]
+        memory = self.device.memory().to_dict()
+        self.files.metrics.write({**row, **{f"mem_{k}": v for k, v in memory.items()}})
+        self.watchdog.on_step_end(self.state, self.control, {})
+        if self.memory_watch is not None:
+            self.memory_watch.on_step_end(
+                self.state, self.control, {"metrics": {**row, "memory": memory}}
+            )
+        self._rows += 1
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[dict[str, Any]]:
+        """One optimizer step: yields the dict that becomes its metrics line (fill in loss, lr,
+        ...). An out-of-memory inside is recorded (with the memory reading) and re-raised."""
+        self.start_step()
+        row: dict[str, Any] = {}
+        try:
+            yield row
+        except BaseException as exc:
+            if is_oom(exc):
+                self.out_of_memory(exc)
+            raise
+        self.end_step(**row)
+
+    def end_epoch(self, epoch: int) -> None:
+        info = {"epoch": epoch, "memory": self.device.memory().to_dict()}
+        self.files.on_epoch_end(self.state, self.control, info)
+        if self.memory_watch is not None:
+            self.memory_watch.on_epoch_end(self.state, self.control, info)
+        self.state.epoch = epoch + 1
+
+    # -- events ------------------------------------------------------------------------------
+
+    def record(self, name: str, info: dict) -> None:
+        """One line of events.jsonl (any thread)."""
+        self.files.record(name, {"step": self.state.step, **info})
+
+    def out_of_memory(self, exc: BaseException, **info: Any) -> None:
+        self.state.oom_count += 1
+        first = (str(exc).strip().splitlines() or [""])[0]
+        self.record(
+            "oom",
+            {
+                "kind": oom_kind(exc),
+                "error": f"{type(exc).__name__}: {first}"[:500],
+                "micro_batch_size": self.state.micro_batch_size,
+                "memory": self.device.memory().to_dict() if self.device is not None else None,
+                **info,
+            },
+        )
+
+    def shrink_message(self) -> str:
+        return (
+            f"steadytrain: out of memory at micro-batch {self.state.micro_batch_size}; exiting "
+            f"{SHRINK} so that `steadytrain run` restarts with half of it and twice the "
+            "accumulation, from the newest verified checkpoint"
+        )
+
+    def checkpoint_saved(self, path: str | os.PathLike, step: int) -> None:
+        """Hash the checkpoint the program just wrote (a folder or a file) into its manifest,
+        and record a ``checkpoint`` event; only such checkpoints are resumed from."""
+        from steadytrain.integrations.manifest import write_manifest
+
+        with watchdog_module.allowance("checkpoint manifest"):
+            write_manifest(Path(path), step)
+        self.record("checkpoint", {"step": step, "checkpoint": str(path)})
+
+    def allowance(self, phase: str):
+        """`with guard.allowance("checkpoint save"):` a long operation gets the save limit."""
+        return watchdog_module.allowance(phase)
+
+    @property
+    def stop_requested(self) -> bool:
+        """A SIGINT or SIGTERM arrived: save, then leave (exit 130 / 143)."""
+        return self.control.stop_requested
+
+    @property
+    def exit_code(self) -> int:
+        return self.control.stop_exit_code if self.control.stop_requested else 0
+
+    max_micro_batch = staticmethod(max_micro_batch)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)

@@ -1,0 +1,122 @@
+"""What the tests of the Hugging Face, Lightning and Keras callbacks share: running a workload
+under `steadytrain run`, killing its child, polling the run directory, comparing parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from conftest import MALLOC_ENV, WORKLOADS
+
+from steadytrain.telemetry.files import read_jsonl
+
+SUPERVISOR = [sys.executable, "-m", "steadytrain.cli", "run", "--backoff-initial", "0.2"]
+UPPER_BOUND_S = 240.0
+"""Generous upper bound for one supervised run on a loaded machine; tests poll, never sleep."""
+
+
+def workload_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **MALLOC_ENV, **extra}
+    env.pop("STEADYTRAIN_RESTART", None)
+    env.pop("STEADYTRAIN_MAX_MICRO_BATCH", None)
+    return env
+
+
+def start_supervised(script: str, run_dir: Path, *args: str, env=None) -> subprocess.Popen:
+    command = [
+        *SUPERVISOR,
+        "--run-dir",
+        str(run_dir),
+        "--",
+        sys.executable,
+        str(WORKLOADS / script),
+        str(run_dir),
+        *args,
+    ]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or workload_env(),
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = UPPER_BOUND_S) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"still running after {timeout} s:\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+def run_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(WORKLOADS / script), str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=UPPER_BOUND_S,
+        env=env or workload_env(),
+    )
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = UPPER_BOUND_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def steps_logged(run_dir: Path) -> int:
+    return max((m.get("step", 0) for m in read_jsonl(run_dir / "metrics.jsonl")), default=0)
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict]:
+    found = read_jsonl(run_dir / "events.jsonl")
+    return [e for e in found if kind is None or e["event"] == kind]
+
+
+def kill_child(run_dir: Path) -> int:
+    """SIGKILL the training process (its pid is in the heartbeat the watchdog writes)."""
+    beat = json.loads((run_dir / "heartbeat").read_text())
+    os.kill(beat["pid"], signal.SIGKILL)
+    return beat["pid"]
+
+
+def assert_same_params(a_path: Path, b_path: Path) -> None:
+    a = torch.load(a_path, weights_only=True)
+    b = torch.load(b_path, weights_only=True)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def report(run_dir: Path) -> subprocess.CompletedProcess:
+    """`steadytrain report RUN_DIR`, and what every integration's report must show."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=UPPER_BOUND_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+    assert pngs == ["loss_lr.png", "memory_events.png", "step_time.png"]
+    from steadytrain.telemetry.report import load_run, memory_counters
+
+    run = load_run(run_dir)
+    assert run.steps and all(isinstance(r.get("loss"), float) for r in run.steps)
+    assert memory_counters(run)  # a memory series to draw
+    return proc

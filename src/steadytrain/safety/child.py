@@ -44,14 +44,17 @@ def checkpoint_step(run_dir: Path | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def last_micro_batch_size(run_dir: Path | None) -> int | None:
+def last_micro_batch_size(
+    run_dir: Path | None, file: str = run_files.METRICS, event: str | None = None
+) -> int | None:
     """micro_batch_size of the last complete line of RUN_DIR/metrics.jsonl, read from its tail
     (the file grows by a line per step). A torn last line (the child was killed mid-write) is
-    skipped."""
+    skipped. With `file` events.jsonl and `event` "oom": that of the last out-of-memory event
+    (a child that exits 76 records one before it has written any metrics line)."""
     if run_dir is None:
         return None
     try:
-        with open(run_dir / run_files.METRICS, "rb") as handle:
+        with open(run_dir / file, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             handle.seek(max(0, size - METRICS_TAIL_BYTES))
             tail = handle.read()
@@ -59,9 +62,12 @@ def last_micro_batch_size(run_dir: Path | None) -> int | None:
         return None
     for line in reversed(tail.splitlines()):
         try:
-            value = json.loads(line).get("micro_batch_size")
+            record = json.loads(line)
+            value = record.get("micro_batch_size")
         except (ValueError, AttributeError):
             continue  # torn, or the partial first line of the tail
+        if event is not None and record.get("event") != event:
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
     return None

@@ -42,10 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from steadytrain import run_files
 from steadytrain.errors import BadInputError
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
 from steadytrain.safety.child import (
     HANG,
+    SHRINK,
     ChildExit,
     append_event,
     checkpoint_step,
@@ -191,7 +193,7 @@ class Supervisor:
             if no_progress > self.options.max_restarts:
                 return self._give_up(death, step)
             if death.memory_kill_suspected:
-                max_micro = self._smaller_micro_batch(max_micro)
+                max_micro = self._smaller_micro_batch(max_micro, death.returncode == SHRINK)
             self._kill_leftovers()
 
             self.restarts += 1
@@ -413,10 +415,15 @@ class Supervisor:
 
     # -- decisions and records --
 
-    def _smaller_micro_batch(self, cap: int | None) -> int | None:
+    def _smaller_micro_batch(self, cap: int | None, asked: bool = False) -> int | None:
         """Half the micro-batch in force when the child was killed: the last one metrics.jsonl
-        shows, no more than the cap already set; None (no cap) when neither is known."""
-        known = [v for v in (last_micro_batch_size(self.options.run_dir), cap) if v is not None]
+        shows (`asked`: the child exited 76, its last oom event's), no more than the cap already
+        set; None (no cap) when none is known."""
+        run_dir = self.options.run_dir
+        known = [last_micro_batch_size(run_dir), cap]
+        if asked:
+            known.append(last_micro_batch_size(run_dir, run_files.EVENTS, "oom"))
+        known = [v for v in known if v is not None]
         return max(1, min(known) // 2) if known else None
 
     def _give_up(self, death: ChildExit, step: int | None) -> int:

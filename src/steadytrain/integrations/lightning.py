@@ -1,0 +1,251 @@
+"""steadytrain for Lightning: one line, ``Trainer(..., callbacks=[SteadytrainCallback()])``.
+
+Works with ``lightning`` and ``pytorch_lightning`` (the callback takes the base class of whichever
+is installed, ``lightning`` first). What it does to the trainer:
+
+* ``fit()`` resumes by itself from the newest checkpoint under ``default_root_dir`` whose manifest
+  verifies (a ``ckpt_path`` given by the user wins): every ``.ckpt`` Lightning writes gets the
+  sidecar manifest after the write returns, through the trainer's own `CheckpointIO`, and one
+  without it (a kill mid-save) is skipped. The callback's state in each checkpoint carries every
+  RNG stream, so a resumed run draws what the uninterrupted one drew.
+* SIGINT / SIGTERM: at the end of the batch, a checkpoint through ``trainer.save_checkpoint``, then
+  ``fit`` stops and the process exits 130 / 143.
+* Out of memory: exit 76 after recording it; `steadytrain run` restarts with
+  ``STEADYTRAIN_MAX_MICRO_BATCH`` at half the batch, and the callback then serves the same samples
+  in that many per batch, raising ``accumulate_grad_batches`` to match, so every optimizer step
+  still sees the batch asked for. Lightning cannot change the batch of a running fit.
+* The watchdog (exit 75), memory watch and run files of `RunGuard`, in ``default_root_dir``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
+from steadytrain.integrations.guard import (
+    SHRINK,
+    RunGuard,
+    divisor_at_most,
+    library_frame,
+    max_micro_batch,
+)
+from steadytrain.integrations.manifest import (
+    newest_verified,
+    read_manifest,
+    remove_manifest,
+    write_manifest,
+)
+
+try:
+    from lightning.pytorch import Callback as _Base
+except ImportError:
+    try:
+        from pytorch_lightning import Callback as _Base
+    except ImportError:  # neither installed: importable, unusable
+        _Base = object
+
+LIBRARY_MODULES = ("lightning", "pytorch_lightning")
+
+
+class SteadytrainCallback(_Base):
+    """Pass to ``Trainer(..., callbacks=[SteadytrainCallback()])``; `hang_timeout`,
+    `hang_action`, `memory_watch` as in `RunGuard`."""
+
+    def __init__(
+        self,
+        hang_timeout: float | str = "auto",
+        hang_action: str = "exit",
+        memory_watch: bool = True,
+        auto_resume: bool = True,
+    ):
+        if _Base is object:
+            raise ImportError("SteadytrainCallback for Lightning needs lightning installed")
+        self.options = {
+            "hang_timeout": hang_timeout,
+            "hang_action": hang_action,
+            "memory_watch": memory_watch,
+        }
+        self.auto_resume = auto_resume
+        self.guard: RunGuard | None = None
+        self.asked_micro = self.micro = 0
+        self.asked_accumulation = 1
+        self._step_loss: Any = None
+
+    # -- before the fit: resume, checkpoint manifests, the batch ----------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self.guard is not None:
+            return
+        run_dir = Path(trainer.default_root_dir)
+        self.guard = RunGuard(run_dir, **self.options, device=trainer.strategy.root_device.type)
+        connector = trainer._checkpoint_connector
+        resume_start = connector.resume_start
+
+        def resume_from_verified(checkpoint_path=None, *args, **kwargs):
+            if checkpoint_path is None and self.auto_resume:
+                found = newest_verified(_checkpoints(run_dir), self.guard.record)
+                if found is not None:
+                    checkpoint_path = str(found[1])
+                    self.guard.record("resume", {"checkpoint": checkpoint_path})
+            return resume_start(checkpoint_path, *args, **kwargs)
+
+        connector.resume_start = resume_from_verified
+        io = trainer.strategy.checkpoint_io
+        save, remove = io.save_checkpoint, io.remove_checkpoint
+
+        def save_with_manifest(checkpoint, path, *args, **kwargs):
+            save(checkpoint, path, *args, **kwargs)
+            if Path(path).is_file():
+                step = int(checkpoint.get("global_step", trainer.global_step))
+                write_manifest(Path(path), step, {"epoch": checkpoint.get("epoch")})
+                self.guard.record("checkpoint", {"step": step, "checkpoint": str(path)})
+
+        def remove_with_manifest(path, *args, **kwargs):
+            remove(path, *args, **kwargs)
+            remove_manifest(Path(path))
+
+        io.save_checkpoint, io.remove_checkpoint = save_with_manifest, remove_with_manifest
+        self.asked_accumulation = trainer.accumulate_grad_batches
+        source = trainer.fit_loop._data_source
+        request = source.dataloader
+        source.dataloader = lambda: self._rebatch(trainer, request())
+
+    def _rebatch(self, trainer, loader):
+        """Serve the same samples `max_micro_batch()` at a time (at most), with the
+        accumulation raised so the optimizer still sees the batch asked for."""
+        from torch.utils.data import DataLoader
+
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(loader, DataLoader) or size is None:
+            return loader  # a batch sampler or iterable of the user's: left as it is
+        self.asked_micro = size
+        effective = size * self.asked_accumulation
+        self.micro = divisor_at_most(size, max_micro_batch() or size)
+        if self.micro == size:
+            return loader
+        trainer.accumulate_grad_batches = effective // self.micro
+        self.guard.record(
+            "micro_batch_cap",
+            {
+                "old": size,
+                "new": self.micro,
+                "accumulation": trainer.accumulate_grad_batches,
+                "reason": "STEADYTRAIN_MAX_MICRO_BATCH (supervisor)",
+            },
+        )
+        return DataLoader(
+            loader.dataset,
+            batch_size=self.micro,
+            sampler=loader.sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            worker_init_fn=loader.worker_init_fn,
+            persistent_workers=loader.persistent_workers,
+        )
+
+    # -- the fit -----------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        guard = self.guard
+        guard.state.step = trainer.global_step
+        planned = trainer.estimated_stepping_batches
+        guard.state.max_steps = int(planned) if planned != float("inf") else 0
+        guard.state.micro_batch_size = self.micro or self.asked_micro
+        config = {"library": "lightning", "trainer": _trainer_config(trainer)}
+        frame = library_frame(LIBRARY_MODULES, ("fit",))
+        guard.start(config, fit_frame=frame, micro_batch_size=guard.state.micro_batch_size)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._step_loss is None:
+            self.guard.start_step()
+            self._step_loss = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        guard = self.guard
+        guard.beat()
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._step_loss += float(loss.detach())
+        if trainer.global_step == guard.state.step:
+            return  # accumulating: the optimizer step is not over
+        accumulation = trainer.accumulate_grad_batches
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        guard.end_step(
+            trainer.global_step,
+            loss=self._step_loss,  # Lightning hands each batch's loss already divided
+            lr=optimizer.param_groups[0]["lr"] if optimizer is not None else None,
+            micro_batch_size=self.micro or self.asked_micro,
+            accumulation=accumulation,
+            samples=(self.micro or self.asked_micro) * accumulation,
+        )
+        guard.state.epoch = trainer.current_epoch
+        self._step_loss = None
+        if guard.stop_requested and not trainer.should_stop:
+            path = Path(trainer.default_root_dir) / "checkpoints" / "on-signal.ckpt"
+            with guard.allowance("checkpoint save"):
+                trainer.save_checkpoint(path)
+            trainer.should_stop = True
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.guard.end_epoch(trainer.current_epoch)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        guard = self.guard
+        code = guard.exit_code
+        guard.finish(guard.control.stop_reason or "finished", code)
+        if code:
+            raise SystemExit(code)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        guard = self.guard
+        if guard is None or not guard.started:
+            return
+        if is_oom(exception):
+            guard.out_of_memory(exception)
+            guard.finish(f"out of memory: {oom_kind(exception)}", SHRINK)
+            print(guard.shrink_message(), file=sys.stderr, flush=True)
+            raise SystemExit(SHRINK) from exception
+        first = (str(exception).strip().splitlines() or [""])[0]
+        guard.finish(f"{type(exception).__name__}: {first}", 1)
+
+    # -- what the callback keeps in each checkpoint ------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = get_rng_state()
+        name, keys, *rest = rng["numpy"]
+        return {"rng": {**rng, "numpy": (name, keys.tolist(), *rest)}}  # loads weights_only
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rng = state_dict.get("rng")
+        if rng is not None:
+            name, keys, *rest = rng["numpy"]
+            set_rng_state({**rng, "numpy": (name, np.asarray(keys, dtype=np.uint32), *rest)})
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for path in run_dir.rglob("*.ckpt"):
+        manifest = read_manifest(path)
+        step = manifest.get("step") if manifest else None
+        found.append((step if isinstance(step, int) else -1, path))
+    return found
+
+
+def _trainer_config(trainer) -> dict[str, Any]:
+    names = (
+        "max_epochs",
+        "max_steps",
+        "accumulate_grad_batches",
+        "gradient_clip_val",
+        "precision",
+        "default_root_dir",
+    )
+    config = {name: getattr(trainer, name, None) for name in names}
+    config["precision"] = str(getattr(trainer.precision_plugin, "precision", None))
+    return config

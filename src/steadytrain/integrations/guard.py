@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from steadytrain.device import is_oom, oom_kind, resolve_device
+from steadytrain.device.oom import OOM_MESSAGES, exception_chain
 from steadytrain.errors import SHRINK_EXIT as SHRINK
 from steadytrain.events import Control, TrainState
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
@@ -65,6 +66,17 @@ def divisor_at_most(total: int, limit: int) -> int:
     optimizer still sees exactly `total` per step."""
     limit = max(1, min(limit, total))
     return next(d for d in range(limit, 0, -1) if total % d == 0)
+
+
+def oom_line(exc: BaseException) -> str:
+    """The line of `exc`'s chain that says out of memory (libraries wrap the allocator's error
+    in their own first line), else its first line; with the type of the error that holds it."""
+    for err in exception_chain(exc):
+        for line in str(err).splitlines():
+            if any(needle in line for needle, _ in OOM_MESSAGES):
+                return f"{type(err).__name__}: {line.strip()}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"
 
 
 def library_frame(modules: tuple[str, ...], names: tuple[str, ...]) -> FrameType | None:
@@ -241,12 +253,11 @@ class RunGuard:
 
     def out_of_memory(self, exc: BaseException, **info: Any) -> None:
         self.state.oom_count += 1
-        first = (str(exc).strip().splitlines() or [""])[0]
         self.record(
             "oom",
             {
                 "kind": oom_kind(exc),
-                "error": f"{type(exc).__name__}: {first}"[:500],
+                "error": oom_line(exc)[:500],
                 "micro_batch_size": self.state.micro_batch_size,
                 "memory": self.device.memory().to_dict() if self.device is not None else None,
                 **info,

@@ -1,0 +1,315 @@
+"""steadytrain for Keras 3: one line, ``model.fit(..., callbacks=[SteadytrainCallback("runs/x")])``.
+
+On every backend (TensorFlow on a Mac, JAX, torch):
+
+* checkpoints through Keras's own ``save_weights`` (model and optimizer variables) with the epoch,
+  the step and every RNG stream beside them, committed atomically with a manifest of hashes
+  (``RUN_DIR/checkpoints/step-N/``) at each ``save_every_epochs``-th epoch end and on a signal;
+  ``fit`` resumes by itself from the newest one that verifies. Keras restarts an epoch from its
+  first batch, so a checkpoint taken mid-epoch (on a signal) repeats that epoch's batches; one
+  taken at an epoch end resumes exactly where the uninterrupted run would go on.
+* the watchdog (exit 75), memory watch, run files of `RunGuard`; SIGINT / SIGTERM save at the
+  end of the batch, stop ``fit`` and exit 130 / 143.
+
+On the torch backend, also the promise of steadytrain's own engine: an out-of-memory in a step
+drops the partial gradients, halves the micro-batch and redoes the same batch in pieces whose
+gradients add up to the whole batch's (same RNG state), so the optimizer still sees the batch
+asked for; at micro-batch 1 it exits 3. ``STEADYTRAIN_MAX_MICRO_BATCH`` (set by `steadytrain run`)
+caps the piece size from the start. Other backends compile the step, so an out-of-memory there
+ends ``fit`` with the backend's error (`steadytrain run` restarts it from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from steadytrain._durable import sync_dir
+from steadytrain.device import get_rng_state, is_oom, set_rng_state
+from steadytrain.integrations.guard import (
+    DOES_NOT_FIT,
+    RunGuard,
+    divisor_at_most,
+    library_frame,
+    max_micro_batch,
+)
+from steadytrain.integrations.manifest import newest_verified, read_manifest, write_manifest
+
+try:
+    from keras.callbacks import Callback as _Base
+except ImportError as exc:  # keras, or the backend KERAS_BACKEND names, missing
+    _Base, _MISSING = object, f"{type(exc).__name__}: {exc}"
+
+WEIGHTS_FILE = "model.weights.h5"
+STATE_FILE = "state.json"
+
+
+class SteadytrainCallback(_Base):
+    """`run_dir`: where metrics, events, hangs and checkpoints go. `save_every_epochs`: how
+    often a checkpoint is committed; `keep_last`: how many are kept. `hang_timeout`,
+    `hang_action`, `memory_watch`: as in `RunGuard`."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        save_every_epochs: int = 1,
+        keep_last: int = 2,
+        hang_timeout: float | str = "auto",
+        hang_action: str = "exit",
+        memory_watch: bool = True,
+        auto_resume: bool = True,
+    ):
+        if _Base is object:
+            raise ImportError(
+                f"SteadytrainCallback for Keras needs keras 3 and the backend KERAS_BACKEND names "
+                f"({_MISSING})"
+            )
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        self.save_every_epochs, self.keep_last = save_every_epochs, keep_last
+        self.auto_resume = auto_resume
+        self.guard = RunGuard(
+            self.run_dir,
+            hang_timeout=hang_timeout,
+            hang_action=hang_action,
+            memory_watch=memory_watch,
+            device="auto" if _backend() == "torch" else "cpu",
+        )
+        self.micro: int | None = None
+        self.batch: int | None = None
+        self._loss: float | None = None
+
+    # -- start and end -----------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None) -> None:
+        guard = self.guard
+        params = self.params or {}
+        guard.state.steps_per_epoch = params.get("steps") or 0
+        guard.state.max_steps = guard.state.steps_per_epoch * params.get("epochs", 0)
+        self._resume()
+        if _backend() == "torch":
+            self.model.train_step = _SplitStep(self, self.model.train_step)
+        config = {"library": "keras", "backend": _backend(), "fit": _plain(params)}
+        guard.start(config, fit_frame=library_frame(("keras",), ("fit",)))
+
+    def on_train_end(self, logs=None) -> None:
+        guard = self.guard
+        if isinstance(self.model.train_step, _SplitStep):
+            self.model.train_step = self.model.train_step.original
+        code = guard.exit_code
+        guard.finish(guard.control.stop_reason or "finished", code)
+        if code:
+            raise SystemExit(code)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self.guard.start_step()
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        guard, logs = self.guard, logs or {}
+        loss = self._loss if self._loss is not None else logs.get("loss")
+        self._loss = None
+        micro = self.micro or self.batch
+        guard.end_step(
+            loss=float(loss) if loss is not None else None,
+            lr=_learning_rate(self.model),
+            micro_batch_size=micro,
+            accumulation=(self.batch // micro) if micro and self.batch else None,
+            samples=self.batch,
+        )
+        if guard.stop_requested and not self.model.stop_training:
+            self._save(self.guard.state.epoch)  # mid-epoch: a resume repeats this epoch
+            self.model.stop_training = True
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.guard.state.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        self.guard.end_epoch(epoch)
+        if (epoch + 1) % self.save_every_epochs == 0 and not self.guard.stop_requested:
+            self._save(epoch + 1)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def _save(self, next_epoch: int) -> Path:
+        """Keras's own save_weights, the epoch to resume at and the RNG streams into a staging
+        folder; the manifest last; then the rename that commits it."""
+        step = self.guard.state.step
+        final = self.checkpoints / f"step-{step:08d}"
+        staging = self.checkpoints / f".staging-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        staging.mkdir(parents=True)
+        with self.guard.allowance("checkpoint save"):
+            self.model.save_weights(str(staging / WEIGHTS_FILE))
+            state = {"epoch": next_epoch, "step": step, "rng": _plain(get_rng_state())}
+            (staging / STATE_FILE).write_text(json.dumps(state))
+            write_manifest(staging, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(staging, final)
+            sync_dir(self.checkpoints)
+        self.guard.record("checkpoint", {"step": step, "checkpoint": str(final)})
+        self._prune(final)
+        return final
+
+    def _prune(self, kept: Path) -> None:
+        committed = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
+        for old in committed[: max(0, len(committed) - self.keep_last)]:
+            if old != kept:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _resume(self) -> None:
+        if not self.auto_resume or not self.checkpoints.is_dir():
+            return
+        candidates = []
+        for path in self.checkpoints.glob("step-*"):
+            manifest = read_manifest(path) if path.is_dir() else None
+            step = manifest.get("step") if manifest else None
+            candidates.append((step if isinstance(step, int) else -1, path))
+        found = newest_verified(candidates, self.guard.record)
+        if found is None:
+            return
+        step, path = found
+        model = self.model
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(str(path / WEIGHTS_FILE))
+        state = json.loads((path / STATE_FILE).read_text())
+        set_rng_state(_unplain(state["rng"]))
+        model._initial_epoch = state["epoch"]  # what Keras's BackupAndRestore sets
+        self.guard.state.step, self.guard.state.epoch = step, state["epoch"]
+        self.guard.record("resume", {"checkpoint": str(path), "epoch": state["epoch"]})
+
+
+class _SplitStep:
+    """Keras's torch ``train_step``, run in micro-batches whose gradients add up to the whole
+    batch's, redone at half the size on an out-of-memory. Mirrors
+    ``keras.src.backend.torch.trainer.TorchTrainer.train_step`` (Keras 3)."""
+
+    def __init__(self, callback: SteadytrainCallback, original):
+        self.callback, self.original = callback, original
+
+    def __call__(self, data):
+        from keras.src import tree
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        callback = self.callback
+        x, y, weights = data_adapter_utils.unpack_x_y_sample_weight(data)
+        size = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        callback.batch = size
+        if callback.micro is None:
+            callback.micro = divisor_at_most(size, max_micro_batch() or size)
+        rng = get_rng_state()
+        while True:
+            micro = divisor_at_most(size, callback.micro)
+            try:
+                return self._run(x, y, weights, size, micro, tree)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._redo(exc, micro, size, rng)
+
+    def _redo(self, exc: BaseException, micro: int, size: int, rng: dict) -> None:
+        callback, guard = self.callback, self.callback.guard
+        guard.state.micro_batch_size = micro
+        guard.out_of_memory(exc)
+        self.model.zero_grad()
+        gc.collect()
+        if micro == 1:
+            guard.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
+            print(
+                "steadytrain: out of memory at micro-batch 1: the model does not fit even one "
+                "sample; a smaller model, shorter inputs or lower precision would help",
+                file=sys.stderr,
+            )
+            raise SystemExit(DOES_NOT_FIT) from exc
+        callback.micro = divisor_at_most(size, micro // 2)
+        guard.state.micro_batch_size = callback.micro
+        memory = guard.device.memory().to_dict()
+        guard.record(
+            "shrink",
+            {"old": micro, "new": callback.micro, "reason": "out of memory", "memory": memory},
+        )
+        set_rng_state(rng)
+
+    @property
+    def model(self):
+        return self.callback.model
+
+    def _run(self, x, y, weights, size: int, micro: int, tree):
+        import torch
+
+        model = self.model
+        model.zero_grad()
+        total, result = 0.0, None
+        for start in range(0, size, micro):
+            part = tree.map_structure(
+                lambda t, s=start: None if t is None else t[s : s + micro], (x, y, weights)
+            )
+            px, py, pw = part
+            y_pred = model(px, training=True) if model._call_has_training_arg else model(px)
+            loss = model._compute_loss(x=px, y=py, y_pred=y_pred, sample_weight=pw, training=True)
+            share = micro / size
+            if model.trainable_weights:
+                scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
+                (scaled * share).backward()
+            model._loss_tracker.update_state(loss, sample_weight=micro)
+            total += float(loss.detach()) * share
+            result = model.compute_metrics(px, py, y_pred, sample_weight=pw)
+            self.callback.guard.beat()
+        if model.trainable_weights:
+            variables = model.trainable_weights[:]
+            with torch.no_grad():
+                model.optimizer.apply([v.value.grad for v in variables], variables)
+        self.callback._loss = total
+        return result
+
+
+def _backend() -> str:
+    import keras
+
+    return keras.backend.backend()
+
+
+def _learning_rate(model) -> float | None:
+    try:
+        return float(model.optimizer.learning_rate)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: numpy arrays and tensors as lists (the RNG streams, fit's params)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return {"__array__": value.tolist(), "dtype": str(value.dtype)}
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def _unplain(value: Any) -> Any:
+    import numpy as np
+    import torch
+
+    if isinstance(value, dict) and "__array__" in value:
+        dtype = value["dtype"]
+        if dtype.startswith("torch."):
+            return torch.tensor(value["__array__"], dtype=getattr(torch, dtype[6:]))
+        return np.asarray(value["__array__"], dtype=dtype)
+    if isinstance(value, dict):
+        return {k: _unplain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_unplain(v) for v in value)
+    return value

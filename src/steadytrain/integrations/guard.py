@@ -7,7 +7,7 @@ onto this object; a program that keeps its own loop uses it directly::
 
     with RunGuard("runs/my-run", config=vars(args)) as guard:
         for step, batch in enumerate(loader, start=1):
-            with guard.step() as row:         # heartbeat; an out-of-memory is recorded
+            with guard.step(step) as row:     # heartbeat; an out-of-memory is recorded
                 loss = train_step(batch)      # guard.beat() inside, per micro-batch, if long
                 row.update(loss=loss.item(), lr=scheduler.get_last_lr()[0])
             if step % 100 == 0 or guard.stop_requested:
@@ -97,6 +97,8 @@ class RunGuard:
     `hang_timeout`: seconds a step may go without a beat ("auto": 300 s, or 10 median steps);
     the first step of a process always gets 600 s. `hang_action`: "exit" (75) or "report".
     `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu").
+    `micro_batch_size`: the samples per forward the loop uses now (a metrics line's
+    ``micro_batch_size`` updates it): an out-of-memory exit asks for half of it.
     """
 
     def __init__(
@@ -109,11 +111,12 @@ class RunGuard:
         device: str = "auto",
         memory_watch: bool = True,
         handle_signals: bool = True,
+        micro_batch_size: int = 0,
     ):
         self.run_dir = Path(run_dir)
         self.config = dict(config or {})
         self.device_spec = device
-        self.state, self.control = TrainState(), Control()
+        self.state, self.control = TrainState(micro_batch_size=micro_batch_size), Control()
         self.files = RunFiles(self.run_dir)
         self.device = None
         self.watchdog = HangWatchdog(self.run_dir, hang_timeout, hang_action, None, self.record)
@@ -225,9 +228,10 @@ class RunGuard:
         self._rows += 1
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[dict[str, Any]]:
-        """One optimizer step: yields the dict that becomes its metrics line (fill in loss, lr,
-        ...). An out-of-memory inside is recorded (with the memory reading) and re-raised."""
+    def step(self, step: int | None = None) -> Iterator[dict[str, Any]]:
+        """One optimizer step (number `step`, else the one after the last): yields the dict that
+        becomes its metrics line (fill in loss, lr, ...). An out-of-memory inside is recorded
+        (with the memory reading) and re-raised."""
         self.start_step()
         row: dict[str, Any] = {}
         try:
@@ -236,7 +240,7 @@ class RunGuard:
             if is_oom(exc):
                 self.out_of_memory(exc)
             raise
-        self.end_step(**row)
+        self.end_step(step, **row)
 
     def end_epoch(self, epoch: int) -> None:
         info = {"epoch": epoch, "memory": self.device.memory().to_dict()}
@@ -279,6 +283,21 @@ class RunGuard:
         with watchdog_module.allowance("checkpoint manifest"):
             write_manifest(Path(path), step)
         self.record("checkpoint", {"step": step, "checkpoint": str(path)})
+
+    def newest_checkpoint(self, pattern: str = "checkpoints/*") -> Path | None:
+        """The newest checkpoint (by the step in its manifest) among RUN_DIR/`pattern` that
+        verifies; each newer one that does not is recorded as ``checkpoint_skipped``."""
+        from steadytrain.integrations.manifest import MANIFEST_NAME, newest_verified, read_manifest
+
+        candidates = []
+        for path in self.run_dir.glob(pattern):
+            if path.name.endswith(MANIFEST_NAME) or path.name.startswith("."):
+                continue  # a manifest, or a save in progress
+            manifest = read_manifest(path)
+            step = manifest.get("step") if manifest else None
+            candidates.append((step if isinstance(step, int) else -1, path))
+        found = newest_verified(candidates, self.record)
+        return None if found is None else found[1]
 
     def allowance(self, phase: str):
         """`with guard.allowance("checkpoint save"):` a long operation gets the save limit."""

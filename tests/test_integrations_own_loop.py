@@ -1,0 +1,110 @@
+"""A loop of the user's own with `RunGuard`: an out-of-memory exits 76 and `steadytrain run`
+restarts it with half the micro-batch, a blocked step exits 75 and is restarted, SIGTERM saves
+and exits 143 and the next start resumes to the uninterrupted run's parameters. Also: the
+integrations import without the libraries they serve."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import WORKLOADS
+from integration_helpers import (
+    assert_same_params,
+    events,
+    finish,
+    report,
+    run_plain,
+    start_supervised,
+    steps_logged,
+    wait_for,
+    workload_env,
+)
+
+from steadytrain.telemetry.files import read_jsonl
+
+SCRIPT = "own_loop.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("own") / "reference"
+    proc = run_plain(SCRIPT, run_dir)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def test_oom_exits_76_and_the_restart_runs_at_half_the_micro_batch(tmp_path: Path):
+    run_dir = tmp_path / "oom"
+    proc = start_supervised(SCRIPT, run_dir, "--batch", "64", "--steps", "2", "--limit-mib", "150")
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    assert "exiting 76" in err
+    assert events(run_dir, "oom")[0]["micro_batch_size"] == 64
+    restart = events(run_dir, "restart")[0]
+    assert (restart["exit_code"], restart["max_micro_batch"]) == (76, 32)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["micro_batch_size"], r["samples"]) for r in rows] == [
+        (1, 32, 64),
+        (2, 32, 64),
+    ]
+    report(run_dir)
+
+
+def test_a_blocked_step_exits_75_and_the_restart_finishes(tmp_path: Path, reference):
+    run_dir = tmp_path / "hang"
+    proc = start_supervised(SCRIPT, run_dir, "--hang-at", "4", "--hang-timeout", "5")
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    hang = events(run_dir, "hang")[0]
+    assert hang["step"] == 3 and "own_loop.py" in (run_dir / hang["file"]).read_text()
+    assert [r["exit_code"] for r in events(run_dir, "restart")] == [75]
+    assert_same_params(run_dir / "params.pt", reference / "params.pt")
+
+
+def test_sigterm_saves_exits_143_and_the_next_start_resumes_exactly(tmp_path: Path, reference):
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKLOADS / SCRIPT), str(run_dir), "--slow", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=workload_env(),
+    )
+    wait_for(lambda: steps_logged(run_dir) >= 1, "the first step")
+    proc.send_signal(signal.SIGTERM)
+    code, _out, err = finish(proc)
+    assert code == 143, err
+    stopped_at = events(run_dir, "fit_end")[-1]["step"]
+    assert stopped_at < 6
+    saved = events(run_dir, "checkpoint")[-1]
+    assert saved["step"] == stopped_at  # saved on the way out
+    assert events(run_dir, "signal")[0]["signal"] == "SIGTERM"
+    again = run_plain(SCRIPT, run_dir)
+    assert again.returncode == 0, again.stderr
+    assert events(run_dir, "resume")[0]["step"] == stopped_at
+    assert_same_params(run_dir / "params.pt", reference / "params.pt")
+
+
+def test_the_integrations_import_without_their_libraries():
+    code = (
+        "import sys\n"
+        "for name in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'keras'):\n"
+        "    sys.modules[name] = None  # import fails as if not installed\n"
+        "import steadytrain.integrations.huggingface as hf\n"
+        "import steadytrain.integrations.lightning as pl\n"
+        "import steadytrain.integrations.keras as ks\n"
+        "from steadytrain.integrations import RunGuard\n"
+        "for module in (hf, pl, ks):\n"
+        "    try:\n"
+        "        module.SteadytrainCallback() if module is not ks else ks.SteadytrainCallback('x')\n"
+        "    except ImportError as exc:\n"
+        "        print('refused:', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("refused:") == 3
+    assert "transformers" in proc.stdout and "lightning" in proc.stdout

@@ -59,6 +59,27 @@ def finish(proc: subprocess.Popen, timeout: float = UPPER_BOUND_S) -> tuple[int,
     return proc.returncode, out, err
 
 
+def start_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(WORKLOADS / script), str(run_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or workload_env(),
+    )
+
+
+def stop_with_sigterm(proc: subprocess.Popen, run_dir: Path, after_step: int = 1) -> int:
+    """SIGTERM once `after_step` steps are logged; the process must save and exit 143. Returns
+    the step it stopped at."""
+    wait_for(lambda: steps_logged(run_dir) >= after_step, f"step {after_step}")
+    proc.send_signal(signal.SIGTERM)
+    code, _out, err = finish(proc)
+    assert code == 143, err
+    assert events(run_dir, "signal")[0]["signal"] == "SIGTERM"
+    return events(run_dir, "fit_end")[-1]["step"]
+
+
 def run_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(WORKLOADS / script), str(run_dir), *args],

@@ -15,8 +15,10 @@ from integration_helpers import (
     kill_child,
     report,
     run_plain,
+    start_plain,
     start_supervised,
     steps_logged,
+    stop_with_sigterm,
     wait_for,
 )
 
@@ -117,4 +119,19 @@ def test_a_checkpoint_without_its_manifest_is_never_resumed_from(tmp_path: Path,
     assert set(skipped) == {4, 6}
     assert "missing or unreadable" in skipped[6][0] and "model.safetensors" in skipped[4][0]
     assert events(run_dir, "resume")[0]["checkpoint"].endswith("checkpoint-2")
+    assert_same_params(run_dir / "params.pt", reference / "params.pt")
+
+
+def test_sigterm_saves_through_hugging_face_exits_143_and_resumes_exactly(
+    tmp_path: Path, reference
+):
+    run_dir = tmp_path / "stopped"
+    stopped_at = stop_with_sigterm(
+        start_plain(SCRIPT, run_dir, "--steps", "6", "--slow", "0.3"), run_dir
+    )
+    assert 1 <= stopped_at < 6
+    assert (run_dir / f"checkpoint-{stopped_at}" / "steadytrain-manifest.json").is_file()
+    again = run_plain(SCRIPT, run_dir, "--steps", "6")
+    assert again.returncode == 0, again.stderr
+    assert events(run_dir, "resume")[0]["checkpoint"].endswith(f"checkpoint-{stopped_at}")
     assert_same_params(run_dir / "params.pt", reference / "params.pt")

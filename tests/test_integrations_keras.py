@@ -17,8 +17,10 @@ from integration_helpers import (
     kill_child,
     report,
     run_plain,
+    start_plain,
     start_supervised,
     steps_logged,
+    stop_with_sigterm,
     wait_for,
     workload_env,
 )
@@ -100,3 +102,18 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert events(run_dir, "resume")[0]["checkpoint"].endswith("step-00000004")
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
     assert "1 restart(s)" in report(run_dir).stdout
+
+
+def test_sigterm_saves_through_keras_exits_143_and_the_next_start_finishes(tmp_path: Path):
+    """Keras restarts an epoch from its first batch, so a mid-epoch save repeats that epoch's
+    batches (docs/integrations.md); the resumed fit runs to its last epoch."""
+    run_dir = tmp_path / "stopped"
+    proc = start_plain(SCRIPT, run_dir, "--slow", "0.3", env=workload_env(**ENV))
+    stopped_at = stop_with_sigterm(proc, run_dir)
+    saved = events(run_dir, "checkpoint")[-1]
+    assert saved["step"] == stopped_at
+    again = run_plain(SCRIPT, run_dir, env=workload_env(**ENV))
+    assert again.returncode == 0, again.stderr
+    resume = events(run_dir, "resume")[0]
+    assert resume["checkpoint"].endswith(f"step-{stopped_at:08d}")
+    assert events(run_dir, "fit_end")[-1]["reason"] == "finished"

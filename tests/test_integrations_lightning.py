@@ -15,8 +15,10 @@ from integration_helpers import (
     kill_child,
     report,
     run_plain,
+    start_plain,
     start_supervised,
     steps_logged,
+    stop_with_sigterm,
     wait_for,
 )
 
@@ -90,3 +92,16 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert "step=" in events(run_dir, "resume")[0]["checkpoint"]
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
     assert "1 restart(s)" in report(run_dir).stdout
+
+
+def test_sigterm_saves_through_lightning_exits_143_and_the_next_start_finishes(tmp_path: Path):
+    """Mid-epoch, Lightning restarts a plain DataLoader's epoch from its first batch, so the
+    resumed run is not the uninterrupted one's (docs/integrations.md); it finishes the fit."""
+    run_dir = tmp_path / "stopped"
+    stopped_at = stop_with_sigterm(start_plain(SCRIPT, run_dir, "--slow", "0.3"), run_dir)
+    saved = [e["checkpoint"] for e in events(run_dir, "checkpoint") if e["step"] == stopped_at]
+    assert any(path.endswith("on-signal.ckpt") for path in saved)
+    again = run_plain(SCRIPT, run_dir)
+    assert again.returncode == 0, again.stderr
+    assert events(run_dir, "resume")[0]["checkpoint"] in saved
+    assert json.loads((run_dir / "result.json").read_text())["global_step"] == 12

@@ -5,23 +5,20 @@ integrations import without the libraries they serve."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS
 from integration_helpers import (
     assert_same_params,
     events,
     finish,
     report,
     run_plain,
+    start_plain,
     start_supervised,
-    steps_logged,
-    wait_for,
-    workload_env,
+    stop_with_sigterm,
 )
 
 from steadytrain.telemetry.files import read_jsonl
@@ -67,22 +64,10 @@ def test_a_blocked_step_exits_75_and_the_restart_finishes(tmp_path: Path, refere
 
 def test_sigterm_saves_exits_143_and_the_next_start_resumes_exactly(tmp_path: Path, reference):
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKLOADS / SCRIPT), str(run_dir), "--slow", "0.3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=workload_env(),
-    )
-    wait_for(lambda: steps_logged(run_dir) >= 1, "the first step")
-    proc.send_signal(signal.SIGTERM)
-    code, _out, err = finish(proc)
-    assert code == 143, err
-    stopped_at = events(run_dir, "fit_end")[-1]["step"]
+    stopped_at = stop_with_sigterm(start_plain(SCRIPT, run_dir, "--slow", "0.3"), run_dir)
     assert stopped_at < 6
     saved = events(run_dir, "checkpoint")[-1]
     assert saved["step"] == stopped_at  # saved on the way out
-    assert events(run_dir, "signal")[0]["signal"] == "SIGTERM"
     again = run_plain(SCRIPT, run_dir)
     assert again.returncode == 0, again.stderr
     assert events(run_dir, "resume")[0]["step"] == stopped_at

@@ -135,3 +135,17 @@ def test_sigterm_saves_through_hugging_face_exits_143_and_resumes_exactly(
     assert again.returncode == 0, again.stderr
     assert events(run_dir, "resume")[0]["checkpoint"].endswith(f"checkpoint-{stopped_at}")
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
+
+
+def test_preflight_prints_once_and_exits_3_when_the_model_cannot_fit(tmp_path: Path):
+    run_dir = tmp_path / "tiny-budget"
+    proc = run_plain(SCRIPT, run_dir, "--steps", "2", "--memory-budget", "4MiB")
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("steadytrain: before the start:") == 1
+    assert "does not fit" in proc.stderr and "Traceback" not in proc.stderr
+    preflight = events(run_dir, "preflight")[0]
+    assert preflight["parameters"] == 64 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 64 + 64
+    assert preflight["weights"] == 4 * preflight["parameters"]
+    assert preflight["before_activations"] == 4 * preflight["weights"]  # + grads + AdamW's 2
+    assert events(run_dir, "fit_end")[-1]["exit_code"] == 3
+    assert not list(run_dir.glob("checkpoint-*")) and not (run_dir / "metrics.jsonl").exists()

@@ -2,7 +2,7 @@
 
     python hf_trainer.py OUTPUT_DIR [--batch B] [--accum A] [--steps S] [--save-steps K]
                          [--limit-mib M] [--auto-find] [--hang-at N] [--hang-timeout T]
-                         [--slow S]
+                         [--slow S] [--memory-budget SIZE]
 
 The model is a wide MLP whose activations grow with the batch while its weights stay small, so
 that under --limit-mib (address space capped at the current size + M MiB after one warm-up
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-timeout", type=float, default=300.0)
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--memory-budget", default="auto")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -105,7 +106,9 @@ def main() -> None:
         model=model,
         args=training_args,
         train_dataset=data,
-        callbacks=[SteadytrainCallback(hang_timeout=args.hang_timeout)],  # the one line
+        callbacks=[  # the one line
+            SteadytrainCallback(hang_timeout=args.hang_timeout, memory_budget=args.memory_budget)
+        ],
     )
     trainer.train()
     out = Path(args.output_dir)

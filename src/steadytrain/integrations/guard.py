@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from steadytrain._units import format_bytes, parse_bytes
 from steadytrain.device import is_oom, oom_kind, resolve_device
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain
 from steadytrain.errors import SHRINK_EXIT as SHRINK
@@ -47,6 +48,9 @@ from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.files import RunFiles
 
 DOES_NOT_FIT = 3
+OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adafactor": 1, "lion": 1, "rmsprop": 1}
+"""Parameter-sized tensors of state per trainable parameter (SGD: its momentum; Adam: two
+moments); an optimizer not listed counts as Adam."""
 
 
 def max_micro_batch() -> int | None:
@@ -66,6 +70,18 @@ def divisor_at_most(total: int, limit: int) -> int:
     optimizer still sees exactly `total` per step."""
     limit = max(1, min(limit, total))
     return next(d for d in range(limit, 0, -1) if total % d == 0)
+
+
+def module_sizes(module) -> tuple[int, int, int]:
+    """(parameters, bytes of every parameter, bytes of the trainable ones) of a torch module."""
+    params = list(module.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    size = sum(p.numel() * p.element_size() for p in params)
+    return (
+        sum(p.numel() for p in params),
+        size,
+        sum(p.numel() * p.element_size() for p in trainable),
+    )
 
 
 def oom_line(exc: BaseException) -> str:
@@ -99,6 +115,7 @@ class RunGuard:
     `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu").
     `micro_batch_size`: the samples per forward the loop uses now (a metrics line's
     ``micro_batch_size`` updates it): an out-of-memory exit asks for half of it.
+    `memory_budget`: "auto" (90 % of what this process may use), a size ("12GiB") or a fraction.
     """
 
     def __init__(
@@ -112,10 +129,12 @@ class RunGuard:
         memory_watch: bool = True,
         handle_signals: bool = True,
         micro_batch_size: int = 0,
+        memory_budget: str | float = "auto",
     ):
         self.run_dir = Path(run_dir)
         self.config = dict(config or {})
         self.device_spec = device
+        self.budget_spec = _budget_spec(memory_budget)
         self.state, self.control = TrainState(micro_batch_size=micro_batch_size), Control()
         self.files = RunFiles(self.run_dir)
         self.device = None
@@ -160,7 +179,7 @@ class RunGuard:
         self.started = True
         self.config.update(config or {})
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.device = resolve_device(self.device_spec)
+        self.device = resolve_device(self.device_spec, self.budget_spec)
         self.watchdog.device = self.device
         _write_json(self.run_dir / "config.json", self.config)
         reading = self.device.memory().to_dict()
@@ -299,6 +318,52 @@ class RunGuard:
         found = newest_verified(candidates, self.record)
         return None if found is None else found[1]
 
+    def preflight(
+        self,
+        parameters: int,
+        weights_bytes: int,
+        trainable_bytes: int,
+        optimizer: str,
+        batch: str,
+    ) -> dict[str, Any]:
+        """Before the first step: what the model holds before any activation (weights, their
+        gradients, the optimizer's state), against the budget; printed once and recorded as a
+        ``preflight`` event. Exit 3 when that alone exceeds the budget: it does not fit even at
+        micro-batch 1. Activations are not estimated here (that needs the model's family or a
+        probe: `steadytrain plan`)."""
+        states = OPTIMIZER_STATES.get(optimizer.lower().split("_")[0], 2)
+        static = weights_bytes + trainable_bytes + states * trainable_bytes
+        budget = self.device.memory().budget
+        info = {
+            "parameters": parameters,
+            "weights": weights_bytes,
+            "gradients": trainable_bytes,
+            "optimizer_state": states * trainable_bytes,
+            "optimizer": optimizer,
+            "before_activations": static,
+            "budget": budget,
+            "batch": batch,
+        }
+        self.record("preflight", info)
+        line = (
+            f"steadytrain: before the start: {parameters:,} parameters; weights "
+            f"{format_bytes(weights_bytes)}, gradients {format_bytes(trainable_bytes)}, "
+            f"{optimizer} state {format_bytes(states * trainable_bytes)}: "
+            f"{format_bytes(static)} before activations, budget {format_bytes(budget)}; {batch}"
+        )
+        print(line, file=sys.stderr, flush=True)
+        if budget and static > budget:
+            self.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
+            print(
+                f"steadytrain: does not fit: {format_bytes(static)} before any activation is "
+                f"more than the budget of {format_bytes(budget)}; a smaller model, LoRA (fewer "
+                "trainable parameters), SGD instead of Adam or lower precision would help",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(DOES_NOT_FIT)
+        return info
+
     def allowance(self, phase: str):
         """`with guard.allowance("checkpoint save"):` a long operation gets the save limit."""
         return watchdog_module.allowance(phase)
@@ -313,6 +378,12 @@ class RunGuard:
         return self.control.stop_exit_code if self.control.stop_requested else 0
 
     max_micro_batch = staticmethod(max_micro_batch)
+
+
+def _budget_spec(value: str | float) -> int | float:
+    if value == "auto":
+        return 0.9
+    return parse_bytes(value) if isinstance(value, str) else value
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -34,6 +34,7 @@ from steadytrain.integrations.guard import (
     RunGuard,
     divisor_at_most,
     max_micro_batch,
+    module_sizes,
 )
 from steadytrain.integrations.manifest import newest_verified
 
@@ -51,7 +52,8 @@ argument contains this."""
 class SteadytrainCallback(_Base):
     """Pass to ``transformers.Trainer(..., callbacks=[SteadytrainCallback()])``.
 
-    `hang_timeout` / `hang_action` / `memory_watch`: as in `RunGuard`. `auto_resume`: resume
+    `hang_timeout` / `hang_action` / `memory_watch` / `memory_budget`: as in `RunGuard`.
+    `auto_resume`: resume
     ``train()`` from the newest verified checkpoint when the caller names none.
     """
 
@@ -61,6 +63,7 @@ class SteadytrainCallback(_Base):
         hang_action: str = "exit",
         memory_watch: bool = True,
         auto_resume: bool = True,
+        memory_budget: str | float = "auto",
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Hugging Face needs transformers installed")
@@ -68,6 +71,7 @@ class SteadytrainCallback(_Base):
             "hang_timeout": hang_timeout,
             "hang_action": hang_action,
             "memory_watch": memory_watch,
+            "memory_budget": memory_budget,
         }
         self.auto_resume = auto_resume
         self.trainer = None
@@ -113,6 +117,12 @@ class SteadytrainCallback(_Base):
         )
         if resume_from_checkpoint is not None:
             self.guard.record("resume", {"checkpoint": resume_from_checkpoint})
+        accumulation = self.effective_batch // self.micro
+        self.guard.preflight(
+            *module_sizes(trainer.model),
+            optimizer=str(getattr(trainer.args.optim, "value", trainer.args.optim)),
+            batch=f"micro-batch {self.micro} × {accumulation} = effective batch {self.effective_batch}",
+        )
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:

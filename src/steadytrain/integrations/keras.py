@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from steadytrain._durable import sync_dir
 from steadytrain.device import get_rng_state, is_oom, set_rng_state
 from steadytrain.integrations.guard import (
@@ -53,7 +55,7 @@ STATE_FILE = "state.json"
 class SteadytrainCallback(_Base):
     """`run_dir`: where metrics, events, hangs and checkpoints go. `save_every_epochs`: how
     often a checkpoint is committed; `keep_last`: how many are kept. `hang_timeout`,
-    `hang_action`, `memory_watch`: as in `RunGuard`."""
+    `hang_action`, `memory_watch`, `memory_budget`: as in `RunGuard`."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class SteadytrainCallback(_Base):
         hang_action: str = "exit",
         memory_watch: bool = True,
         auto_resume: bool = True,
+        memory_budget: str | float = "auto",
     ):
         if _Base is object:
             raise ImportError(
@@ -79,6 +82,7 @@ class SteadytrainCallback(_Base):
             hang_timeout=hang_timeout,
             hang_action=hang_action,
             memory_watch=memory_watch,
+            memory_budget=memory_budget,
             device="auto" if _backend() == "torch" else "cpu",
         )
         self.micro: int | None = None
@@ -97,6 +101,18 @@ class SteadytrainCallback(_Base):
             self.model.train_step = _SplitStep(self, self.model.train_step)
         config = {"library": "keras", "backend": _backend(), "fit": _plain(params)}
         guard.start(config, fit_frame=library_frame(("keras",), ("fit",)))
+        model = self.model
+        sizes = [(int(np.prod(w.shape)), np.dtype(w.dtype).itemsize) for w in model.weights]
+        trainable = [
+            (int(np.prod(w.shape)), np.dtype(w.dtype).itemsize) for w in model.trainable_weights
+        ]
+        guard.preflight(
+            sum(n for n, _ in sizes),
+            sum(n * b for n, b in sizes),
+            sum(n * b for n, b in trainable),
+            optimizer=type(model.optimizer).__name__ if model.optimizer else "none",
+            batch=f"{guard.state.steps_per_epoch} steps per epoch",
+        )
 
     def on_train_end(self, logs=None) -> None:
         guard = self.guard

@@ -32,6 +32,7 @@ from steadytrain.integrations.guard import (
     divisor_at_most,
     library_frame,
     max_micro_batch,
+    module_sizes,
 )
 from steadytrain.integrations.manifest import (
     newest_verified,
@@ -53,7 +54,7 @@ LIBRARY_MODULES = ("lightning", "pytorch_lightning")
 
 class SteadytrainCallback(_Base):
     """Pass to ``Trainer(..., callbacks=[SteadytrainCallback()])``; `hang_timeout`,
-    `hang_action`, `memory_watch` as in `RunGuard`."""
+    `hang_action`, `memory_watch`, `memory_budget` as in `RunGuard`."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class SteadytrainCallback(_Base):
         hang_action: str = "exit",
         memory_watch: bool = True,
         auto_resume: bool = True,
+        memory_budget: str | float = "auto",
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Lightning needs lightning installed")
@@ -68,6 +70,7 @@ class SteadytrainCallback(_Base):
             "hang_timeout": hang_timeout,
             "hang_action": hang_action,
             "memory_watch": memory_watch,
+            "memory_budget": memory_budget,
         }
         self.auto_resume = auto_resume
         self.guard: RunGuard | None = None
@@ -160,6 +163,12 @@ class SteadytrainCallback(_Base):
         config = {"library": "lightning", "trainer": _trainer_config(trainer)}
         frame = library_frame(LIBRARY_MODULES, ("fit",))
         guard.start(config, fit_frame=frame, micro_batch_size=guard.state.micro_batch_size)
+        micro, accumulation = guard.state.micro_batch_size, trainer.accumulate_grad_batches
+        guard.preflight(
+            *module_sizes(pl_module),
+            optimizer=type(trainer.optimizers[0]).__name__ if trainer.optimizers else "none",
+            batch=f"micro-batch {micro} × {accumulation} = effective batch {micro * accumulation}",
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._step_loss is None:

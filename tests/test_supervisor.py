@@ -227,6 +227,21 @@ def test_sigkill_without_metrics_sets_no_cap(job):
     assert [a["STEADYTRAIN_MAX_MICRO_BATCH"] for a in job.attempts()] == [None, None]
 
 
+def test_exit_76_restarts_at_half_the_micro_batch_of_the_childs_oom_event(job):
+    """A library's loop (Lightning, Keras, RunGuard) exits 76 on an out-of-memory before it has
+    written any metrics line; its last oom event names the micro-batch that failed."""
+    job.run_dir.mkdir()
+    (job.run_dir / "events.jsonl").write_text(
+        '{"event": "fit_start", "micro_batch_size": 64}\n{"event": "oom", "micro_batch_size": 64}\n'
+    )
+    code, out = supervise(job, "exit:76", "exit:0", oom_kill_count=lambda: 0)
+    assert code == 0
+    assert [a["STEADYTRAIN_MAX_MICRO_BATCH"] for a in job.attempts()] == [None, "32"]
+    restart = job.events("restart")[0]
+    assert restart["reason"] == "out of memory; the child asks for a smaller micro-batch (exit 76)"
+    assert "STEADYTRAIN_MAX_MICRO_BATCH=32" in out
+
+
 def test_hang_exit_75_is_restarted(job):
     code, out = supervise(job, "exit:75", "exit:0")
     assert code == 0
@@ -332,6 +347,7 @@ def test_memory_kill_suspected_on_sigkill_or_a_counted_oom_kill():
     assert ChildExit(137).memory_kill_suspected  # through a shell
     assert ChildExit(1, oom_kill_delta=1).memory_kill_suspected  # e.g. torchrun's exit 1
     assert not ChildExit(1, oom_kill_delta=0).memory_kill_suspected
+    assert ChildExit(76, oom_kill_delta=0).memory_kill_suspected  # asked for by the child
     assert ChildExit(-15).exit_code == 143
 
 

@@ -35,9 +35,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from steadytrain import run_files
+from steadytrain._durable import write_atomic
 from steadytrain._units import format_bytes, parse_bytes
 from steadytrain.device import is_oom, oom_kind, resolve_device
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain
+from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
 from steadytrain.events import Control, TrainState
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
@@ -47,7 +50,7 @@ from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.files import RunFiles
 
-DOES_NOT_FIT = 3
+DOES_NOT_FIT = DOES_NOT_FIT_EXIT
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adafactor": 1, "lion": 1, "rmsprop": 1}
 """Parameter-sized tensors of state per trainable parameter (SGD: its momentum; Adam: two
 moments); an optimizer not listed counts as Adam."""
@@ -181,7 +184,9 @@ class RunGuard:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(self.device_spec, self.budget_spec)
         self.watchdog.device = self.device
-        _write_json(self.run_dir / "config.json", self.config)
+        write_atomic(
+            self.run_dir / run_files.CONFIG, json.dumps(self.config, indent=1, default=str)
+        )
         reading = self.device.memory().to_dict()
         info = {
             "device": str(self.device.torch_device),
@@ -303,7 +308,7 @@ class RunGuard:
             write_manifest(Path(path), step)
         self.record("checkpoint", {"step": step, "checkpoint": str(path)})
 
-    def newest_checkpoint(self, pattern: str = "checkpoints/*") -> Path | None:
+    def newest_checkpoint(self, pattern: str = f"{run_files.CHECKPOINTS}/*") -> Path | None:
         """The newest checkpoint (by the step in its manifest) among RUN_DIR/`pattern` that
         verifies; each newer one that does not is recorded as ``checkpoint_skipped``."""
         from steadytrain.integrations.manifest import MANIFEST_NAME, newest_verified, read_manifest
@@ -384,9 +389,3 @@ def _budget_spec(value: str | float) -> int | float:
     if value == "auto":
         return 0.9
     return parse_bytes(value) if isinstance(value, str) else value
-
-
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(tmp, path)

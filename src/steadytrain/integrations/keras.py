@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain._durable import sync_dir
+from steadytrain import run_files
+from steadytrain._durable import sync_dir, write_atomic
 from steadytrain.device import get_rng_state, is_oom, set_rng_state
 from steadytrain.integrations.guard import (
     DOES_NOT_FIT,
@@ -156,7 +157,7 @@ class SteadytrainCallback(_Base):
 
     @property
     def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / run_files.CHECKPOINTS
 
     def _save(self, next_epoch: int) -> Path:
         """Keras's own save_weights, the epoch to resume at and the RNG streams into a staging
@@ -168,7 +169,7 @@ class SteadytrainCallback(_Base):
         with self.guard.allowance("checkpoint save"):
             self.model.save_weights(str(staging / WEIGHTS_FILE))
             state = {"epoch": next_epoch, "step": step, "rng": _plain(get_rng_state())}
-            (staging / STATE_FILE).write_text(json.dumps(state))
+            write_atomic(staging / STATE_FILE, json.dumps(state))
             write_manifest(staging, step)
             if final.exists():
                 shutil.rmtree(final)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from steadytrain import run_files
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
 from steadytrain.integrations.guard import (
     SHRINK,
@@ -196,7 +197,7 @@ class SteadytrainCallback(_Base):
         guard.state.epoch = trainer.current_epoch
         self._step_loss = None
         if guard.stop_requested and not trainer.should_stop:
-            path = Path(trainer.default_root_dir) / "checkpoints" / "on-signal.ckpt"
+            path = Path(trainer.default_root_dir) / run_files.CHECKPOINTS / "on-signal.ckpt"
             with guard.allowance("checkpoint save"):
                 trainer.save_checkpoint(path)
             trainer.should_stop = True

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import __version__
-from steadytrain._durable import sync, sync_dir
+from steadytrain._durable import sync, write_atomic
 from steadytrain.safety.checkpoint import _sha256_file
 
 MANIFEST_NAME = "steadytrain-manifest.json"
@@ -64,13 +64,7 @@ def write_manifest(target: Path, step: int, extra: dict[str, Any] | None = None)
         **(extra or {}),
     }
     final = manifest_path(target)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        sync(handle.fileno())
-    os.replace(tmp, final)
-    sync_dir(final.parent)
+    write_atomic(final, json.dumps(manifest, indent=1))
     return final
 
 

@@ -37,6 +37,7 @@ from steadytrain.config_explain import (
     accepts,
     explain,
     flat_types,
+    is_text,
     show_value,
     type_name,
 )
@@ -53,8 +54,10 @@ RunDefiningField = Literal[
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
 
+    # strict: "8" is not read as 8, nor "yes" as true; a value of the wrong type is an error
+    # that names the field and the type it takes.
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, strict=True
     )
 
     run_dir: str = Field(
@@ -139,8 +142,9 @@ class TrainConfig(BaseModel):
     hang_timeout: Literal["auto"] | Annotated[float, Field(gt=0)] = Field(
         "auto",
         description="Seconds without progress before a hang is declared. 'auto': the larger of "
-        "300 s and 10 × the median step time (after 5 steps). Whatever the value, the first step "
-        "of each process gets at least 600 s (compilation, first allocations, data warm-up) and "
+        "300 s and 10 × the median step time (after 5 steps). Whatever the value, each start-up "
+        "phase of fit() (data fingerprint, checkpoint load, plan, compile) and the first step "
+        "of each process get at least 600 s (compilation, first allocations, data warm-up) and "
         "a checkpoint save at least 300 s and 4 × the longest save so far.",
     )
     hang_action: Literal["exit", "report"] = Field(
@@ -274,6 +278,20 @@ class TrainConfig(BaseModel):
                 raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
 
+    @field_validator("run_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_spec(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a folder; it is empty")
+        if "\0" in value:
+            raise ValueError("must be a path without a NUL byte (\\0)")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device_spec(cls, value: str) -> str:
@@ -329,13 +347,17 @@ class TrainConfig(BaseModel):
                 ],
                 source,
             )
-        odd = [key for key in data if not isinstance(key, str)]
+        odd = [key for key in data if not isinstance(key, str) or not is_text(key)]
         if odd:
             problems = [
-                f"{show_value(key)}: not a field name (field names are text)" for key in odd
+                f"{show_value(key)}: not a field name (field names are text)"
+                if not isinstance(key, str)
+                else f"{show_value(key)}: not a field name (it holds a lone surrogate, which is "
+                "not text; check the file's escapes like \\ud800)"
+                for key in odd
             ]
             try:
-                cls(**{k: v for k, v in data.items() if isinstance(k, str)})
+                cls(**{k: v for k, v in data.items() if k not in odd})
             except ConfigError as exc:
                 problems += exc.problems
             raise ConfigError(problems, source)

@@ -24,7 +24,7 @@ from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunne
 from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.errors import BadInputError, RunDiskFullError, SteadytrainError, is_disk_full
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -36,8 +36,8 @@ from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver
 from steadytrain.safety.signals import SignalStop
-from steadytrain.safety.state import HostBuffers, RunState, run_identity
-from steadytrain.safety.watchdog import HangWatchdog
+from steadytrain.safety.state import REQUIRED_FILES, HostBuffers, RunState, run_identity
+from steadytrain.safety.watchdog import HangWatchdog, startup_phase
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
@@ -92,16 +92,23 @@ class Trainer:
         """Train to the end (or a stop request) and return what happened."""
         try:
             return self._fit()
+        except RunDiskFullError as exc:  # from any file of the run, not only a checkpoint
+            exc.kept = exc.kept or _kept(self.config)
+            raise
         except (SteadytrainError, KeyboardInterrupt):
             raise
+        except OSError as exc:
+            if not is_disk_full(exc):
+                _keep_traceback(Path(self.config.run_dir))
+                raise
+            raise RunDiskFullError(exc.filename, exc, _kept(self.config)) from exc
         except Exception:
             _keep_traceback(Path(self.config.run_dir))
             raise
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with RunLock(run_dir):
+        with RunLock(run_dir):  # it creates run_dir, or says why it cannot
             return self._fit_locked(run_dir)
 
     def _fit_locked(self, run_dir: Path) -> FitResult:
@@ -111,19 +118,30 @@ class Trainer:
         if cfg.compile:
             check_compiler(run.device.type)
         files = RunFiles(run_dir)
+        console = console_callback(cfg)
+        record = _recorder(files, console)
+        # Watching starts before the first slow start-up phase; each has a heartbeat, a name
+        # and its limit (watchdog.STARTUP_S).
+        watchdog = HangWatchdog.from_config(cfg, run_dir, run.device, record)
+        watchdog.start(run.state, "data fingerprint")
         try:
-            store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
-            expected_loss = self._resume_or_start(run, store, files)
+            run.checkpoint = self._run_state(run)
+            store = CheckpointStore(
+                run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
+            )
+            with startup_phase("checkpoint load"):
+                expected_loss = self._resume_or_start(run, store, files)
             cfg.dump(run_dir / run_files.CONFIG)
-            console = console_callback(cfg)
-            record = _recorder(files, console)
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
-                planned.events = self._plan(run)
+                with startup_phase("plan"):
+                    planned.events = self._plan(run)
             if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
-                planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+                with startup_phase("compile"):
+                    planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+            telemetry = [console, tensorboard, files, planned]
             run.emit.callbacks[:] = self._callbacks(
-                run, store, record, expected_loss, [console, tensorboard, files, planned]
+                run, watchdog, store, record, expected_loss, telemetry
             )
             reason, code = self._loop(run).run()
             committed = store.committed()
@@ -137,8 +155,9 @@ class Trainer:
                 checkpoint=str(committed[-1][1]) if committed else None,
                 oom_count=run.state.oom_count,
             )
-        finally:
-            files.close()  # closed at fit_end already; this covers a refusal before it
+        finally:  # both ended at fit_end already; this covers a refusal before it
+            watchdog.stop()
+            files.close()
 
     def _set_up(self) -> _Run:
         """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
@@ -163,10 +182,6 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        settings = {
-            k: getattr(cfg, k) for k in ("effective_batch_size", "seed", "drop_last", "shuffle")
-        }
-        identity = run_identity(model, optimizer, scheduler, SeededFetch(self.dataset), settings)
         savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
         emit = Dispatcher([], state, Control())
         runner = StepRunner(
@@ -181,9 +196,19 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             savers=savers,
         )
-        checkpoint = RunState(state, model, optimizer, scheduler, precision.scaler, identity)
-        return _Run(
-            device, precision, model, optimizer, sampler, state, checkpoint, savers, runner, emit
+        return _Run(device, precision, model, optimizer, sampler, state, savers, runner, emit)
+
+    def _run_state(self, run: _Run) -> RunState:
+        """What a checkpoint of this run holds, with the run's identity: its settings, model,
+        optimizer, schedule and the data fingerprint (which reads samples: a start-up phase)."""
+        cfg, runner = self.config, run.runner
+        settings = {
+            k: getattr(cfg, k) for k in ("effective_batch_size", "seed", "drop_last", "shuffle")
+        }
+        fetch = SeededFetch(self.dataset)
+        identity = run_identity(run.model, run.optimizer, runner.scheduler, fetch, settings)
+        return RunState(
+            run.state, run.model, run.optimizer, runner.scheduler, run.precision.scaler, identity
         )
 
     def _sampler(self) -> OptimizerBatchSampler:
@@ -232,7 +257,7 @@ class Trainer:
         return expected_loss
 
     def _callbacks(
-        self, run: _Run, store: CheckpointStore, record, expected_loss, telemetry: list
+        self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
     ) -> list[Callback]:
         """The default callbacks, in dispatch order, then the user's."""
         cfg, state = self.config, run.state
@@ -248,7 +273,7 @@ class Trainer:
                 expected_loss, state.micro_batch_size, run.device.type, record
             )
         callbacks = [
-            HangWatchdog.from_config(cfg, Path(cfg.run_dir), run.device, record),
+            watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
             SignalStop(record),
@@ -416,10 +441,10 @@ class _Run:
     optimizer: torch.optim.Optimizer
     sampler: OptimizerBatchSampler
     state: TrainState
-    checkpoint: RunState
     savers: MemorySavers
     runner: StepRunner
     emit: Dispatcher
+    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False
 
 
@@ -485,6 +510,15 @@ def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
             BatchDependentModelWarning,
             stacklevel=3,
         )
+
+
+def _kept(cfg: TrainConfig) -> str:
+    """What a run stopped by a full disk keeps: its newest committed checkpoint stays latest."""
+    committed = CheckpointStore(cfg.run_dir, cfg.keep_last).committed()
+    if not committed:
+        return "no checkpoint had been committed yet"
+    step, path = committed[-1]
+    return f"checkpoint {path} (step {step}), the last committed one, stays the latest"
 
 
 def _keep_traceback(run_dir: Path) -> None:

@@ -38,6 +38,7 @@ from steadytrain.config_explain import (
     explain,
     flat_types,
     is_text,
+    key_problem,
     show_value,
     type_name,
 )
@@ -280,16 +281,10 @@ class TrainConfig(BaseModel):
 
     @field_validator("run_dir", mode="before")
     @classmethod
-    def _path_as_text(cls, value: Any) -> Any:
-        return os.fspath(value) if isinstance(value, os.PathLike) else value
-
-    @field_validator("run_dir")
-    @classmethod
-    def _run_dir_spec(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must name a folder; it is empty")
-        if "\0" in value:
-            raise ValueError("must be a path without a NUL byte (\\0)")
+    def _run_dir_spec(cls, value: Any) -> Any:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            raise ValueError("must name a folder: a path, not empty, with no NUL byte (\\0)")
         return value
 
     @field_validator("device")
@@ -349,13 +344,7 @@ class TrainConfig(BaseModel):
             )
         odd = [key for key in data if not isinstance(key, str) or not is_text(key)]
         if odd:
-            problems = [
-                f"{show_value(key)}: not a field name (field names are text)"
-                if not isinstance(key, str)
-                else f"{show_value(key)}: not a field name (it holds a lone surrogate, which is "
-                "not text; check the file's escapes like \\ud800)"
-                for key in odd
-            ]
+            problems = [key_problem(key) for key in odd]
             try:
                 cls(**{k: v for k, v in data.items() if k not in odd})
             except ConfigError as exc:

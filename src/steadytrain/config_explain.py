@@ -215,6 +215,16 @@ def is_text(value: str) -> bool:
     return True
 
 
+def key_problem(key: Any) -> str:
+    """Why `key` (not text, or text with a lone surrogate) cannot name a field."""
+    if not isinstance(key, str):
+        return f"{show_value(key)}: not a field name (field names are text)"
+    return (
+        f"{show_value(key)}: not a field name (it holds a lone surrogate, which is not text; "
+        "check the file's escapes like \\ud800)"
+    )
+
+
 def type_name(value: Any) -> str:
     return {
         list: "a list",

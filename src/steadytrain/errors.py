@@ -99,7 +99,7 @@ class DemoFailed(SteadytrainError):
         self.exit_code = exit_code
 
 
-class RunDiskFullError(SteadytrainError):
+class RunDiskFullError(SteadytrainError, OSError):
     """The disk that holds the run directory is full (ENOSPC or a quota, EDQUOT): the run stopped
     cleanly. Exit 6; `steadytrain run` does not restart it, since a restart fails the same way.
     The message names the file, the space left and what was kept."""
@@ -115,7 +115,8 @@ class RunDiskFullError(SteadytrainError):
     ):
         self.path = os.fspath(path) if path is not None else None
         self.error, self.kept, self.detail = error, kept, detail
-        super().__init__(path)
+        code = error.errno if error is not None else errno.ENOSPC
+        super().__init__(code, os.strerror(code), self.path)  # still an OSError to old callers
 
     def __str__(self) -> str:
         if self.detail:  # a whole message already (a checkpoint save's, with sizes and advice)

@@ -1,5 +1,6 @@
 """The public `Trainer`: puts the device, precision, data, step runner, loop and the default
 callbacks together from the config, and runs them."""
+# long-module: the one place every part of a fit meets, start-up watching and disk-full included
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunne
 from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError, RunDiskFullError, SteadytrainError, is_disk_full
+from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -34,7 +35,7 @@ from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.saving import CheckpointSaver
+from steadytrain.safety.saving import CheckpointSaver, full_disk_ends_the_run
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import REQUIRED_FILES, HostBuffers, RunState, run_identity
 from steadytrain.safety.watchdog import HangWatchdog, startup_phase
@@ -92,23 +93,16 @@ class Trainer:
         """Train to the end (or a stop request) and return what happened."""
         try:
             return self._fit()
-        except RunDiskFullError as exc:  # from any file of the run, not only a checkpoint
-            exc.kept = exc.kept or _kept(self.config)
-            raise
         except (SteadytrainError, KeyboardInterrupt):
             raise
-        except OSError as exc:
-            if not is_disk_full(exc):
-                _keep_traceback(Path(self.config.run_dir))
-                raise
-            raise RunDiskFullError(exc.filename, exc, _kept(self.config)) from exc
         except Exception:
             _keep_traceback(Path(self.config.run_dir))
             raise
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
-        with RunLock(run_dir):  # it creates run_dir, or says why it cannot
+        # RunLock creates run_dir or says why it cannot; a full disk anywhere is exit 6
+        with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(run_dir):
             return self._fit_locked(run_dir)
 
     def _fit_locked(self, run_dir: Path) -> FitResult:
@@ -120,8 +114,7 @@ class Trainer:
         files = RunFiles(run_dir)
         console = console_callback(cfg)
         record = _recorder(files, console)
-        # Watching starts before the first slow start-up phase; each has a heartbeat, a name
-        # and its limit (watchdog.STARTUP_S).
+        # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S
         watchdog = HangWatchdog.from_config(cfg, run_dir, run.device, record)
         watchdog.start(run.state, "data fingerprint")
         try:
@@ -139,9 +132,8 @@ class Trainer:
             if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
                 with startup_phase("compile"):
                     planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
-            telemetry = [console, tensorboard, files, planned]
             run.emit.callbacks[:] = self._callbacks(
-                run, watchdog, store, record, expected_loss, telemetry
+                run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
             committed = store.committed()
@@ -199,17 +191,12 @@ class Trainer:
         return _Run(device, precision, model, optimizer, sampler, state, savers, runner, emit)
 
     def _run_state(self, run: _Run) -> RunState:
-        """What a checkpoint of this run holds, with the run's identity: its settings, model,
-        optimizer, schedule and the data fingerprint (which reads samples: a start-up phase)."""
-        cfg, runner = self.config, run.runner
-        settings = {
-            k: getattr(cfg, k) for k in ("effective_batch_size", "seed", "drop_last", "shuffle")
-        }
-        fetch = SeededFetch(self.dataset)
-        identity = run_identity(run.model, run.optimizer, runner.scheduler, fetch, settings)
-        return RunState(
-            run.state, run.model, run.optimizer, runner.scheduler, run.precision.scaler, identity
-        )
+        """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""
+        cfg, sched = self.config, run.runner.scheduler
+        keys = ("effective_batch_size", "seed", "drop_last", "shuffle")
+        fetch, settings = SeededFetch(self.dataset), {k: getattr(cfg, k) for k in keys}
+        identity = run_identity(run.model, run.optimizer, sched, fetch, settings)
+        return RunState(run.state, run.model, run.optimizer, sched, run.precision.scaler, identity)
 
     def _sampler(self) -> OptimizerBatchSampler:
         cfg = self.config
@@ -510,15 +497,6 @@ def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
             BatchDependentModelWarning,
             stacklevel=3,
         )
-
-
-def _kept(cfg: TrainConfig) -> str:
-    """What a run stopped by a full disk keeps: its newest committed checkpoint stays latest."""
-    committed = CheckpointStore(cfg.run_dir, cfg.keep_last).committed()
-    if not committed:
-        return "no checkpoint had been committed yet"
-    step, path = committed[-1]
-    return f"checkpoint {path} (step {step}), the last committed one, stays the latest"
 
 
 def _keep_traceback(run_dir: Path) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from steadytrain.errors import DiskFullError, RunDiskFullError
+from steadytrain.errors import DiskFullError, RunDiskFullError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.watchdog import allowance
@@ -31,6 +32,30 @@ def _disk_full_exits_6() -> Iterator[None]:
         yield
     except DiskFullError as exc:
         raise RunDiskFullError(exc.path, detail=str(exc)) from exc
+
+
+@contextlib.contextmanager
+def full_disk_ends_the_run(run_dir: str | Path, keep_last: int) -> Iterator[None]:
+    """A full disk anywhere in the block (metrics, events, lock, config, a checkpoint) ends the
+    run as RunDiskFullError (exit 6): the file, the space left, and the checkpoint kept."""
+    try:
+        yield
+    except RunDiskFullError as exc:
+        exc.kept = exc.kept or _kept(run_dir, keep_last)
+        raise
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise RunDiskFullError(exc.filename, exc, _kept(run_dir, keep_last)) from exc
+
+
+def _kept(run_dir: str | Path, keep_last: int) -> str:
+    """The newest committed checkpoint, which a run stopped by a full disk keeps as latest."""
+    committed = CheckpointStore(run_dir, keep_last).committed()
+    if not committed:
+        return "no checkpoint had been committed yet"
+    step, path = committed[-1]
+    return f"checkpoint {path} (step {step}), the last committed one, stays the latest"
 
 
 class CheckpointSaver(Callback):

@@ -23,16 +23,18 @@ quickstart: $(VENV)/.installed  ## train through the engine, surviving a real ou
 	$(VENV)/bin/steadytrain report runs/quickstart
 
 # Test workers (pytest-xdist). Most tests wait on child processes (kills, restarts, resumes), so
-# more workers than cores pays; `make test TEST_WORKERS=0` runs in one process.
+# more workers than cores pays; `make test TEST_WORKERS=0` runs in one process. A short fresh
+# base folder keeps the workers' paths short: messages that name a file must fit a console line.
 TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --basetemp=$$(mktemp -d /tmp/st.XXXXXX)
 
 test: $(VENV)/.installed  ## lint and the test suite (GPU tests skip without CUDA; slow sweeps: test-all)
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PYTEST)
 
 test-all: $(VENV)/.installed  ## the test suite with the slow sweeps (50-kill storm, long resume sweeps)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "slow or not slow"
+	$(PYTEST) -m "slow or not slow"
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples

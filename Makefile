@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build.
 CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo torch==2.13.0)
 
-.PHONY: demo quickstart test lint format clean
+.PHONY: demo quickstart test test-all lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,10 +22,19 @@ quickstart: $(VENV)/.installed  ## train through the engine, surviving a real ou
 	$(PY) examples/quickstart.py runs/quickstart
 	$(VENV)/bin/steadytrain report runs/quickstart
 
-test: $(VENV)/.installed  ## lint and the whole test suite (GPU tests skip without CUDA)
+# Test workers (pytest-xdist). Most tests wait on child processes (kills, restarts, resumes), so
+# more workers than cores pays; `make test TEST_WORKERS=0` runs in one process. A short fresh
+# base folder keeps the workers' paths short: messages that name a file must fit a console line.
+TEST_WORKERS ?= 4
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --basetemp=$$(mktemp -d /tmp/st.XXXXXX)
+
+test: $(VENV)/.installed  ## lint and the test suite (GPU tests skip without CUDA; slow sweeps: test-all)
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+test-all: $(VENV)/.installed  ## the test suite with the slow sweeps (50-kill storm, long resume sweeps)
+	$(PYTEST) -m "slow or not slow"
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples

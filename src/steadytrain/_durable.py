@@ -1,15 +1,19 @@
 """Flushing to stable storage: what makes a write or a rename survive a power cut, and the two
 ways steadytrain replaces something a reader may be looking at: one file (`write_atomic`) or a
-whole folder (`sync_tree` then `replace_dir`). No torch here, so the light commands (config,
-report) and the supervisor can use it."""
+whole folder (`sync_tree` then `replace_dir`). Writes in a run directory never go through a
+planted symbolic link, and a full disk is named as such (exit 6). No torch here, so the light
+commands (config, report) and the supervisor can use it."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sys
 from pathlib import Path
+
+from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
 
 
 def sync(fd: int) -> None:
@@ -36,22 +40,74 @@ def sync_dir(path: Path) -> None:
         os.close(fd)
 
 
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """BadInputError when `path` is a symbolic link: a link planted in a run directory could send
+    a write anywhere (steadytrain often runs as root), so no write goes through one."""
+    if os.path.islink(path):
+        raise BadInputError(
+            f"{os.fspath(path)} is a symbolic link (to {os.readlink(path)}); steadytrain never "
+            "writes through a link in a run directory; remove the link and run again"
+        )
+
+
+def write_error(path: str | os.PathLike, exc: OSError) -> Exception:
+    """The error to raise for a failed write of `path`: a planted link (exit 2), a full disk
+    (exit 6), else `exc` itself."""
+    if exc.errno == errno.ELOOP or os.path.islink(path):
+        try:
+            refuse_link(path)
+        except BadInputError as refused:
+            return refused
+    if is_disk_full(exc):
+        return RunDiskFullError(path, exc)
+    return exc
+
+
+def open_for_append(path: str | os.PathLike) -> int:
+    """A descriptor appending to `path` (created if missing), never through a symbolic link."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
+def write_all(fd: int, data: bytes, path: str | os.PathLike) -> None:
+    """Write every byte of `data` to `fd` (a short write is continued); a full disk is
+    RunDiskFullError naming `path`."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as exc:
+        raise write_error(path, exc) from None
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes, durable: bool = True) -> None:
-    """Replace `path` with `data`: write a temporary file in the same folder, flush it, rename
-    it over `path`, flush the folder. A reader (a resume, a browser refreshing, the supervisor)
-    sees the old file or the new one, never a part; a failure leaves the old file and no
-    temporary. `durable=False` skips the flushes, for files rewritten every second whose loss
-    in a power cut costs nothing (the heartbeat)."""
+    """Replace `path` with `data`: a temporary file in the same folder (created afresh, never
+    through a link), flushed, renamed over `path`, then the folder flushed. A reader sees the old
+    file or the new one; a failure leaves the old file and no temporary. A link at `path` is
+    refused; a full disk is RunDiskFullError. `durable=False` skips the flushes."""
     path = Path(path)
+    refuse_link(path)
     payload = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(payload)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover of a killed writer with this PID, or a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+        try:
+            write_all(fd, payload, path)
             if durable:
-                handle.flush()
-                sync(handle.fileno())
+                sync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

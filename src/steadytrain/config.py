@@ -37,6 +37,8 @@ from steadytrain.config_explain import (
     accepts,
     explain,
     flat_types,
+    is_text,
+    key_problem,
     show_value,
     type_name,
 )
@@ -53,8 +55,10 @@ RunDefiningField = Literal[
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
 
+    # strict: "8" is not read as 8, nor "yes" as true; a value of the wrong type is an error
+    # that names the field and the type it takes.
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, strict=True
     )
 
     run_dir: str = Field(
@@ -139,8 +143,9 @@ class TrainConfig(BaseModel):
     hang_timeout: Literal["auto"] | Annotated[float, Field(gt=0)] = Field(
         "auto",
         description="Seconds without progress before a hang is declared. 'auto': the larger of "
-        "300 s and 10 × the median step time (after 5 steps). Whatever the value, the first step "
-        "of each process gets at least 600 s (compilation, first allocations, data warm-up) and "
+        "300 s and 10 × the median step time (after 5 steps). Whatever the value, each start-up "
+        "phase of fit() (data fingerprint, checkpoint load, plan, compile) and the first step "
+        "of each process get at least 600 s (compilation, first allocations, data warm-up) and "
         "a checkpoint save at least 300 s and 4 × the longest save so far.",
     )
     hang_action: Literal["exit", "report"] = Field(
@@ -274,6 +279,14 @@ class TrainConfig(BaseModel):
                 raise PydanticCustomError("bool_not_accepted", "true/false is not accepted here")
         return value
 
+    @field_validator("run_dir", mode="before")
+    @classmethod
+    def _run_dir_spec(cls, value: Any) -> Any:
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            raise ValueError("must name a folder: a path, not empty, with no NUL byte (\\0)")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device_spec(cls, value: str) -> str:
@@ -329,13 +342,11 @@ class TrainConfig(BaseModel):
                 ],
                 source,
             )
-        odd = [key for key in data if not isinstance(key, str)]
+        odd = [key for key in data if not isinstance(key, str) or not is_text(key)]
         if odd:
-            problems = [
-                f"{show_value(key)}: not a field name (field names are text)" for key in odd
-            ]
+            problems = [key_problem(key) for key in odd]
             try:
-                cls(**{k: v for k, v in data.items() if isinstance(k, str)})
+                cls(**{k: v for k, v in data.items() if k not in odd})
             except ConfigError as exc:
                 problems += exc.problems
             raise ConfigError(problems, source)

@@ -34,7 +34,10 @@ def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     problems: list[str] = []
     for err in exc.errors():
         if not err["loc"]:  # a rule between fields: its message is already lines of plain text
-            problems.extend(str(err["ctx"]["error"]).splitlines())
+            if "error" in err.get("ctx", {}):
+                problems.extend(str(err["ctx"]["error"]).splitlines())
+            else:  # a key pydantic cannot read as text (a lone surrogate)
+                problems.append(f"{show_value(err['input'])}: not a field name ({err['msg']})")
             continue
         by_field.setdefault(str(err["loc"][0]), []).append(err)
     lines = []
@@ -55,6 +58,9 @@ def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
             rule = str(own[0]["ctx"]["error"]) if own else f"must be {accepts(model, name)}"
             if any(e["type"] == "finite_number" for e in errors):
                 rule += "; inf and nan are not accepted"
+            strict = {"int_type", "float_type", "bool_type"}  # strict mode: "8" is not 8
+            if isinstance(first["input"], str) and any(e["type"] in strict for e in errors):
+                rule += "; text is not read as a number or true/false, write it without quotes"
             lines.append(f"{name}: {rule} (found {show_value(first['input'])})")
     return lines + problems
 
@@ -198,6 +204,25 @@ def show_value(value: Any) -> str:
         except ValueError:
             shown = repr(value)
     return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def is_text(value: str) -> bool:
+    """Whether `value` can be written as UTF-8 (a lone surrogate such as '\\ud800' cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def key_problem(key: Any) -> str:
+    """Why `key` (not text, or text with a lone surrogate) cannot name a field."""
+    if not isinstance(key, str):
+        return f"{show_value(key)}: not a field name (field names are text)"
+    return (
+        f"{show_value(key)}: not a field name (it holds a lone surrogate, which is not text; "
+        "check the file's escapes like \\ud800)"
+    )
 
 
 def type_name(value: Any) -> str:

@@ -57,6 +57,8 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
     except yaml.YAMLError as exc:
         raise BadInputError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+    except (RecursionError, ValueError) as exc:
+        raise BadInputError(f"config file {path}: {unreadable_problem(exc)}") from None
     if data is None:
         raise BadInputError(f"config file {path} is empty; it must hold a mapping of field: value")
     if not isinstance(data, dict):
@@ -64,6 +66,16 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
             f"config file {path} must hold a mapping of field: value, found {type_name(data)}"
         )
     return data
+
+
+def unreadable_problem(exc: BaseException) -> str:
+    """Plain words for what JSON or YAML text Python cannot read beyond a syntax error: nesting
+    deeper than its recursion limit, an integer longer than it converts (4300 digits)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply to read (thousands of levels); nothing steadytrain reads is"
+    if "digits" in str(exc):
+        return "holds a number of more than 4300 digits, which no setting takes"
+    return str(exc)
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -155,8 +167,11 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         text = strip_json_comments(text)
         data = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError as exc:
+        raise BadInputError(f"config file {path}: {unreadable_problem(exc)}") from None
     except ValueError as exc:
-        raise BadInputError(f"config file {path}: {_json_problem(exc, text)}") from None
+        problem = unreadable_problem(exc) if "digits" in str(exc) else _json_problem(exc, text)
+        raise BadInputError(f"config file {path}: {problem}") from None
     if not isinstance(data, dict):
         raise BadInputError(f"config file {path} must hold a mapping of field: value")
     return data

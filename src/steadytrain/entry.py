@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from steadytrain.errors import SteadytrainError
+from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,6 +26,11 @@ def entrypoint(fn: F) -> F:
         except SteadytrainError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(exc.exit_code)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            print(f"error: {RunDiskFullError(exc.filename, exc)}", file=sys.stderr)
+            sys.exit(RunDiskFullError.exit_code)
         if isinstance(result, FitResult):
             sys.exit(result.exit_code)
         return result

@@ -9,10 +9,16 @@ exits 1: a stop that a restart from the last checkpoint fixes exits `RESTARTABLE
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from pathlib import Path
+
+from steadytrain._units import format_bytes
 
 BAD_INPUT_EXIT = 2
 DOES_NOT_FIT_EXIT = 3
+DISK_FULL_EXIT = 6  # a file of the run could not be written; a restart fails the same way
 RESTARTABLE_EXIT = 75  # EX_TEMPFAIL: try again; also what a detected hang exits with
 SHRINK_EXIT = 76
 """Out of memory in a loop steadytrain does not own (a Lightning or Keras callback, `RunGuard`):
@@ -69,7 +75,8 @@ class CheckpointError(BadInputError):
 
 
 class DiskFullError(CheckpointError):
-    """The disk filled up during a save. The previous checkpoint is untouched."""
+    """The disk filled up during a save. The previous checkpoint is untouched. A training run
+    reports it as `RunDiskFullError` (exit 6), as a full disk anywhere."""
 
     def __init__(self, message: str, path: Path, needed: int, free: int):
         super().__init__(message)
@@ -90,3 +97,63 @@ class DemoFailed(SteadytrainError):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class RunDiskFullError(SteadytrainError, OSError):
+    """The disk that holds the run directory is full (ENOSPC or a quota, EDQUOT): the run stopped
+    cleanly. Exit 6; `steadytrain run` does not restart it, since a restart fails the same way.
+    The message names the file, the space left and what was kept."""
+
+    exit_code = DISK_FULL_EXIT
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        error: OSError | None = None,
+        kept: str = "",
+        detail: str = "",
+    ):
+        self.path = os.fspath(path) if path is not None else None
+        self.error, self.kept, self.detail = error, kept, detail
+        code = error.errno if error is not None else errno.ENOSPC
+        super().__init__(code, os.strerror(code), self.path)  # still an OSError to old callers
+
+    def __str__(self) -> str:
+        if self.detail:  # a whole message already (a checkpoint save's, with sizes and advice)
+            return self.detail
+        what = f"could not write {self.path}" if self.path else "a write failed"
+        reason = f" ({self.error.strerror})" if self.error is not None else ""
+        free = free_space(self.path)
+        left = f"; {free} free on that filesystem" if free else ""
+        kept = f"\nKept: {self.kept}." if self.kept else ""
+        return (
+            f"disk full: {what}{reason}{left}.{kept}\nFree some space (or give run_dir a "
+            "larger disk) and run the same command again: the run resumes from its last "
+            "committed checkpoint."
+        )
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is an OSError saying the disk (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def free_space(path: str | os.PathLike | None) -> str:
+    """'12.00 MiB' free on the filesystem holding `path` (its nearest existing folder); '' when
+    that cannot be read."""
+    if path is None:
+        return ""
+    folder = os.path.abspath(os.fspath(path))
+    while folder and not os.path.isdir(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return ""
+        folder = parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return format_bytes(free)

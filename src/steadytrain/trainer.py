@@ -1,5 +1,6 @@
 """The public `Trainer`: puts the device, precision, data, step runner, loop and the default
 callbacks together from the config, and runs them."""
+# long-module: the one place every part of a fit meets, start-up watching and disk-full included
 
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.saving import CheckpointSaver
+from steadytrain.safety.saving import CheckpointSaver, full_disk_ends_the_run
 from steadytrain.safety.signals import SignalStop
-from steadytrain.safety.state import HostBuffers, RunState, run_identity
-from steadytrain.safety.watchdog import HangWatchdog
+from steadytrain.safety.state import REQUIRED_FILES, HostBuffers, RunState, run_identity
+from steadytrain.safety.watchdog import HangWatchdog, startup_phase
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
@@ -100,8 +101,8 @@ class Trainer:
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with RunLock(run_dir):
+        # RunLock creates run_dir or says why it cannot; a full disk anywhere is exit 6
+        with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(run_dir):
             return self._fit_locked(run_dir)
 
     def _fit_locked(self, run_dir: Path) -> FitResult:
@@ -111,19 +112,28 @@ class Trainer:
         if cfg.compile:
             check_compiler(run.device.type)
         files = RunFiles(run_dir)
+        console = console_callback(cfg)
+        record = _recorder(files, console)
+        # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S
+        watchdog = HangWatchdog.from_config(cfg, run_dir, run.device, record)
+        watchdog.start(run.state, "data fingerprint")
         try:
-            store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
-            expected_loss = self._resume_or_start(run, store, files)
+            run.checkpoint = self._run_state(run)
+            store = CheckpointStore(
+                run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
+            )
+            with startup_phase("checkpoint load"):
+                expected_loss = self._resume_or_start(run, store, files)
             cfg.dump(run_dir / run_files.CONFIG)
-            console = console_callback(cfg)
-            record = _recorder(files, console)
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
-                planned.events = self._plan(run)
+                with startup_phase("plan"):
+                    planned.events = self._plan(run)
             if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
-                planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+                with startup_phase("compile"):
+                    planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
             run.emit.callbacks[:] = self._callbacks(
-                run, store, record, expected_loss, [console, tensorboard, files, planned]
+                run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
             committed = store.committed()
@@ -137,8 +147,9 @@ class Trainer:
                 checkpoint=str(committed[-1][1]) if committed else None,
                 oom_count=run.state.oom_count,
             )
-        finally:
-            files.close()  # closed at fit_end already; this covers a refusal before it
+        finally:  # both ended at fit_end already; this covers a refusal before it
+            watchdog.stop()
+            files.close()
 
     def _set_up(self) -> _Run:
         """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
@@ -163,10 +174,6 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        settings = {
-            k: getattr(cfg, k) for k in ("effective_batch_size", "seed", "drop_last", "shuffle")
-        }
-        identity = run_identity(model, optimizer, scheduler, SeededFetch(self.dataset), settings)
         savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
         emit = Dispatcher([], state, Control())
         runner = StepRunner(
@@ -181,10 +188,15 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             savers=savers,
         )
-        checkpoint = RunState(state, model, optimizer, scheduler, precision.scaler, identity)
-        return _Run(
-            device, precision, model, optimizer, sampler, state, checkpoint, savers, runner, emit
-        )
+        return _Run(device, precision, model, optimizer, sampler, state, savers, runner, emit)
+
+    def _run_state(self, run: _Run) -> RunState:
+        """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""
+        cfg, sched = self.config, run.runner.scheduler
+        keys = ("effective_batch_size", "seed", "drop_last", "shuffle")
+        fetch, settings = SeededFetch(self.dataset), {k: getattr(cfg, k) for k in keys}
+        identity = run_identity(run.model, run.optimizer, sched, fetch, settings)
+        return RunState(run.state, run.model, run.optimizer, sched, run.precision.scaler, identity)
 
     def _sampler(self) -> OptimizerBatchSampler:
         cfg = self.config
@@ -232,7 +244,7 @@ class Trainer:
         return expected_loss
 
     def _callbacks(
-        self, run: _Run, store: CheckpointStore, record, expected_loss, telemetry: list
+        self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
     ) -> list[Callback]:
         """The default callbacks, in dispatch order, then the user's."""
         cfg, state = self.config, run.state
@@ -248,7 +260,7 @@ class Trainer:
                 expected_loss, state.micro_batch_size, run.device.type, record
             )
         callbacks = [
-            HangWatchdog.from_config(cfg, Path(cfg.run_dir), run.device, record),
+            watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
             SignalStop(record),
@@ -416,10 +428,10 @@ class _Run:
     optimizer: torch.optim.Optimizer
     sampler: OptimizerBatchSampler
     state: TrainState
-    checkpoint: RunState
     savers: MemorySavers
     runner: StepRunner
     emit: Dispatcher
+    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False
 
 

@@ -2,6 +2,7 @@
 
     python hang.py RUN_DIR --block KIND [--at STEP] [--once MARKER] [--timeout S]
                    [--action exit|report] [--block-seconds S] [--slow-save S] [--workers N]
+                   [--startup-s S]
 
 KIND says how step STEP blocks (after its first micro-batch), each inside a function whose name
 the hang report must show:
@@ -14,6 +15,11 @@ the hang report must show:
     gil      holding_the_gil: libc sleep() called through ctypes.PyDLL, which keeps the GIL
     stop     stopping_myself: SIGSTOP to itself, the whole process frozen (only an outside
              watcher can act)
+    startup  blocked_in_sleep while fit() reads the first sample for the data fingerprint,
+             before any step (--startup-s S shortens the start-up phases' limit,
+             watchdog.STARTUP_S, from 600 s)
+    before   blocked_in_sleep before fit() is called (no watchdog, no heartbeat: only the
+             supervisor's --first-heartbeat-timeout catches it)
 
 --once MARKER blocks only while MARKER does not exist (it is created just before blocking, with
 the pid and the wall time the block began), so under `steadytrain run` the first attempt hangs
@@ -46,11 +52,14 @@ class Data(torch.utils.data.Dataset):
         self.x = torch.randn(N, FEATURES, generator=g)
         self.y = self.x.sum(1, keepdim=True)
         self.block_at, self.once, self.fetched = block_worker_at_item, once, 0
+        self.block_startup = False
 
     def __len__(self):
         return N
 
     def __getitem__(self, i):
+        if self.block_startup and not self.fetched and _arm(self.once):
+            blocked_in_sleep(3600)
         self.fetched += 1
         if self.block_at is not None and self.fetched == self.block_at and _arm(self.once):
             stuck_in_worker()
@@ -128,7 +137,7 @@ def main():
     p.add_argument("run_dir")
     p.add_argument(
         "--block",
-        choices=["none", "sleep", "lock", "pipe", "worker", "gil", "stop"],
+        choices=["none", "sleep", "lock", "pipe", "worker", "gil", "stop", "startup", "before"],
         default="none",
     )
     p.add_argument("--at", type=int, default=3)
@@ -140,7 +149,14 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--startup-s", type=float)
     args = p.parse_args()
+    if args.startup_s is not None:
+        from steadytrain.safety import watchdog
+
+        watchdog.STARTUP_S = args.startup_s
+    if args.block == "before" and _arm(args.once):
+        blocked_in_sleep(3600)
 
     if args.slow_save:  # a save that takes longer than hang_timeout must not count as a hang
         from steadytrain.safety.checkpoint import CheckpointStore
@@ -171,11 +187,13 @@ def main():
         progress="lines",
         log_every_steps=100,
     )
+    data = Data(block_item, args.once)
+    data.block_startup = args.block == "startup"
     result = Trainer(
         model,
         lambda params: torch.optim.SGD(params, lr=0.01),
         loss_fn,
-        Data(block_item, args.once),
+        data,
         config,
         callbacks=[Block(args)],
     ).fit()

@@ -3,6 +3,7 @@
     python resumable.py RUN_DIR [--workers N] [--kill-at STEP] [--kill-mid-step STEP]
                         [--signal-at STEP --signal TERM|INT] [--double-sigint] [--seed S]
                         [--perturb-data] [--override FIELD] [--async-save|--sync-save]
+                        [--fill-disk-at STEP [--fill-disk-leave BYTES]] [--pid-file F] [--progress-file F]
 
 The dataset draws from python's random, numpy and torch while loading (augmentation); the model
 has dropout. Writes RUN_DIR/params.pt when training finishes.
@@ -64,15 +65,43 @@ def loss_fn(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def fill_disk(path: Path) -> None:
+    """Write `path` until the filesystem holding it is full (ENOSPC)."""
+    block = b"\0" * 4096
+    with open(path, "ab", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(block)
+        except OSError:
+            pass
+    with open(path, "ab", buffering=0) as handle:  # the last partial block
+        try:
+            while True:
+                handle.write(b"\0")
+        except OSError:
+            pass
+
+
 class Faults(Callback):
     def __init__(self, args):
         self.args = args
+        self.steps_here = 0  # optimizer steps done by this process
 
     def on_step_end(self, state, control, info):
+        self.steps_here += 1
+        if self.args.progress_file:  # "pid steps-done-here step", replaced atomically
+            tmp = f"{self.args.progress_file}.{os.getpid()}.tmp"
+            Path(tmp).write_text(f"{os.getpid()} {self.steps_here} {state.step}")
+            os.replace(tmp, self.args.progress_file)
         if self.args.step_sleep:
             time.sleep(self.args.step_sleep)
         if state.step == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.step == self.args.fill_disk_at:
+            filler = Path(self.args.run_dir).parent / "filler"
+            fill_disk(filler)
+            if self.args.fill_disk_leave:  # room for a few lines, not for a checkpoint
+                os.truncate(filler, filler.stat().st_size - self.args.fill_disk_leave)
         if state.step == self.args.signal_at:
             os.kill(os.getpid(), getattr(signal, f"SIG{self.args.signal}"))
 
@@ -89,6 +118,8 @@ def main():
     p.add_argument("--kill-at", type=int)
     p.add_argument("--kill-mid-step", type=int)
     p.add_argument("--signal-at", type=int)
+    p.add_argument("--fill-disk-at", type=int)
+    p.add_argument("--fill-disk-leave", type=int, default=0)
     p.add_argument("--signal", default="TERM")
     p.add_argument("--double-sigint", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -99,6 +130,7 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--pid-file")
+    p.add_argument("--progress-file")
     args = p.parse_args()
     if args.pid_file:
         Path(args.pid_file).write_text(str(os.getpid()))

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from steadytrain.cli.memory_commands import register as register_memory_commands
-from steadytrain.errors import SteadytrainError
+from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
 
 app = typer.Typer(
     name="steadytrain",
@@ -102,6 +102,12 @@ def run_command(
         help="Seconds the child has to stop after a forwarded SIGINT/SIGTERM before SIGKILL "
         "(default 120).",
     ),
+    first_heartbeat_timeout: float | None = typer.Option(
+        None,
+        "--first-heartbeat-timeout",
+        help="Seconds an attempt of a steadytrain run may go without writing its first "
+        "heartbeat before it is treated as hung, killed and restarted (default 3600).",
+    ),
 ) -> None:
     """Supervise CMD: restart it after a crash, an OS kill or a hang, with backoff.
 
@@ -118,6 +124,7 @@ def run_command(
         "backoff_initial": backoff_initial,
         "backoff_max": backoff_max,
         "stop_timeout": stop_timeout,
+        "first_heartbeat_s": first_heartbeat_timeout,
         "run_dir": resolve_run_dir(run_dir, os.environ),
     }
     options = SupervisorOptions(**{k: v for k, v in given.items() if v is not None})
@@ -305,6 +312,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        full = RunDiskFullError(exc.filename, exc)  # a report, an export, the supervisor's files
+        err_console.print(f"[bold red]error:[/] {escape(str(full))}", markup=True, highlight=False)
+        sys.exit(full.exit_code)
     except Exception as exc:
         # Usage errors (unknown option, missing argument) come from typer's bundled click: they
         # carry their own message and exit code 2. Anything else is a bug and keeps its traceback.

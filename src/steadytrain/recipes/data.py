@@ -179,7 +179,7 @@ def _build(
     for ids, mask in samples:
         if len(ids) > max_seq_length:
             truncated += 1
-            tokens_cut += len(ids) - max_seq_length
+            tokens_cut += len(ids) - max_seq_length + getattr(ids, "more", 0)
             ids, mask = ids[:max_seq_length], mask[:max_seq_length]
         if not any(mask[1:]):  # position 0 is never predicted, so it is never a target
             dropped += 1
@@ -299,7 +299,7 @@ def load_datasets(
         "train",
         train_path,
         fmt,
-        _tokenize(train_path, fmt, records, tokenizer),
+        _tokenize(train_path, fmt, records, tokenizer, max_seq_length),
         max_seq_length,
         packing,
     )
@@ -310,7 +310,7 @@ def load_datasets(
             "eval",
             source,
             eval_fmt,
-            _tokenize(source, eval_fmt, eval_records, tokenizer),
+            _tokenize(source, eval_fmt, eval_records, tokenizer, max_seq_length),
             max_seq_length,
             packing,
         )

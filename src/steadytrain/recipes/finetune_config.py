@@ -124,7 +124,7 @@ ENGINE_FIELDS = _engine_passthrough()
 class LoraSettings(BaseModel):
     """peft `LoraConfig` keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     r: int = Field(16, ge=1, description="Rank of the adapter matrices.")
     lora_alpha: float = Field(
@@ -147,7 +147,7 @@ class LoraSettings(BaseModel):
 class QuantizationSettings(BaseModel):
     """bitsandbytes 4-bit base (QLoRA), and what to do where it cannot run."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     load_in_4bit: bool = Field(
         False,
@@ -169,7 +169,7 @@ class QuantizationSettings(BaseModel):
 class FinetuneConfig(BaseModel):
     """Settings of one LoRA fine-tune. Unknown keys are errors; every problem is reported at once."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     # -- model and data ----------------------------------------------------------------------
     model_name_or_path: str = Field(

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from steadytrain.config_files import read_user_text
+from steadytrain.config_files import read_user_text, unreadable_problem
 from steadytrain.errors import BadInputError
 
 MAX_PROBLEMS = 10
@@ -92,6 +92,9 @@ def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
                     "complete JSON object",
                 )
                 continue
+            except (RecursionError, ValueError) as exc:
+                problems.add(where, unreadable_problem(exc))
+                continue
             if not isinstance(value, dict):
                 problems.add(where, f"expected a JSON object {{...}}, found {_type_name(value)}")
                 continue
@@ -104,6 +107,8 @@ def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
                 f"data file {path}: invalid JSON ({exc.msg} at line {exc.lineno}, column "
                 f"{exc.colno})"
             ) from None
+        except (RecursionError, ValueError) as exc:
+            raise BadInputError(f"data file {path}: {unreadable_problem(exc)}") from None
         if isinstance(value, dict) and isinstance(value.get("data"), list) and len(value) == 1:
             value = value["data"]
         if not isinstance(value, list):
@@ -150,6 +155,18 @@ def _string_problem(record: dict, key: str, *, allow_empty: bool) -> str | None:
         return f'"{key}" must be a string, found {_type_name(value)}'
     if not allow_empty and not value.strip():
         return f'"{key}" is empty; there is nothing to learn from this record, remove it'
+    return _surrogate_problem(f'"{key}"', value)
+
+
+def _surrogate_problem(what: str, value: str) -> str | None:
+    """A lone surrogate (JSON's "\\ud800" without its pair) is not text a tokenizer can read."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"{what} holds a lone surrogate {value[exc.start]!r} at character {exc.start}, "
+            "which is not text; fix the escape in the file (a \\uD800-\\uDFFF needs its pair)"
+        )
     return None
 
 
@@ -198,6 +215,8 @@ def _check_record(record: dict, fmt: str) -> list[str]:
             )
         elif role == "assistant" and not message["content"].strip():
             problems.append(f"{at}: the assistant's content is empty; nothing to learn from it")
+        elif surrogate := _surrogate_problem(f'{at}: "content"', message["content"]):
+            problems.append(surrogate)
     roles = [m.get("role") for m in messages if isinstance(m, dict)]
     if "assistant" not in roles:
         problems.append("no assistant message; the loss is on the assistant's replies")

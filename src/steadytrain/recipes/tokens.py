@@ -64,6 +64,60 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return out
 
 
+_CUT_MARGIN = 64
+"""Tokens read past max_seq_length in a text cut before tokenizing: the piece's last word may be
+split differently than in the whole text, and the margin keeps that edge out of the kept tokens."""
+_CHARS_PER_TOKEN = 8
+"""The first piece of a long text is this many characters per token needed (tokens average 3 to 5
+characters); a piece that yields too few tokens is doubled until it has enough."""
+
+
+class _Prefix(list):
+    """Token ids of the beginning of a text too long to tokenize whole (a 10 MB line once cost
+    2.3 GB). `more` estimates the tokens of the rest, for the truncation count."""
+
+    more: int = 0
+
+
+def _encode_capped(tokenizer: Any, texts: list[str], limit: int) -> list[list[int]]:
+    """Token ids of each text, as `_encode`; a text longer than `limit` tokens can need is
+    tokenized from its beginning only (a `_Prefix`), so memory per record follows `limit`, not
+    the length of the line."""
+    need = limit + _CUT_MARGIN
+    budget = need * _CHARS_PER_TOKEN
+    short = [i for i, text in enumerate(texts) if len(text) <= budget]
+    out: list[list[int] | None] = [None] * len(texts)
+    for i, ids in zip(short, _encode(tokenizer, [texts[i] for i in short]), strict=True):
+        out[i] = ids
+    for i, text in enumerate(texts):
+        if out[i] is None:
+            out[i] = _encode_prefix(tokenizer, text, need, budget)
+    return out  # type: ignore[return-value]
+
+
+def _encode_prefix(tokenizer: Any, text: str, need: int, cut: int) -> list[int]:
+    while True:
+        ids = list(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+        if len(ids) >= need or cut >= len(text):
+            break
+        cut *= 2
+    if cut >= len(text):
+        return ids
+    prefix = _Prefix(ids[:need])
+    prefix.more = len(ids) - need + round((len(text) - cut) * len(ids) / cut)
+    return prefix
+
+
+def _joined(before: list[int], ids: list[int], after: list[int]) -> list[int]:
+    """before + ids + after; when `ids` is a cut `_Prefix`, `after` lies beyond the cut and only
+    counts in `more`."""
+    if not isinstance(ids, _Prefix):
+        return before + ids + after
+    out = _Prefix(before + ids)
+    out.more = ids.more + len(after)
+    return out
+
+
 def _chat_template(tokenizer: Any, path: Path) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
@@ -146,17 +200,20 @@ def _template_errors() -> tuple[type[Exception], ...]:
 
 
 def _tokenize(
-    path: Path, fmt: str, records: list[tuple[str, dict]], tokenizer: Any
+    path: Path, fmt: str, records: list[tuple[str, dict]], tokenizer: Any, limit: int
 ) -> list[tuple[list[int], list[bool]]]:
-    """(ids, is_target) per record, before truncation."""
+    """(ids, is_target) per record, before truncation to `limit` tokens; a text far longer than
+    `limit` tokens is cut before it is tokenized (`_encode_capped`)."""
     eos = _eos_id(tokenizer)
     if fmt == "messages":
         encode = _ChatEncoder(tokenizer, path)
         problems = _Problems(path)
         out = []
+        chars = (limit + _CUT_MARGIN) * _CHARS_PER_TOKEN
         for where, record in records:
+            messages = [{**m, "content": m["content"][:chars]} for m in record["messages"]]
             try:
-                ids, mask = encode(record["messages"])
+                ids, mask = encode(messages)
             except _NotPrefixStable as exc:
                 problems.add(where, str(exc))
                 continue
@@ -169,6 +226,23 @@ def _tokenize(
             out.append((ids, mask))
         problems.raise_if_any()
         return out
+    head = _leading_specials(tokenizer)
+    if fmt == "text":
+        bodies = _encode_capped(tokenizer, [r["text"] for _, r in records], limit)
+        samples = [_joined(head, ids, [eos]) for ids in bodies]
+        return [(ids, [True] * len(ids)) for ids in samples]
+    prompts = _encode_capped(tokenizer, [r["prompt"] for _, r in records], limit)
+    completions = _encode_capped(tokenizer, [r["completion"] for _, r in records], limit)
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        context = _joined(head, prompt, [])
+        if isinstance(context, _Prefix):  # the prompt alone fills max_seq_length
+            context.more += len(completion) + getattr(completion, "more", 0) + 1
+            out.append((context, [False] * len(context)))
+            continue
+        ids = _joined(context, completion, [eos])
+        out.append((ids, [False] * len(context) + [True] * (len(ids) - len(context))))
+    return out
     head = _leading_specials(tokenizer)
     if fmt == "text":
         bodies = _encode(tokenizer, [r["text"] for _, r in records])

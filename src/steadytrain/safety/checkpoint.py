@@ -332,6 +332,8 @@ class _Refused(Exception):
 class CheckpointStore:
     """Checkpoints of one run under RUN_DIR/checkpoints. One writer per run directory (RunLock).
 
+    `required` names the files a checkpoint must list to verify (the trainer's state files), so
+    a manifest cut down to fewer files is skipped like any failing checkpoint.
     `log(event, info)` receives what the store noticed (skipped checkpoints and why, leftovers
     removed, deletions, failed deletes); it may be called from the background writer thread.
     """
@@ -342,6 +344,7 @@ class CheckpointStore:
         keep_last: int = 2,
         log: Callable[[str, dict], None] | None = None,
         fingerprint: str | None = None,
+        required: Iterable[str] = (),
     ):
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ValueError(f"keep_last must be an integer of at least 1, got {keep_last!r}")
@@ -349,6 +352,7 @@ class CheckpointStore:
         self.root = self.run_dir / run_files.CHECKPOINTS
         self.keep_last = keep_last
         self.fingerprint = fingerprint
+        self.required = tuple(required)  # files every checkpoint must list to verify
         self._log = log or (lambda event, info: None)
         self._commit_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -384,6 +388,11 @@ class CheckpointStore:
         self._thread = thread
         _stores_with_saves.add(self)
         thread.start()
+
+    def in_flight(self) -> bool:
+        """Whether a background save is still writing."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def wait(self) -> Path | None:
         """Wait for the background save; return its folder, or raise its error. None when no
@@ -729,6 +738,13 @@ class CheckpointStore:
         if manifest["step"] != _step_of(folder.name):
             problems.append(f"{MANIFEST}: says step {manifest['step']}, folder is {folder.name}")
         listed = manifest["files"]
+        needed = sorted(set(self.required) - set(listed)) if listed else []
+        if not listed:
+            problems.append(f"{MANIFEST}: lists no files; a checkpoint holds its state files")
+        elif needed:
+            problems.append(
+                f"{MANIFEST}: does not list {needed}, which a checkpoint of this run holds"
+            )
         present = {n for n in os.listdir(folder) if n != MANIFEST and n not in _OS_CLUTTER}
         missing = sorted(set(listed) - present)
         extra = sorted(present - set(listed))
@@ -783,8 +799,10 @@ class CheckpointStore:
             raw = handle.read()
         try:
             manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # not JSON, not UTF-8, an integer of thousands of digits
             raise ValueError(f"does not parse ({exc})") from None
+        except RecursionError:
+            raise ValueError("does not parse (nested thousands of levels deep)") from None
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
         version = manifest.get("format_version")

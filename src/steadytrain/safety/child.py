@@ -13,12 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain.errors import RESTARTABLE_EXIT, SHRINK_EXIT
+from steadytrain._durable import NOFOLLOW, write_all, write_error
+from steadytrain.errors import DISK_FULL_EXIT, RESTARTABLE_EXIT, SHRINK_EXIT
 
 HANG = RESTARTABLE_EXIT
 SHRINK = SHRINK_EXIT
 STOPPED = (130, 143)
-NOT_RESTARTABLE = {2: "bad input", 3: "does not fit even at micro-batch 1"}
+NOT_RESTARTABLE = {
+    2: "bad input",
+    3: "does not fit even at micro-batch 1",
+    DISK_FULL_EXIT: "disk full",  # a restart would fail on the same full disk
+}
 # Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A shell or launcher between us and the trainer reports a process killed by signal N as exit
@@ -80,12 +85,15 @@ def append_event(run_dir: Path, record: dict[str, Any]) -> None:
     path = run_dir / run_files.EVENTS
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(record, default=str) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise write_error(path, exc) from None
     try:
         size = os.fstat(fd).st_size
         if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data
-        os.write(fd, data)
+        write_all(fd, data, path)
     finally:
         os.close(fd)
 

@@ -9,6 +9,7 @@ over.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -16,7 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from steadytrain import run_files
-from steadytrain.errors import BadInputError
+from steadytrain._durable import NOFOLLOW
+from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
 
 try:
     import fcntl
@@ -45,13 +47,14 @@ class RunLock:
     def acquire(self) -> None:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this RunLock")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if fcntl is not None:
-            self._fd = self._acquire_flock()
-        else:
-            self._fd = self._acquire_exclusive()
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, json.dumps(_holder()).encode())
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._fd = self._acquire_flock() if fcntl is not None else self._acquire_exclusive()
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, json.dumps(_holder()).encode())
+        except OSError as exc:
+            self.release()
+            raise self._cannot_write(exc) from None
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -65,7 +68,7 @@ class RunLock:
             os.unlink(self.path)
 
     def _acquire_flock(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -81,13 +84,26 @@ class RunLock:
 
         for _ in range(2):
             try:
-                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
             except FileExistsError:
                 pid = _read_holder(self.path).get("pid")
                 if isinstance(pid, int) and psutil.pid_exists(pid):
                     raise self._in_use() from None
                 os.unlink(self.path)  # its holder is gone
         raise self._in_use()
+
+    def _cannot_write(self, exc: OSError) -> BadInputError | RunDiskFullError:
+        if exc.errno == errno.ELOOP or self.path.is_symlink():
+            return BadInputError(
+                f"{self.path} is a symbolic link; steadytrain never writes through a link in a "
+                "run directory; remove the link (it points outside what this run owns)"
+            )
+        if is_disk_full(exc):
+            return RunDiskFullError(self.path, exc, kept="nothing: the run had not started")
+        return BadInputError(
+            f"run_dir {self.run_dir}: cannot write {self.path.name} there ({exc.strerror}); "
+            "choose a folder this user can create and write"
+        )
 
     def _in_use(self) -> BadInputError:
         holder = _read_holder(self.path)

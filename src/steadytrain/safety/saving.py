@@ -4,19 +4,58 @@ trainer's). Not to be confused with activation checkpointing, which recomputes a
 Saves every `save_every_steps` optimizer steps, when a callback asks (`control.request_save()`,
 e.g. on a signal), and at the end of a run that finished or was stopped; never after an error,
 when the state may be mid-step. With async saves, the state is copied to host memory at the step
-boundary and written by the store's background thread while training goes on.
+boundary and written by the store's background thread while training goes on; the "checkpoint"
+event (events.jsonl, the console's "checkpoint at step N") is recorded when it has committed, and
+a background save that failed stops the run at the first step end after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+from steadytrain.errors import DiskFullError, RunDiskFullError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.watchdog import allowance
 
 STOP_CODES = (0, 130, 143)
+
+
+@contextlib.contextmanager
+def _disk_full_exits_6() -> Iterator[None]:
+    """A save that filled the disk ends the run as a full disk anywhere does (exit 6), with the
+    store's message (what it needed, what is free, which checkpoint is kept)."""
+    try:
+        yield
+    except DiskFullError as exc:
+        raise RunDiskFullError(exc.path, detail=str(exc)) from exc
+
+
+@contextlib.contextmanager
+def full_disk_ends_the_run(run_dir: str | Path, keep_last: int) -> Iterator[None]:
+    """A full disk anywhere in the block (metrics, events, lock, config, a checkpoint) ends the
+    run as RunDiskFullError (exit 6): the file, the space left, and the checkpoint kept."""
+    try:
+        yield
+    except RunDiskFullError as exc:
+        exc.kept = exc.kept or _kept(run_dir, keep_last)
+        raise
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise RunDiskFullError(exc.filename, exc, _kept(run_dir, keep_last)) from exc
+
+
+def _kept(run_dir: str | Path, keep_last: int) -> str:
+    """The newest committed checkpoint, which a run stopped by a full disk keeps as latest."""
+    committed = CheckpointStore(run_dir, keep_last).committed()
+    if not committed:
+        return "no checkpoint had been committed yet"
+    step, path = committed[-1]
+    return f"checkpoint {path} (step {step}), the last committed one, stays the latest"
 
 
 class CheckpointSaver(Callback):
@@ -31,11 +70,13 @@ class CheckpointSaver(Callback):
         self.store, self.capture, self.every = store, capture, every
         self.async_save, self.record = async_save, record
         self.last_saved: int | None = None
+        self._in_flight: tuple[int, float] | None = None  # (step, seconds the loop was held)
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         self.last_saved = state.step if state.step else None
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
+        self._settle(block=False)  # a background save that failed stops the run here
         if state.step % self.every == 0 or control.save_requested:
             metrics = info["metrics"].resolve()  # the step's loss belongs in the checkpoint
             with allowance("checkpoint save"):  # the hang watchdog's limit for saves
@@ -47,20 +88,33 @@ class CheckpointSaver(Callback):
             if info.get("exit_code") in STOP_CODES and self.last_saved != state.step and state.step:
                 self.save(state, final=True)
         finally:
-            self.store.wait()
+            self._settle(block=True)
 
     def save(self, state: TrainState, final: bool) -> float:
         """Save now; returns the seconds the loop was held (the whole write when synchronous)."""
         start = time.perf_counter()
-        self.store.wait()  # the capture reuses host buffers the last async save may still read
+        self._settle(block=True)  # the capture reuses host buffers the last save may still read
         payload = self.capture(state)
-        if self.async_save and not final:
-            self.store.save_async(state.step, payload)
-            mode = "async"
-        else:
-            self.store.save(state.step, payload)
-            mode = "sync"
+        with _disk_full_exits_6():
+            if self.async_save and not final:
+                self.store.save_async(state.step, payload)
+                self._in_flight = (state.step, time.perf_counter() - start)
+            else:
+                self.store.save(state.step, payload)
+                self._committed(state.step, "sync", time.perf_counter() - start)
         self.last_saved = state.step
-        stall = time.perf_counter() - start
-        self.record("checkpoint", {"step": state.step, "mode": mode, "stall_s": round(stall, 4)})
-        return stall
+        return time.perf_counter() - start
+
+    def _settle(self, block: bool) -> None:
+        """Announce the background save once it has committed, or raise its error. Without
+        `block`, a save still writing is left alone."""
+        if self._in_flight is None or (not block and self.store.in_flight()):
+            return
+        (step, stall), self._in_flight = self._in_flight, None
+        with _disk_full_exits_6():
+            self.store.wait()  # raises what the background save raised (a full disk)
+        self._committed(step, "async", stall)
+
+    def _committed(self, step: int, mode: str, stall: float) -> None:
+        """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest."""
+        self.record("checkpoint", {"step": step, "mode": mode, "stall_s": round(stall, 4)})

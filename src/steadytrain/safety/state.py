@@ -33,6 +33,8 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
+REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
+"""What every checkpoint of a Trainer holds (scheduler and scaler only when the run has them)."""
 
 
 class HostBuffers:

@@ -15,8 +15,8 @@ must outlive whatever kills the trainer. One pass of its loop::
     child exit:
       0                       -> exit 0
       130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
-      2, 3                    -> bad input / does not fit: the same input fails the same way,
-                                 so exit with that code
+      2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
+                                 same way, so exit with that code
       anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
                                  (75), out of memory in a library's loop (76): read the
                                  checkpoint step again; a newer one is progress and resets
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from steadytrain import run_files
-from steadytrain.errors import BadInputError
+from steadytrain.errors import DISK_FULL_EXIT, BadInputError, RunDiskFullError
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
 from steadytrain.safety.child import (
     HANG,
@@ -82,6 +82,12 @@ class SupervisorOptions:
     as Kubernetes resets CrashLoopBackOff after 10 minutes of running."""
     run_dir: Path | None = None
     """Where the run writes checkpoints/latest, metrics.jsonl and events.jsonl; None: unknown."""
+    first_heartbeat_s: float = 3600.0
+    """An attempt of a steadytrain run that has written no heartbeat this long after it started
+    is hung before its watchdog began (importing, building the model, a blocked read) and is
+    killed and restarted. An hour, as nvidia-resiliency-ext's first-heartbeat default: a model
+    download or a cold import on a slow disk must not look like a hang. Applies once the run
+    directory holds a config.json or an earlier attempt wrote a heartbeat (a steadytrain run)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -96,6 +102,10 @@ class SupervisorOptions:
             )
         if not self.stop_timeout > 0:
             problems.append(f"--stop-timeout must be more than 0 s, got {self.stop_timeout}")
+        if not self.first_heartbeat_s > 0:
+            problems.append(
+                f"--first-heartbeat-timeout must be more than 0 s, got {self.first_heartbeat_s}"
+            )
         if problems:
             raise BadInputError("; ".join(problems))
 
@@ -143,6 +153,8 @@ class Supervisor:
         self._hang: _FrozenChild | None = None  # the heartbeat went stale and we are killing
         self._beat_key: tuple[Any, Any] | None = None
         self._beat_seen = 0.0  # our monotonic time when the heartbeat last changed
+        self._child_started = 0.0  # our monotonic time when the attempt started
+        self._beats_known = False  # an attempt of ours wrote a heartbeat: the child writes them
         self._next_beat_check = 0.0
 
     # -- the loop, top to bottom --
@@ -242,10 +254,13 @@ class Supervisor:
             self._say(f"{death.describe()}; not restarting")
             return self._end(death.exit_code, step, death.describe())
         if death.kind == "not_restartable":
-            self._say(
-                f"{death.describe()}; not restarting: the same input fails the same way "
-                "(see the child's message above)"
+            why = (
+                "a restart would fail on the same full disk; free some space, then run again "
+                "to resume"
+                if death.exit_code == DISK_FULL_EXIT
+                else "the same input fails the same way"
             )
+            self._say(f"{death.describe()}; not restarting: {why} (see the child's message above)")
             return self._end(death.exit_code, step, death.describe())
         return None
 
@@ -254,6 +269,7 @@ class Supervisor:
     def _run_child(self, max_micro: int | None) -> int:
         env = {**self.environ, ENV_SUPERVISED: "1", ENV_RESTART: str(self.restarts)}
         self._hang, self._beat_key = None, None
+        self._child_started = time.monotonic()
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
         try:
@@ -301,7 +317,11 @@ class Supervisor:
             return
         self._next_beat_check = now + HEARTBEAT_CHECK_S
         beat = read_heartbeat(self.options.run_dir)
-        if beat is None or beat.get("action") != "exit" or not _in_group(beat.get("pid"), proc):
+        if beat is None or not _in_group(beat.get("pid"), proc):
+            self._check_first_heartbeat(proc, now)
+            return
+        self._beats_known = True
+        if beat.get("action") != "exit":
             return
         key = (beat.get("pid"), beat.get("written"))
         if key != self._beat_key:
@@ -328,6 +348,23 @@ class Supervisor:
         if dump and hasattr(signal, dump):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, getattr(signal, dump))
+
+    def _check_first_heartbeat(self, proc: subprocess.Popen, now: float) -> None:
+        """An attempt that never wrote a heartbeat (hung before its watchdog started) is
+        killed after `first_heartbeat_s`, once we know the child writes heartbeats."""
+        if self._beat_key is not None or now - self._child_started < self.options.first_heartbeat_s:
+            return
+        run_dir = self.options.run_dir
+        if not (self._beats_known or (run_dir is not None and (run_dir / "config.json").exists())):
+            return  # not (yet) known to be a steadytrain run: it may never write one
+        waited = now - self._child_started
+        beat = {"pid": proc.pid, "step": checkpoint_step(run_dir), "phase": "start-up"}
+        self._hang = _FrozenChild(proc.pid, beat, waited, now)
+        self._say(
+            f"no heartbeat from the child (pid {proc.pid}) {waited:.0f} s after it started, "
+            f"past --first-heartbeat-timeout {self.options.first_heartbeat_s:.0f} s: it hung "
+            "before its watchdog began; treating it as a hang: SIGKILL"
+        )
 
     def _record_frozen_child(self, returncode: int) -> int:
         """After a kill for a stale heartbeat: turn the child's stack dump (if SIGUSR1 reached
@@ -458,8 +495,8 @@ class Supervisor:
             append_event(
                 self.options.run_dir, {"time": time.time(), "event": event, "step": step, **fields}
             )
-        except OSError as exc:  # a full disk must not stop the supervising
-            self._say(f"could not write {self.options.run_dir / 'events.jsonl'}: {exc}")
+        except (OSError, RunDiskFullError) as exc:  # a full disk must not stop the supervising
+            self._say(f"{exc}; the run goes on without this {event} event")
 
     def _oom_kill_count(self) -> int | None:
         try:

@@ -60,7 +60,7 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain._durable import write_atomic
-from steadytrain.errors import RESTARTABLE_EXIT
+from steadytrain.errors import RESTARTABLE_EXIT, SteadytrainError
 from steadytrain.events import Callback, Control, TrainState
 
 HANG_EXIT = RESTARTABLE_EXIT
@@ -78,6 +78,10 @@ FIRST_STEP_S = 600.0
 allocations and starts data workers; torchtitan gives its first step 300 s, nvidia-resiliency-ext
 60 min. This bound holds whatever hang_timeout says, so a short timeout cannot kill every attempt
 in its first step and make the supervisor give up."""
+STARTUP_S = 600.0
+"""Each start-up phase of `fit()` (data fingerprint, checkpoint load, plan, compile) may go this
+long without a beat, whatever hang_timeout says: reading a large dataset's samples or a
+multi-GB checkpoint from a slow disk takes minutes, a read that blocks takes forever."""
 SAVE_FLOOR_S = 300.0
 """A checkpoint save writes the whole state to disk (seconds to minutes for large models)."""
 SAVE_FACTOR = 4.0
@@ -132,6 +136,7 @@ class HangWatchdog(Callback):
         self.step_times: list[float] = [0.0] * STEP_WINDOW
         self._step_started = 0.0
         self._saving: str | None = None
+        self._startup: str | None = None  # the start-up phase of fit() running, if any
         self._longest_save = 0.0
         self._save_started = 0.0
         self._state: TrainState | None = None
@@ -174,6 +179,8 @@ class HangWatchdog(Callback):
         steady = self.steady_limit()
         if self._saving is not None:
             return max(steady, SAVE_FLOOR_S, SAVE_FACTOR * self._longest_save), self._saving
+        if self._startup is not None:
+            return max(steady, STARTUP_S), self._startup
         if self.steps_done == 0:
             return max(steady, FIRST_STEP_S), "first step"
         return steady, "step"
@@ -211,15 +218,48 @@ class HangWatchdog(Callback):
             self.beats += 1
             self._arm_backstop(self.limit()[0])
 
+    # -- start-up phases ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def startup(self, phase: str) -> Iterator[None]:
+        """Run a start-up phase of fit() (before the loop) under the start-up limit, named in
+        the heartbeat and in a hang report."""
+        self._startup = phase
+        self.beats += 1
+        self._arm_backstop(self.limit()[0])
+        try:
+            yield
+        finally:
+            self.beats += 1
+
+    def start(self, state: TrainState, phase: str) -> None:
+        """Start watching before the loop (from `fit()`'s first line of work): the start-up
+        phases get heartbeats and a limit too. The frame that calls this must stay on the stack
+        for the whole fit; `stop` (or the loop's fit_end) ends the watching."""
+        self._startup = phase
+        self._begin(state, sys._getframe(1))
+
+    def stop(self) -> None:
+        """End the watching of a fit that ends before its loop's fit_end (a refusal at start);
+        nothing when it has ended already."""
+        if self._thread is not None:
+            self.on_fit_end(self._state, Control(), {})  # type: ignore[arg-type]
+
     # -- start and stop ----------------------------------------------------------------------
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
-        global _active
-        self._state = state
+        if self._thread is not None:  # started before the loop: the start-up is over
+            self._state, self._startup = state, None
+            self.beats += 1
+            return
         # info["fit_frame"]: the frame whose return ends the fit, when the loop is another
         # library's (steadytrain.integrations); else the frame that emitted fit_start.
-        self._fit_frame = info.get("fit_frame") or _caller_of_dispatch()
-        self._fit_thread = threading.get_ident()
+        self._begin(state, info.get("fit_frame") or _caller_of_dispatch())
+
+    def _begin(self, state: TrainState, frame: FrameType | None) -> None:
+        global _active
+        self._state = state
+        self._fit_frame, self._fit_thread = frame, threading.get_ident()
         hangs = self.run_dir / run_files.HANGS
         hangs.mkdir(parents=True, exist_ok=True)
         adopt_backstop_dumps(self.run_dir, self.record, skip_pid=os.getpid())
@@ -342,7 +382,8 @@ class HangWatchdog(Callback):
             "dump_file": f"{run_files.HANGS}/backstop-{os.getpid()}.txt",
             "written": time.time(),
         }
-        with contextlib.suppress(OSError):  # a full disk must not end the watching
+        # A full disk (or a planted link, refused) must not end the watching.
+        with contextlib.suppress(OSError, SteadytrainError):
             write_atomic(self.run_dir / run_files.HEARTBEAT, json.dumps(record), durable=False)
 
     # -- firing ------------------------------------------------------------------------------
@@ -428,6 +469,18 @@ class HangWatchdog(Callback):
 
 
 _active: HangWatchdog | None = None
+
+
+@contextlib.contextmanager
+def startup_phase(phase: str) -> Iterator[None]:
+    """A start-up phase of the running fit (`HangWatchdog.startup`); a no-op when no watchdog
+    runs."""
+    watchdog = _active
+    if watchdog is None:
+        yield
+        return
+    with watchdog.startup(phase):
+        yield
 
 
 @contextlib.contextmanager

@@ -19,40 +19,44 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
+from steadytrain._durable import open_for_append, write_all
+from steadytrain.errors import RunDiskFullError
 from steadytrain.events import Callback, Control, TrainState
 
 
 class JsonlFile:
-    """One JSONL file held open in append mode; each record is one ``write`` of one line, with
-    the line buffer flushed at its newline (one write system call per record).
+    """One JSONL file held open for appending; each record is one ``write`` system call of one
+    line, unbuffered, so a failed write leaves nothing queued to fail again at close.
 
     The file is opened at the first record, so a run refused before it records anything (a bad
-    config found while the callbacks are built) leaves no open handle behind."""
+    config found while the callbacks are built) leaves no open file behind. It is never opened
+    through a symbolic link (BadInputError names it); a full disk is RunDiskFullError."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._handle = None
+        self._fd: int | None = None
 
     def _open(self) -> None:
-        self._handle = open(self.path, "a", buffering=1)  # noqa: SIM115 - held open for the run
-        if self._handle.tell() > 0:
+        self._fd = open_for_append(self.path)
+        if os.fstat(self._fd).st_size > 0:
             self._repair_torn_tail()
 
     def _repair_torn_tail(self) -> None:
         with open(self.path, "rb") as handle:
             handle.seek(-1, os.SEEK_END)
             if handle.read(1) != b"\n":
-                self._handle.write("\n")  # end the torn line so the next record starts clean
+                write_all(self._fd, b"\n", self.path)  # the next record starts clean
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._handle is None or self._handle.closed:  # first, or late (after fit_end)
+        if self._fd is None:  # first, or late (after fit_end)
             self._open()
-        self._handle.write(json.dumps(record, default=str) + "\n")
+        write_all(self._fd, (json.dumps(record, default=str) + "\n").encode(), self.path)
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -125,7 +129,13 @@ class RunFiles(Callback):
         self.events.close()
 
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
-        self._write_pending()
-        self.event("fit_end", state, info)
-        self.metrics.close()
-        self.events.close()
+        try:
+            self._write_pending()
+            self.event("fit_end", state, info)
+        except RunDiskFullError:
+            if not info.get("exit_code"):
+                raise
+            # the fit is ending on an error already (often this very disk): let it be the one told
+        finally:
+            self.metrics.close()
+            self.events.close()

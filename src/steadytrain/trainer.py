@@ -31,6 +31,7 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
+from steadytrain.safety.child import announce_run_dir
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
@@ -101,6 +102,7 @@ class Trainer:
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
         with RunLock(run_dir):
             return self._fit_locked(run_dir)
 

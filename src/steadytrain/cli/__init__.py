@@ -87,8 +87,8 @@ def run_command(
     run_dir: str | None = typer.Option(
         None,
         "--run-dir",
-        help="The run directory, to see new checkpoints and write restart events "
-        "(default $STEADYTRAIN_RUN_DIR).",
+        help="The run directory, to see new checkpoints and write restart events (default "
+        "$STEADYTRAIN_RUN_DIR, a fine-tune's output_dir, or the run_dir the child announces).",
     ),
     backoff_initial: float | None = typer.Option(
         None, "--backoff-initial", help="Seconds before the first restart (default 1)."
@@ -109,6 +109,7 @@ def run_command(
     """
     import os
 
+    from steadytrain.cli.run_locate import finetune_run_dir
     from steadytrain.safety.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
 
     if not command:
@@ -118,7 +119,7 @@ def run_command(
         "backoff_initial": backoff_initial,
         "backoff_max": backoff_max,
         "stop_timeout": stop_timeout,
-        "run_dir": resolve_run_dir(run_dir, os.environ),
+        "run_dir": resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
     }
     options = SupervisorOptions(**{k: v for k, v in given.items() if v is not None})
     raise typer.Exit(Supervisor(command, options).run())
@@ -273,6 +274,21 @@ def evaluate_command(
     from steadytrain.recipes.evaluate import evaluate_command as run_evaluate
 
     raise typer.Exit(run_evaluate(**ctx.params))
+
+
+@app.command("export")
+def export_command(
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="A fine-tune's run directory."),
+    step: int | None = typer.Option(
+        None, "--step", metavar="N", help="The checkpoint's step (default: the newest)."
+    ),
+) -> None:
+    """Write a checkpoint's adapter as a peft folder (RUN_DIR/adapters/step-N/): exit 0, 2."""
+    from steadytrain.recipes.checkpoint_export import export_checkpoint
+
+    folder = export_checkpoint(run_dir, step)
+    typer.echo(f"adapter: {folder}")
+    typer.echo(f"next:\n  steadytrain generate {folder} 'Once upon a time'")
 
 
 @app.command("report")

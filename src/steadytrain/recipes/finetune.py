@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from steadytrain import run_files
-from steadytrain._durable import replace_dir, sync_tree
+from steadytrain._durable import replace_dir, sync_tree, write_atomic
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
@@ -49,7 +49,7 @@ from steadytrain.recipes.model import (
 from steadytrain.trainer import FitResult, Trainer
 
 FINAL = run_files.FINAL
-TRAINING_CONFIG = "training_config.json"
+TRAINING_CONFIG = run_files.TRAINING_CONFIG
 
 
 def say(line: str) -> None:
@@ -125,6 +125,8 @@ class FinetuneJob:
             scheduler=scheduler_factory(cfg.lr_scheduler_type, warmup, total),
             collate_fn=Collator(pad_token_id(self.tokenizer)),
         )
+        if int(os.environ.get("RANK", "0")) == 0:
+            record_config(cfg, Path(self.train_config.run_dir))
         result = trainer.fit()
         if result.exit_code != 0 or int(os.environ.get("RANK", "0")) != 0:
             return result  # one process exports; a stopped run has nothing final to export
@@ -232,10 +234,15 @@ def scheduler_factory(name: str, warmup: int, total: int) -> Callable[[Any], Any
 
 def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Path) -> Path:
     """Write RUN_DIR/final/ (adapter_model.safetensors, adapter_config.json, tokenizer files,
-    training_config.json) into a staging folder, fsync it, and rename it into place, so a kill
-    during export leaves either the old final/ or the new one, never half of one."""
-    final = run_dir / FINAL
-    staging = run_dir / f".{FINAL}.staging-{os.getpid()}"
+    training_config.json), atomically: see `export_adapter`."""
+    return export_adapter(model, tokenizer, config, run_dir / FINAL)
+
+
+def export_adapter(model: Any, tokenizer: Any, config: FinetuneConfig, target: Path) -> Path:
+    """Write the adapter, the tokenizer and the resolved config into a staging folder beside
+    `target`, fsync it, and rename it into place, so a kill during export leaves either the old
+    folder or the new one, never half of one."""
+    staging = target.parent / f".{target.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -243,11 +250,18 @@ def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Pa
         tokenizer.save_pretrained(staging)
         (staging / TRAINING_CONFIG).write_text(json.dumps(config.resolved(), indent=2) + "\n")
         sync_tree(staging)
-        replace_dir(staging, final)
+        replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return final
+    return target
+
+
+def record_config(config: FinetuneConfig, run_dir: Path) -> None:
+    """RUN_DIR/training_config.json: the resolved config, written before training, so a
+    checkpoint can be exported as an adapter while the run is still going."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / TRAINING_CONFIG, json.dumps(config.resolved(), indent=2) + "\n")
 
 
 @torch.no_grad()

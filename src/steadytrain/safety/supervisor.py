@@ -31,6 +31,7 @@ The child resumes from its checkpoint by itself; the supervisor only restarts it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -44,7 +45,13 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain.errors import BadInputError
-from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
+from steadytrain.run_files import (
+    ENV_ANNOUNCE_FD,
+    ENV_MAX_MICRO_BATCH,
+    ENV_RESTART,
+    ENV_RUN_DIR,
+    ENV_SUPERVISED,
+)
 from steadytrain.safety.child import (
     HANG,
     SHRINK,
@@ -144,6 +151,8 @@ class Supervisor:
         self._beat_key: tuple[Any, Any] | None = None
         self._beat_seen = 0.0  # our monotonic time when the heartbeat last changed
         self._next_beat_check = 0.0
+        self._announced: int | None = None  # read end of the ENV_ANNOUNCE_FD pipe
+        self._said_unlocated = False
 
     # -- the loop, top to bottom --
 
@@ -174,6 +183,8 @@ class Supervisor:
             oom_before = self._oom_kill_count()
             started = time.monotonic()
             returncode = self._run_child(max_micro)
+            self._learn_run_dir()
+            run_dir = self.options.run_dir
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
@@ -256,12 +267,48 @@ class Supervisor:
         self._hang, self._beat_key = None, None
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
+        write_end = None
+        if self.options.run_dir is None:  # ask the child's Trainer where it writes
+            self._announced, write_end = os.pipe()
+            os.set_blocking(self._announced, False)
+            env[ENV_ANNOUNCE_FD] = str(write_end)
         try:
             # Own session: a terminal's Ctrl-C reaches only us, and we forward it once.
-            self._proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.command,
+                env=env,
+                start_new_session=True,
+                pass_fds=() if write_end is None else (write_end,),
+            )
         except OSError as exc:
             raise BadInputError(f"cannot start {shlex.join(self.command)}: {exc}") from exc
+        finally:
+            if write_end is not None:
+                os.close(write_end)
         return self._wait(self._proc)
+
+    def _learn_run_dir(self) -> None:
+        """Take the run directory the child announced (ENV_ANNOUNCE_FD), once it did or ended."""
+        if self._announced is None:
+            return
+        try:
+            text = os.read(self._announced, 65536).decode(errors="replace").strip()
+        except BlockingIOError:
+            return  # nothing yet, and the child is still there
+        except OSError:
+            text = ""
+        os.close(self._announced)
+        self._announced = None
+        if text:
+            line = text.splitlines()[0]
+            self.options = dataclasses.replace(self.options, run_dir=Path(line))
+            self._say(f"run dir {line} (announced by the child); counting progress there")
+        elif not self._said_unlocated:
+            self._said_unlocated = True
+            self._say(
+                "the child announced no run dir (it does not train through steadytrain's "
+                "Trainer): pass --run-dir to count its checkpoints as progress"
+            )
 
     def _wait(self, proc: subprocess.Popen) -> int:
         deadline: float | None = None
@@ -278,6 +325,7 @@ class Supervisor:
                 self._signal_child(signal.SIGKILL)
                 self._sent_kill = True
             if self._stop_signal is None:
+                self._learn_run_dir()
                 self._watch_heartbeat(proc)
             try:
                 return proc.wait(timeout=POLL_S)
@@ -481,8 +529,9 @@ class Supervisor:
         )
         if opts.run_dir is None:
             self._say(
-                "no run dir (--run-dir or $STEADYTRAIN_RUN_DIR): checkpoints cannot be seen, so "
-                "every restart counts as one without progress"
+                "run dir not known yet (no --run-dir, $STEADYTRAIN_RUN_DIR or fine-tune "
+                "output_dir): a Trainer in the child announces its run_dir; until it does, "
+                "checkpoints cannot be seen"
             )
         elif not opts.run_dir.exists():
             self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")

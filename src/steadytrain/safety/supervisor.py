@@ -173,25 +173,22 @@ class Supervisor:
                 self._signal_child(signal.SIGTERM)  # we are failing: let the child save
 
     def _supervise(self) -> int:
-        run_dir = self.options.run_dir
         max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
         no_progress = 0  # failures in a row without a newer checkpoint
         delay = self.options.backoff_initial
         self._say_start()
         while True:
-            step_before = checkpoint_step(run_dir)
+            step_before = checkpoint_step(self.options.run_dir)
             oom_before = self._oom_kill_count()
             started = time.monotonic()
             returncode = self._run_child(max_micro)
-            self._learn_run_dir()
-            run_dir = self.options.run_dir
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
             oom_after = self._oom_kill_count()
             delta = None if None in (oom_before, oom_after) else oom_after - oom_before
             death = ChildExit(returncode, delta)
-            step = checkpoint_step(run_dir)
+            step = checkpoint_step(self.options.run_dir)
 
             final = self._final_code(death, step)
             if final is not None:
@@ -268,6 +265,9 @@ class Supervisor:
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
         write_end = None
+        if self._announced is not None:  # a grandchild of the last attempt kept it open
+            os.close(self._announced)
+            self._announced = None
         if self.options.run_dir is None:  # ask the child's Trainer where it writes
             self._announced, write_end = os.pipe()
             os.set_blocking(self._announced, False)
@@ -285,7 +285,9 @@ class Supervisor:
         finally:
             if write_end is not None:
                 os.close(write_end)
-        return self._wait(self._proc)
+        returncode = self._wait(self._proc)
+        self._learn_run_dir()  # what it said before it ended
+        return returncode
 
     def _learn_run_dir(self) -> None:
         """Take the run directory the child announced (ENV_ANNOUNCE_FD), once it did or ended."""

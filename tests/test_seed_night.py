@@ -225,3 +225,69 @@ def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
                         sys.executable, "-c", "import sys; sys.exit(1)")  # fmt: skip
     assert quiet.returncode == 4, quiet.stderr
     assert quiet.stderr.count("announced no run dir") == 1, quiet.stderr
+
+
+def test_resume_goes_on_when_the_effective_batch_is_kept_and_names_the_field_when_not(workspace):
+    config = seed_config(workspace, "refit")
+    run_dir = workspace / "refit"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "steadytrain.cli", "finetune", "--config", str(config), *SHORT],
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)  # interrupted, as the OS would
+    finally:
+        child.wait(timeout=60)
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+    halved = steadytrain("finetune", "--config", str(config), *SHORT,
+                         "--set", "gradient_accumulation_steps=4")  # fmt: skip
+    said = " ".join(halved.stderr.split())
+    assert halved.returncode == 2, said
+    assert (
+        "effective batch of 8 (per_device_train_batch_size 1 × gradient_accumulation_steps 8)"
+        in said
+    )
+    assert "this config gives 4" in said
+    assert "gradient_accumulation_steps 8 with per_device_train_batch_size 1" in said
+    assert '"resume_overrides": ["effective_batch_size"]' in said
+
+    kept = steadytrain("finetune", "--config", str(config), *SHORT,
+                       "--set", "per_device_train_batch_size=2",
+                       "--set", "gradient_accumulation_steps=4",
+                       "--set", "gradient_checkpointing=false")  # fmt: skip
+    said = " ".join(kept.stderr.split())
+    assert kept.returncode == 0, said
+    assert "resume: changed since the run started, keeping it the same run:" in said
+    for change in ("gradient_accumulation_steps: 8 -> 4", "per_device_train_batch_size: 1 -> 2",
+                   "gradient_checkpointing: True -> False"):  # fmt: skip
+        assert change in said, said
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert "resume" in [e["event"] for e in events]
+    assert [e["step"] for e in events if e["event"] == "fit_end"] == [6]
+
+
+def test_fp16_skipped_steps_are_counted_shown_and_reported_without_a_foreign_warning(workspace):
+    config = seed_config(workspace, "half")
+    done = steadytrain("finetune", "--config", str(config), "--set", "fp16=true",
+                       "--set", "max_steps=4", "--set", "save_steps=4")  # fmt: skip
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 0, said
+    rows = read_jsonl(workspace / "half" / "metrics.jsonl")
+    skipped = sum(1 for row in rows if row["skipped"])
+    assert skipped >= 1, rows  # 65536, the scaler's first scale, overflows fp16 gradients
+    assert f"{skipped} step(s) skipped by fp16 (inf/NaN gradients)" in said, said
+    assert "lr_scheduler.step()" not in said, said
+    saved = json.loads(
+        (workspace / "half" / "checkpoints" / "step-00000004" / "trainer_state.json").read_text()
+    )
+    assert saved["state"]["skipped_steps"] == skipped
+    report = steadytrain("report", str(workspace / "half"))
+    assert report.returncode == 0, report.stderr
+    assert f"{skipped} fp16-skipped step(s)" in report.stdout, report.stdout
+    assert "fp16 skipped steps" in (workspace / "half" / "report.html").read_text()

@@ -38,6 +38,7 @@ from steadytrain.recipes.data import (
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
+from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
     load_base_model,
@@ -65,6 +66,12 @@ class FinetuneJob:
         self.train_config = config.to_train_config()
         for note in config.notes:
             say(f"note: {note}")
+        changes = resume_changes(config, Path(self.train_config.run_dir))
+        if changes:
+            say(
+                "resume: changed since the run started, keeping it the same run: "
+                + "; ".join(changes)
+            )
         self.device = resolve_device(
             self.train_config.device, self.train_config.budget_bytes_or_fraction()
         )

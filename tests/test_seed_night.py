@@ -106,6 +106,8 @@ def test_a_misspelt_target_module_is_refused_naming_it_and_the_closest_names(wor
     assert "lora.target_modules: 'v_porj' matches no module" in said, said
     assert "did you mean 'v_proj'" in said, said
     assert not (workspace / "typo" / "checkpoints").exists()  # refused before training
+    log = (workspace / "typo" / "training.log").read_text()
+    assert "error: lora.target_modules: 'v_porj' matches no module" in log, log
 
 
 def test_the_docs_short_run_works_as_written_and_max_steps_alone_names_save_steps(workspace):
@@ -119,6 +121,14 @@ def test_the_docs_short_run_works_as_written_and_max_steps_alone_names_save_step
                        "save_steps=2")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (workspace / "docs" / "final" / "adapter_model.safetensors").is_file()
+    log = (workspace / "docs" / "training.log").read_text()  # what the console showed
+    for line in done.stderr.splitlines():
+        assert line in log, line
+    assert "finished at step 2" in log and "adapter:" in log, log
+    # The memory was checked before the base loaded, with the fine-tune's own settings.
+    said = " ".join(done.stderr.split())
+    assert "memory: estimated" in said and "at micro-batch 1 against a budget of" in said, said
+    assert said.index("memory: estimated") < said.index("model: ")
 
 
 def run_killed_once(cmd: list[str], run_dir: Path) -> tuple[subprocess.Popen, str, str]:
@@ -291,3 +301,23 @@ def test_fp16_skipped_steps_are_counted_shown_and_reported_without_a_foreign_war
     assert report.returncode == 0, report.stderr
     assert f"{skipped} fp16-skipped step(s)" in report.stdout, report.stdout
     assert "fp16 skipped steps" in (workspace / "half" / "report.html").read_text()
+
+
+def test_config_dry_run_and_estimate_read_the_commented_seed_config(workspace):
+    config = seed_config(workspace, "dry")
+    for args in (("config", str(config)), ("finetune", "--dry-run", "--config", str(config))):
+        done = steadytrain(*args)
+        said = " ".join(done.stdout.split())
+        assert done.returncode == 0, done.stderr
+        assert "settings (resolved" in said and '"gradient_accumulation_steps": 8' in said, said
+        assert '"effective_batch_size": 8, "micro_batch_size": 1' in said, said  # the engine's
+        assert "LoRA r=16 on all-linear" in said, said  # the fine-tune's defaults, not full
+        assert "fits: " in said and "plan: 8 samples per optimizer step" in said, said
+        assert "training.log" in said and "final/" in said and "every 250 steps" in said, said
+        assert not (workspace / "dry").exists()  # nothing written, nothing loaded
+
+    estimate = steadytrain("estimate", str(config))
+    said = " ".join(estimate.stdout.split())
+    assert estimate.returncode == 0, estimate.stderr
+    assert "LoRA r=16 on all-linear" in said and "micro-batch 1" in said, said
+    assert "activation checkpointing" in said, said

@@ -16,6 +16,7 @@ the supervisor and its child agree on. One place, so the writer (trainer, callba
       final/                 FINAL           the exported model or adapter
       training_config.json   TRAINING_CONFIG a fine-tune's resolved config (also in final/)
       adapters/step-N/       ADAPTERS        a fine-tune checkpoint exported as a peft adapter
+      training.log           TRAINING_LOG    a fine-tune's console output
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ REPORT_HTML = "report.html"
 FINAL = "final"
 TRAINING_CONFIG = "training_config.json"
 ADAPTERS = "adapters"
+TRAINING_LOG = "training.log"
 
 # The supervisor sets these in its child's environment.
 ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"  # "1": a supervisor restarts this process
@@ -62,4 +64,5 @@ __all__ = [
     "METRICS",
     "REPORT_HTML",
     "TRAINING_CONFIG",
+    "TRAINING_LOG",
 ]

@@ -56,7 +56,11 @@ def config_command(
         False, "--reference", help="Print the reference of every field (markdown) instead."
     ),
 ) -> None:
-    """Check a config file and print it resolved as JSON: exit 0 valid, 2 invalid."""
+    """Check a config file and print it resolved as JSON: exit 0 valid, 2 invalid.
+
+    A fine-tune config (model_name_or_path, train_file, ...) prints what `steadytrain finetune
+    --dry-run` prints: settings, memory estimate, plan, files (exit 3: does not fit).
+    """
     from steadytrain.config import TrainConfig, parse_overrides, reference_markdown
     from steadytrain.errors import BadInputError
 
@@ -65,6 +69,12 @@ def config_command(
         return
     if path is None:
         raise BadInputError("give a config file to check (steadytrain config FILE), or --reference")
+    from steadytrain.cli.finetune_commands import dry_run, is_finetune_file
+
+    if is_finetune_file(path):  # what `steadytrain finetune --dry-run` says
+        from steadytrain.recipes.finetune_config import FinetuneConfig
+
+        raise typer.Exit(dry_run(FinetuneConfig.load(path, overrides or [])))
     config = TrainConfig.load(path, overrides=parse_overrides(overrides or []))
     typer.echo(config.to_json(), nl=False)
 
@@ -140,8 +150,19 @@ def finetune_command(
         help="Change one key before running; the value is read as YAML (4, true, 2e-4); "
         "lora.r=8 reaches into a block. Repeatable.",
     ),
+    dry: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print the resolved settings, the memory estimate, the plan and the files it would "
+        "write; load and train nothing.",
+    ),
 ) -> None:
     """LoRA / QLoRA fine-tune of a Hugging Face causal LM; rerun on the same output_dir to resume."""
+    if dry:
+        from steadytrain.cli.finetune_commands import dry_run
+        from steadytrain.recipes.finetune_config import FinetuneConfig
+
+        raise typer.Exit(dry_run(FinetuneConfig.load(config, overrides or [])))
     from steadytrain.recipes.finetune import run_finetune
 
     result = run_finetune(config, overrides or [])

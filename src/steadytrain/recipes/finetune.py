@@ -38,6 +38,7 @@ from steadytrain.recipes.data import (
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
+from steadytrain.recipes.finetune_memory import memory_line
 from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
@@ -47,6 +48,7 @@ from steadytrain.recipes.model import (
     plan_base_load,
     resolve_model_path,
 )
+from steadytrain.recipes.training_log import training_log
 from steadytrain.trainer import FitResult, Trainer
 
 FINAL = run_files.FINAL
@@ -77,6 +79,8 @@ class FinetuneJob:
         )
         self.precision = resolve_precision(self.train_config.precision, self.device).name
         self.base_load = plan_base_load(config, self.device.type, self.precision)
+        if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
+            say(memory_line(config, self.device.type, self.device.budget))
         _check_optimizer(config.optim, self.device.type)
         self.model_path = resolve_model_path(config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -162,8 +166,11 @@ def run_finetune(
     config_path: str | os.PathLike, overrides: list[str] | Mapping[str, Any] | None = None
 ) -> FitResult:
     """Fine-tune as `config_path` says (with `--set key=value` overrides) and return the
-    result; its `exit_code` is the process exit code (DESIGN.md)."""
-    return FinetuneJob.from_file(config_path, overrides).run()
+    result; its `exit_code` is the process exit code (DESIGN.md). What the console shows is
+    kept in output_dir/training.log too."""
+    config = FinetuneConfig.load(config_path, overrides)
+    with training_log(Path(config.output_dir)):
+        return FinetuneJob(config).run()
 
 
 # -- optimizer and schedule ----------------------------------------------------------------

@@ -105,9 +105,7 @@ def test_a_misspelt_target_module_is_refused_naming_it_and_the_closest_names(wor
     assert done.returncode == 2, said
     assert "lora.target_modules: 'v_porj' matches no module" in said, said
     assert "did you mean 'v_proj'" in said, said
-    assert not (workspace / "typo" / "checkpoints").exists()  # refused before training
-    log = (workspace / "typo" / "training.log").read_text()
-    assert "error: lora.target_modules: 'v_porj' matches no module" in log, log
+    assert not (workspace / "typo").exists()  # refused before anything was written
 
 
 def test_the_docs_short_run_works_as_written_and_max_steps_alone_names_save_steps(workspace):

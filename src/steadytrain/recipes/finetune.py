@@ -169,8 +169,10 @@ def run_finetune(
     result; its `exit_code` is the process exit code (DESIGN.md). What the console shows is
     kept in output_dir/training.log too."""
     config = FinetuneConfig.load(config_path, overrides)
-    with training_log(Path(config.output_dir)):
-        return FinetuneJob(config).run()
+    with training_log() as log:
+        job = FinetuneJob(config)  # a refusal here writes nothing
+        log.start(Path(job.train_config.run_dir))
+        return job.run()
 
 
 # -- optimizer and schedule ----------------------------------------------------------------

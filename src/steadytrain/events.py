@@ -203,6 +203,7 @@ class StepMetrics(dict):
         self._on_resolve = on_resolve
         self._resolved = not any(_pending(v) for v in values.values())
         if self._resolved and on_resolve is not None:
+            self._on_resolve = None
             on_resolve(self)
 
     @property
@@ -219,8 +220,9 @@ class StepMetrics(dict):
             for key, value in items:
                 if isinstance(value, DeviceSpan):
                     dict.__setitem__(self, key, value.seconds())
-            if self._on_resolve is not None:
-                self._on_resolve(self)
+            on_resolve, self._on_resolve = self._on_resolve, None  # once; frees what it holds
+            if on_resolve is not None:
+                on_resolve(self)
         return self
 
     def __getitem__(self, key: str) -> Any:

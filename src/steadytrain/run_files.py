@@ -14,6 +14,9 @@ the supervisor and its child agree on. One place, so the writer (trainer, callba
       .lock                  LOCK            one writer per run directory
       report.html            REPORT_HTML     `steadytrain report`
       final/                 FINAL           the exported model or adapter
+      training_config.json   TRAINING_CONFIG a fine-tune's resolved config (also in final/)
+      adapters/step-N/       ADAPTERS        a fine-tune checkpoint exported as a peft adapter
+      training.log           TRAINING_LOG    a fine-tune's console output
 """
 
 from __future__ import annotations
@@ -29,16 +32,24 @@ HEARTBEAT = "heartbeat"
 LOCK = ".lock"
 REPORT_HTML = "report.html"
 FINAL = "final"
+TRAINING_CONFIG = "training_config.json"
+ADAPTERS = "adapters"
+TRAINING_LOG = "training.log"
 
 # The supervisor sets these in its child's environment.
 ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"  # "1": a supervisor restarts this process
 ENV_RESTART = "STEADYTRAIN_RESTART"  # how many times the supervisor has restarted it
 ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"  # cap after the OS killed it for memory
 ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"  # where the supervisor looks for progress
+# A pipe's write end, open in the child while the supervisor does not know the run directory:
+# a Trainer writes its run_dir there, one line, when fit() starts (safety.child.announce_run_dir).
+ENV_ANNOUNCE_FD = "STEADYTRAIN_ANNOUNCE_FD"
 
 __all__ = [
+    "ADAPTERS",
     "CHECKPOINTS",
     "CONFIG",
+    "ENV_ANNOUNCE_FD",
     "ENV_MAX_MICRO_BATCH",
     "ENV_RESTART",
     "ENV_RUN_DIR",
@@ -52,4 +63,6 @@ __all__ = [
     "LOCK",
     "METRICS",
     "REPORT_HTML",
+    "TRAINING_CONFIG",
+    "TRAINING_LOG",
 ]

@@ -32,6 +32,7 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
+from steadytrain.safety.child import announce_run_dir
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
@@ -101,6 +102,7 @@ class Trainer:
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
+        announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
         # RunLock creates run_dir or says why it cannot; a full disk anywhere is exit 6
         with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(run_dir):
             return self._fit_locked(run_dir)

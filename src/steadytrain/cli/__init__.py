@@ -56,7 +56,11 @@ def config_command(
         False, "--reference", help="Print the reference of every field (markdown) instead."
     ),
 ) -> None:
-    """Check a config file and print it resolved as JSON: exit 0 valid, 2 invalid."""
+    """Check a config file and print it resolved as JSON: exit 0 valid, 2 invalid.
+
+    A fine-tune config (model_name_or_path, train_file, ...) prints what `steadytrain finetune
+    --dry-run` prints: settings, memory estimate, plan, files (exit 3: does not fit).
+    """
     from steadytrain.config import TrainConfig, parse_overrides, reference_markdown
     from steadytrain.errors import BadInputError
 
@@ -65,6 +69,12 @@ def config_command(
         return
     if path is None:
         raise BadInputError("give a config file to check (steadytrain config FILE), or --reference")
+    from steadytrain.cli.finetune_commands import dry_run, is_finetune_file
+
+    if is_finetune_file(path):  # what `steadytrain finetune --dry-run` says
+        from steadytrain.recipes.finetune_config import FinetuneConfig
+
+        raise typer.Exit(dry_run(FinetuneConfig.load(path, overrides or [])))
     config = TrainConfig.load(path, overrides=parse_overrides(overrides or []))
     typer.echo(config.to_json(), nl=False)
 
@@ -87,8 +97,8 @@ def run_command(
     run_dir: str | None = typer.Option(
         None,
         "--run-dir",
-        help="The run directory, to see new checkpoints and write restart events "
-        "(default $STEADYTRAIN_RUN_DIR).",
+        help="The run directory, to see new checkpoints and write restart events (default "
+        "$STEADYTRAIN_RUN_DIR, a fine-tune's output_dir, or the run_dir the child announces).",
     ),
     backoff_initial: float | None = typer.Option(
         None, "--backoff-initial", help="Seconds before the first restart (default 1)."
@@ -115,6 +125,7 @@ def run_command(
     """
     import os
 
+    from steadytrain.cli.run_locate import finetune_run_dir
     from steadytrain.safety.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
 
     if not command:
@@ -125,7 +136,7 @@ def run_command(
         "backoff_max": backoff_max,
         "stop_timeout": stop_timeout,
         "first_heartbeat_s": first_heartbeat_timeout,
-        "run_dir": resolve_run_dir(run_dir, os.environ),
+        "run_dir": resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
     }
     options = SupervisorOptions(**{k: v for k, v in given.items() if v is not None})
     raise typer.Exit(Supervisor(command, options).run())
@@ -146,8 +157,19 @@ def finetune_command(
         help="Change one key before running; the value is read as YAML (4, true, 2e-4); "
         "lora.r=8 reaches into a block. Repeatable.",
     ),
+    dry: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print the resolved settings, the memory estimate, the plan and the files it would "
+        "write; load and train nothing.",
+    ),
 ) -> None:
     """LoRA / QLoRA fine-tune of a Hugging Face causal LM; rerun on the same output_dir to resume."""
+    if dry:
+        from steadytrain.cli.finetune_commands import dry_run
+        from steadytrain.recipes.finetune_config import FinetuneConfig
+
+        raise typer.Exit(dry_run(FinetuneConfig.load(config, overrides or [])))
     from steadytrain.recipes.finetune import run_finetune
 
     result = run_finetune(config, overrides or [])
@@ -280,6 +302,21 @@ def evaluate_command(
     from steadytrain.recipes.evaluate import evaluate_command as run_evaluate
 
     raise typer.Exit(run_evaluate(**ctx.params))
+
+
+@app.command("export")
+def export_command(
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", help="A fine-tune's run directory."),
+    step: int | None = typer.Option(
+        None, "--step", metavar="N", help="The checkpoint's step (default: the newest)."
+    ),
+) -> None:
+    """Write a checkpoint's adapter as a peft folder (RUN_DIR/adapters/step-N/): exit 0, 2."""
+    from steadytrain.recipes.checkpoint_export import export_checkpoint
+
+    folder = export_checkpoint(run_dir, step)
+    typer.echo(f"adapter: {folder}")
+    typer.echo(f"next:\n  steadytrain generate {folder} 'Once upon a time'")
 
 
 @app.command("report")

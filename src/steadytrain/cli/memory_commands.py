@@ -44,8 +44,15 @@ def register(app: typer.Typer) -> None:
 
 def estimate_command(model: str, *, json_output: bool = False, console=None, **given: Any) -> int:
     """`steadytrain estimate`: print the breakdown; exit 0 fits or unknown, 3 does not fit."""
+    from steadytrain.cli.finetune_commands import is_finetune_file
     from steadytrain.memory.estimate import estimate, load_config
 
+    if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
+        from steadytrain.recipes.finetune_config import FinetuneConfig
+        from steadytrain.recipes.finetune_memory import estimate_settings
+
+        config = FinetuneConfig.load(model)
+        given, model = {**given, **estimate_settings(config)}, config.model_name_or_path
     settings = from_options("estimate", given)
     settings.check("estimate")
     budget, source, resolved = resolve_target(settings)

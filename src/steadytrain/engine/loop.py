@@ -61,7 +61,16 @@ class Loop:
             step_time=data_time + values["compute_time"] + values["optimizer_time"],
             memory=self.runner.device.memory().to_dict(),
         )
-        return StepMetrics(values, self._account)
+        previous = self.last_metrics
+
+        def account(metrics: StepMetrics) -> None:
+            # Steps resolve in order, so the counters a checkpoint of this step saves include
+            # the steps before it that no reader had resolved yet.
+            if previous is not None:
+                previous.resolve()
+            self._account(metrics)
+
+        return StepMetrics(values, account)
 
     def run(self) -> tuple[str, int]:
         """Train until max_steps or a stop request. Returns (reason, exit_code)."""

@@ -14,6 +14,7 @@ gradient is divided by the batch's total count, so padding and uneven splits do 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -35,6 +36,8 @@ from steadytrain.events import DeviceSpan, Event, TrainState
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 Emit = Callable[[Event, dict], None]
+
+_SCHEDULER_ORDER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
 class SaverLadder(Protocol):
@@ -304,7 +307,11 @@ class StepRunner:
             self.optimizer.step()
         self._versions_before_optimizer = None
         if self.scheduler is not None:
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                # A step fp16's scaler skipped did not call optimizer.step(), so PyTorch thinks the
+                # order is wrong; it is not (the skip is counted in skipped_steps instead).
+                warnings.filterwarnings("ignore", message=_SCHEDULER_ORDER, category=UserWarning)
+                self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._phase = "idle"
         skipped = scaler._scale < scale_before if scale_before is not None else False

@@ -1,7 +1,8 @@
 """What a fine-tune leaves behind, found and loaded the same way by `merge`, `generate` and
 `evaluate`.
 
-A user points these commands at one of three things: a run directory (``RUN_DIR``, whose
+A user points these commands at one of four things: a checkpoint folder (exported as an adapter
+first, `checkpoint_export`), a run directory (``RUN_DIR``, whose
 ``final/`` holds the export), a peft adapter folder (``adapter_config.json`` and
 ``adapter_model.safetensors``, whose config names the base model), or a plain model folder (a
 merged model, or any Hugging Face causal LM). `resolve_artifact` decides which it is once, so the
@@ -153,8 +154,14 @@ def _looks_like_hub_id(name: str) -> bool:
 
 def resolve_artifact(path: str | Path, base: str | None = None, what: str = "MODEL") -> Artifact:
     """Decide what `path` is (run directory, adapter folder or model folder) and check that the
-    files each needs are there. `what` names the argument in errors."""
-    folder = _locate(Path(path).expanduser(), what)
+    files each needs are there. `what` names the argument in errors. A checkpoint folder of a
+    fine-tune (RUN_DIR/checkpoints/step-N) is exported as an adapter first."""
+    from steadytrain.recipes.checkpoint_export import export_checkpoint_folder, is_checkpoint_folder
+
+    given = Path(path).expanduser()
+    if is_checkpoint_folder(given):
+        given = export_checkpoint_folder(given)
+    folder = _locate(given, what)
     config_file = folder / ADAPTER_CONFIG
     if config_file.is_file():
         adapter_config = _read_json(config_file)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from steadytrain import run_files
-from steadytrain._durable import replace_dir, sync_tree
+from steadytrain._durable import replace_dir, sync_tree, write_atomic
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
@@ -38,6 +38,8 @@ from steadytrain.recipes.data import (
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
+from steadytrain.recipes.finetune_memory import memory_line
+from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
     load_base_model,
@@ -46,10 +48,11 @@ from steadytrain.recipes.model import (
     plan_base_load,
     resolve_model_path,
 )
+from steadytrain.recipes.training_log import training_log
 from steadytrain.trainer import FitResult, Trainer
 
 FINAL = run_files.FINAL
-TRAINING_CONFIG = "training_config.json"
+TRAINING_CONFIG = run_files.TRAINING_CONFIG
 
 
 def say(line: str) -> None:
@@ -65,11 +68,19 @@ class FinetuneJob:
         self.train_config = config.to_train_config()
         for note in config.notes:
             say(f"note: {note}")
+        changes = resume_changes(config, Path(self.train_config.run_dir))
+        if changes:
+            say(
+                "resume: changed since the run started, keeping it the same run: "
+                + "; ".join(changes)
+            )
         self.device = resolve_device(
             self.train_config.device, self.train_config.budget_bytes_or_fraction()
         )
         self.precision = resolve_precision(self.train_config.precision, self.device).name
         self.base_load = plan_base_load(config, self.device.type, self.precision)
+        if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
+            say(memory_line(config, self.device.type, self.device.budget))
         _check_optimizer(config.optim, self.device.type)
         self.model_path = resolve_model_path(config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -125,6 +136,8 @@ class FinetuneJob:
             scheduler=scheduler_factory(cfg.lr_scheduler_type, warmup, total),
             collate_fn=Collator(pad_token_id(self.tokenizer)),
         )
+        if int(os.environ.get("RANK", "0")) == 0:
+            record_config(cfg, Path(self.train_config.run_dir))
         result = trainer.fit()
         if result.exit_code != 0 or int(os.environ.get("RANK", "0")) != 0:
             return result  # one process exports; a stopped run has nothing final to export
@@ -153,8 +166,13 @@ def run_finetune(
     config_path: str | os.PathLike, overrides: list[str] | Mapping[str, Any] | None = None
 ) -> FitResult:
     """Fine-tune as `config_path` says (with `--set key=value` overrides) and return the
-    result; its `exit_code` is the process exit code (DESIGN.md)."""
-    return FinetuneJob.from_file(config_path, overrides).run()
+    result; its `exit_code` is the process exit code (DESIGN.md). What the console shows is
+    kept in output_dir/training.log too."""
+    config = FinetuneConfig.load(config_path, overrides)
+    with training_log() as log:
+        job = FinetuneJob(config)  # a refusal here writes nothing
+        log.start(Path(job.train_config.run_dir))
+        return job.run()
 
 
 # -- optimizer and schedule ----------------------------------------------------------------
@@ -232,10 +250,15 @@ def scheduler_factory(name: str, warmup: int, total: int) -> Callable[[Any], Any
 
 def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Path) -> Path:
     """Write RUN_DIR/final/ (adapter_model.safetensors, adapter_config.json, tokenizer files,
-    training_config.json) into a staging folder, fsync it, and rename it into place, so a kill
-    during export leaves either the old final/ or the new one, never half of one."""
-    final = run_dir / FINAL
-    staging = run_dir / f".{FINAL}.staging-{os.getpid()}"
+    training_config.json), atomically: see `export_adapter`."""
+    return export_adapter(model, tokenizer, config, run_dir / FINAL)
+
+
+def export_adapter(model: Any, tokenizer: Any, config: FinetuneConfig, target: Path) -> Path:
+    """Write the adapter, the tokenizer and the resolved config into a staging folder beside
+    `target`, fsync it, and rename it into place, so a kill during export leaves either the old
+    folder or the new one, never half of one."""
+    staging = target.parent / f".{target.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -243,11 +266,18 @@ def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Pa
         tokenizer.save_pretrained(staging)
         (staging / TRAINING_CONFIG).write_text(json.dumps(config.resolved(), indent=2) + "\n")
         sync_tree(staging)
-        replace_dir(staging, final)
+        replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return final
+    return target
+
+
+def record_config(config: FinetuneConfig, run_dir: Path) -> None:
+    """RUN_DIR/training_config.json: the resolved config, written before training, so a
+    checkpoint can be exported as an adapter while the run is still going."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / TRAINING_CONFIG, json.dumps(config.resolved(), indent=2) + "\n")
 
 
 @torch.no_grad()

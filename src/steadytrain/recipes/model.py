@@ -10,6 +10,7 @@ model's own switch (`activation_checkpointing: true`, or when one sample does no
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import warnings
@@ -164,6 +165,7 @@ def add_lora(model: Any, config: FinetuneConfig) -> Any:
     from peft import LoraConfig, get_peft_model
 
     lora = config.lora
+    check_target_modules(model, lora.target_modules)
     peft_config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
@@ -186,6 +188,33 @@ def add_lora(model: Any, config: FinetuneConfig) -> Any:
         ) from None
 
 
+def check_target_modules(model: torch.nn.Module, targets: str | list[str]) -> None:
+    """Refuse a `lora.target_modules` entry that matches no module of `model` (peft matches a
+    name by its last dotted parts), naming it and the closest real names: peft itself is
+    silent when another entry matches, and a typo would train fewer layers than asked."""
+    if isinstance(targets, str):
+        return  # "all-linear" (a pattern is peft's to read)
+    names = [name for name, _ in model.named_modules() if name]
+    leaves = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
+    )
+    problems = []
+    for entry in targets:
+        if any(name == entry or name.endswith(f".{entry}") for name in names):
+            continue
+        close = difflib.get_close_matches(entry, leaves, n=3, cutoff=0.5) or leaves[:6]
+        problems.append(
+            f"lora.target_modules: {entry!r} matches no module of this model; did you mean "
+            f"{' or '.join(repr(name) for name in close)}? (its linear layers: {', '.join(leaves)})"
+        )
+    if problems:
+        raise BadInputError("; ".join(problems))
+
+
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -201,6 +230,7 @@ __all__ = [
     "DTYPES",
     "BaseLoad",
     "add_lora",
+    "check_target_modules",
     "load_base_model",
     "load_tokenizer",
     "parameter_counts",

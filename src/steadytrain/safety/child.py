@@ -4,6 +4,7 @@ the OS out-of-memory killer's counter, and how the child ended (`ChildExit`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -260,3 +261,13 @@ def _sigkill_cause(oom_kill_delta: int | None) -> str:
         "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
         "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
     )
+
+
+def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:
+    """Tell a supervising `steadytrain run` where this run writes (the child's side of
+    ENV_ANNOUNCE_FD); nothing happens when no supervisor asked."""
+    text = environ.get(run_files.ENV_ANNOUNCE_FD, "")
+    if not text.isdigit():
+        return
+    with contextlib.suppress(OSError):  # the supervisor went away: nobody to tell
+        os.write(int(text), f"{os.path.abspath(run_dir)}\n".encode())

@@ -31,6 +31,7 @@ The child resumes from its checkpoint by itself; the supervisor only restarts it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -44,7 +45,13 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain.errors import DISK_FULL_EXIT, BadInputError, RunDiskFullError
-from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART, ENV_RUN_DIR, ENV_SUPERVISED
+from steadytrain.run_files import (
+    ENV_ANNOUNCE_FD,
+    ENV_MAX_MICRO_BATCH,
+    ENV_RESTART,
+    ENV_RUN_DIR,
+    ENV_SUPERVISED,
+)
 from steadytrain.safety.child import (
     HANG,
     SHRINK,
@@ -156,6 +163,8 @@ class Supervisor:
         self._child_started = 0.0  # our monotonic time when the attempt started
         self._beats_known = False  # an attempt of ours wrote a heartbeat: the child writes them
         self._next_beat_check = 0.0
+        self._announced: int | None = None  # read end of the ENV_ANNOUNCE_FD pipe
+        self._said_unlocated = False
 
     # -- the loop, top to bottom --
 
@@ -176,13 +185,12 @@ class Supervisor:
                 self._signal_child(signal.SIGTERM)  # we are failing: let the child save
 
     def _supervise(self) -> int:
-        run_dir = self.options.run_dir
         max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
         no_progress = 0  # failures in a row without a newer checkpoint
         delay = self.options.backoff_initial
         self._say_start()
         while True:
-            step_before = checkpoint_step(run_dir)
+            step_before = checkpoint_step(self.options.run_dir)
             oom_before = self._oom_kill_count()
             started = time.monotonic()
             returncode = self._run_child(max_micro)
@@ -192,7 +200,7 @@ class Supervisor:
             oom_after = self._oom_kill_count()
             delta = None if None in (oom_before, oom_after) else oom_after - oom_before
             death = ChildExit(returncode, delta)
-            step = checkpoint_step(run_dir)
+            step = checkpoint_step(self.options.run_dir)
 
             final = self._final_code(death, step)
             if final is not None:
@@ -272,12 +280,53 @@ class Supervisor:
         self._child_started = time.monotonic()
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
+        write_end = None
+        if self._announced is not None:  # a grandchild of the last attempt kept it open
+            os.close(self._announced)
+            self._announced = None
+        if self.options.run_dir is None:  # ask the child's Trainer where it writes
+            self._announced, write_end = os.pipe()
+            os.set_blocking(self._announced, False)
+            env[ENV_ANNOUNCE_FD] = str(write_end)
         try:
             # Own session: a terminal's Ctrl-C reaches only us, and we forward it once.
-            self._proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.command,
+                env=env,
+                start_new_session=True,
+                pass_fds=() if write_end is None else (write_end,),
+            )
         except OSError as exc:
             raise BadInputError(f"cannot start {shlex.join(self.command)}: {exc}") from exc
-        return self._wait(self._proc)
+        finally:
+            if write_end is not None:
+                os.close(write_end)
+        returncode = self._wait(self._proc)
+        self._learn_run_dir()  # what it said before it ended
+        return returncode
+
+    def _learn_run_dir(self) -> None:
+        """Take the run directory the child announced (ENV_ANNOUNCE_FD), once it did or ended."""
+        if self._announced is None:
+            return
+        try:
+            text = os.read(self._announced, 65536).decode(errors="replace").strip()
+        except BlockingIOError:
+            return  # nothing yet, and the child is still there
+        except OSError:
+            text = ""
+        os.close(self._announced)
+        self._announced = None
+        if text:
+            line = text.splitlines()[0]
+            self.options = dataclasses.replace(self.options, run_dir=Path(line))
+            self._say(f"run dir {line} (announced by the child); counting progress there")
+        elif not self._said_unlocated:
+            self._said_unlocated = True
+            self._say(
+                "the child announced no run dir (it does not train through steadytrain's "
+                "Trainer): pass --run-dir to count its checkpoints as progress"
+            )
 
     def _wait(self, proc: subprocess.Popen) -> int:
         deadline: float | None = None
@@ -294,6 +343,7 @@ class Supervisor:
                 self._signal_child(signal.SIGKILL)
                 self._sent_kill = True
             if self._stop_signal is None:
+                self._learn_run_dir()
                 self._watch_heartbeat(proc)
             try:
                 return proc.wait(timeout=POLL_S)
@@ -518,8 +568,9 @@ class Supervisor:
         )
         if opts.run_dir is None:
             self._say(
-                "no run dir (--run-dir or $STEADYTRAIN_RUN_DIR): checkpoints cannot be seen, so "
-                "every restart counts as one without progress"
+                "run dir not known yet (no --run-dir, $STEADYTRAIN_RUN_DIR or fine-tune "
+                "output_dir): a Trainer in the child announces its run_dir; until it does, "
+                "checkpoints cannot be seen"
             )
         elif not opts.run_dir.exists():
             self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")

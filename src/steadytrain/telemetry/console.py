@@ -102,7 +102,12 @@ class ConsoleLog(Callback):
         took = time.perf_counter() - self._start
         self.console.print(
             f"{info['reason']} at step {state.step} in {took:.1f}s; final micro-batch "
-            f"{state.micro_batch_size}, {state.oom_count} out-of-memory event(s)",
+            f"{state.micro_batch_size}, {state.oom_count} out-of-memory event(s)"
+            + (
+                f", {state.skipped_steps} step(s) skipped by fp16 (inf/NaN gradients)"
+                if state.skipped_steps
+                else ""
+            ),
             markup=False,
         )
 

@@ -243,6 +243,8 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
                 f"{duration_text(computing)} in the kept steps",
             )
         )
+    if skipped := fp16_skipped(run):
+        rows.append(("fp16 skipped steps", f"{skipped} (the grad scaler found inf/NaN gradients)"))
     rows.append(
         (
             "lost steps",
@@ -279,6 +281,11 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     return rows
 
 
+def fp16_skipped(run: Run) -> int:
+    """Steps fp16's grad scaler skipped (inf/NaN gradients), from the kept metrics lines."""
+    return sum(1 for row in run.steps if row.get("skipped") is True)
+
+
 def summary_line(run: Run) -> str:
     """One line for the terminal."""
     last = run.steps[-1]["step"] if run.steps else 0
@@ -290,6 +297,8 @@ def summary_line(run: Run) -> str:
         f"{run.counts['restart']} restart(s)",
         f"{run.lost_steps} lost step(s)",
     ]
+    if skipped := fp16_skipped(run):
+        parts.append(f"{skipped} fp16-skipped step(s)")
     peak = peak_memory(run)
     if peak is not None:
         parts.append(f"peak {gib(peak[0])}")

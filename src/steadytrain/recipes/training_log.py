@@ -1,0 +1,79 @@
+"""RUN_DIR/training.log: what the console showed during a fine-tune, kept after the terminal
+closes (the seed's ``tail -100 logs/training.log``). Everything written to stderr while the run
+is in the block (our lines, the progress lines, warnings, the error that ended it) goes to the
+file as well, each write flushed, so a SIGKILL loses nothing already shown. Until `start` names
+the run directory the lines are held in memory: a config refused before training writes
+nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from steadytrain import run_files
+from steadytrain.errors import SteadytrainError
+
+TRAINING_LOG = run_files.TRAINING_LOG
+
+
+class TrainingLog:
+    """A text stream writing to the console stream and to the log file (held until `start`)."""
+
+    def __init__(self, console: TextIO):
+        self._console = console
+        self._held: list[str] = []
+        self._file: TextIO | None = None
+
+    def start(self, run_dir: Path) -> Path:
+        """Open RUN_DIR/training.log (appended: a resumed run continues it) and write what the
+        console showed so far."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / TRAINING_LOG
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._file.write("".join(self._held))
+        self._file.flush()
+        self._held = []
+        return path
+
+    def write(self, text: str) -> int:
+        if self._file is None:
+            self._held.append(text)
+        else:
+            self._file.write(text)
+            self._file.flush()
+        return self._console.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        self._console.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the console's
+        return getattr(self._console, name)
+
+
+@contextlib.contextmanager
+def training_log() -> Iterator[TrainingLog]:
+    """Copy stderr into the log for the duration of the block."""
+    console = sys.stderr
+    log = TrainingLog(console)
+    sys.stderr = log  # type: ignore[assignment]
+    try:
+        yield log
+    except SteadytrainError as exc:  # the console shows it after we return: keep it too
+        if log._file is not None:
+            log._file.write(f"error: {exc}\n")
+        raise
+    finally:
+        sys.stderr = console
+        log.close()
+
+
+__all__ = ["TRAINING_LOG", "TrainingLog", "training_log"]

@@ -21,7 +21,7 @@ from steadytrain import run_files
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
-from steadytrain.engine.batching import split_batch, to_device
+from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
@@ -53,7 +53,7 @@ from steadytrain.trainer_program import (
     restore_program_state,
     with_program_state,
 )
-from steadytrain.user_state import check_user_state
+from steadytrain.user_state import check_user_state, restore, select, snapshot
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -198,14 +198,7 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
-        settings |= order_identity(self.data, cfg)
-        if self.user_state:
-            settings["user_state"] = sorted(self.user_state)
-        self._notes = []
-        identity = run_identity(
-            model, optimizer, scheduler, SeededFetch(self.dataset), settings, self._notes
-        )
+        identity = self._identity(model, optimizer, scheduler)
         savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
         emit = Dispatcher([], state, Control())
         runner = StepRunner(
@@ -235,6 +228,17 @@ class Trainer:
             emit,
             scheduler=scheduler,
         )
+
+    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
+        """The run's identity; what the data fingerprint checks by type only goes to _notes."""
+        cfg = self.config
+        settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
+        settings |= order_identity(self.data, cfg)
+        if self.user_state:
+            settings["user_state"] = sorted(self.user_state)
+        self._notes = []
+        data = SeededFetch(self.dataset)
+        return run_identity(model, optimizer, scheduler, data, settings, self._notes)
 
     def _sampler(self) -> OptimizerBatchSampler:
         cfg = self.config
@@ -366,13 +370,14 @@ class Trainer:
             piece = to_device(
                 split_batch(batch, size)[0], run.device.torch_device, run.runner.non_blocking
             )
+            select(self.user_state, 0, size, batch_len(batch))  # the first `size` samples' state
             trial_pass(model, self.loss_fn, piece, run.precision.autocast)
 
         before = savers.snapshot()
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
         offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        with _left_as_found(model, savers):
+        with _left_as_found(model, savers, self.user_state):
             chosen = plan(
                 savers.trial_run(one_pass, before.chunked_loss),
                 run.device,
@@ -472,15 +477,19 @@ class RecordAtStart(Callback):
 
 
 @contextlib.contextmanager
-def _left_as_found(model: torch.nn.Module, savers: MemorySavers) -> Iterator[None]:
-    """Every RNG stream, the model's buffers (BatchNorm statistics) and the memory savers put
-    back afterwards: the planner's passes leave no trace in the run."""
+def _left_as_found(
+    model: torch.nn.Module, savers: MemorySavers, user_state: dict[str, Any]
+) -> Iterator[None]:
+    """Every RNG stream, the model's buffers (BatchNorm statistics), the memory savers and the
+    state the program carries put back afterwards: the planner's passes leave no trace."""
     rng = get_rng_state()
     buffers = [b.detach().clone() for b in model.buffers()]
     before = savers.snapshot()
+    carried = snapshot(user_state)
     try:
         yield
     finally:
+        restore(user_state, carried)
         set_rng_state(rng)
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), buffers, strict=True):

@@ -47,7 +47,7 @@ def test_defaults():
         "progress": "auto",
         "tensorboard": False,
         "seed": 0,
-        "max_grad_norm": 1.0,
+        "max_grad_norm": None,  # no clipping unless asked (issue 11)
         "drop_last": True,
         "shuffle": True,
         "num_workers": 0,
@@ -55,6 +55,12 @@ def test_defaults():
         "compile": False,
         "log_every_steps": 10,
         "async_save": "auto",
+        "evaluate_every_steps": None,
+        "evaluate_every_epochs": None,
+        "eval_batch": None,
+        "eval_metric": "eval_loss",
+        "eval_mode": "min",
+        "keep_best": False,
         "resume_overrides": [],
     }
 

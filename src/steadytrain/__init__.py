@@ -19,12 +19,17 @@ def __getattr__(name: str):
         from steadytrain import trainer
 
         return getattr(trainer, name)
+    if name in ("CarriedState", "UserState"):  # torch too
+        from steadytrain import user_state
+
+        return getattr(user_state, name)
     raise AttributeError(f"module 'steadytrain' has no attribute {name!r}")
 
 
 __all__ = [
     "BadInputError",
     "Callback",
+    "CarriedState",
     "ConfigError",
     "Control",
     "DeviceUnavailableError",
@@ -36,6 +41,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "Trainer",
+    "UserState",
     "__version__",
     "entrypoint",
 ]

@@ -1,3 +1,4 @@
+# long-module: every setting is a field with its documentation and the reason for its default
 """The one validated config tree. Each field's description is its documentation and its default's
 reason; `docs/config.md` is generated from this file (`python -m steadytrain.config > docs/config.md`)
 and a test keeps the two equal.
@@ -201,23 +202,33 @@ class TrainConfig(BaseModel):
         description="Also write loss, learning rate, step time and memory as TensorBoard scalars "
         "to RUN_DIR/tensorboard (needs the tensorboard package).",
     )
-    seed: int = Field(
+    seed: int | None = Field(
         0,
         ge=0,
-        description="Seeds the data order, the RNG streams and the model's random ops.",
+        description="Seeds the data order, the RNG streams and the model's random ops when "
+        "fit() starts. null: the RNG streams stay as the program left them (a ported program "
+        "that seeded itself and built its model draws the same dropout masks as its own loop); "
+        "the data order then uses seed 0.",
     )
     max_grad_norm: float | None = Field(
-        1.0,
+        None,
         gt=0,
-        description="Clip the gradient norm to this before each optimizer step; null for no "
-        "clipping.",
+        description="Clip the gradient norm to this before each optimizer step; null (the "
+        "default) does not clip: a program that did not clip trains as it did. The fine-tune "
+        "recipe sets 1.0, as Hugging Face's Trainer does.",
     )
     drop_last: bool = Field(
         True,
         description="Drop an epoch's last batch when it is smaller than effective_batch_size, so "
-        "every step sees the same batch size.",
+        "every step sees the same batch size; the samples dropped per epoch are shown at the "
+        "start. A DataLoader passed as train_data keeps its own drop_last (setting this "
+        "against it is refused).",
     )
-    shuffle: bool = Field(True, description="Shuffle the data each epoch (seeded).")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle the data each epoch (seeded). A DataLoader passed as train_data "
+        "keeps its own sampler and order (setting this against it is refused).",
+    )
     num_workers: int = Field(
         0,
         ge=0,
@@ -251,6 +262,40 @@ class TrainConfig(BaseModel):
         "keep_last is at least 2; true needs keep_last of at least 2, because the newest "
         "checkpoint may be half-written when the process dies and the one before it must stay.",
     )
+    # -- evaluation during training (engine/evaluation.py); the data is Trainer(eval_data=...) --
+    evaluate_every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Evaluate every this many optimizer steps (needs eval_data). With neither "
+        "this nor evaluate_every_epochs set, a run given eval_data evaluates at each epoch's end.",
+    )
+    evaluate_every_epochs: int | None = Field(
+        None,
+        ge=1,
+        description="Evaluate after the last step of every this many epochs (needs eval_data).",
+    )
+    eval_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per evaluation batch. null: the eval DataLoader's batch_size, or "
+        "effective_batch_size for a dataset. Out of memory splits it into smaller micro-batches.",
+    )
+    eval_metric: str = Field(
+        "eval_loss",
+        description="The evaluation metric that keep_best and a scheduler whose step() takes a "
+        "metric (ReduceLROnPlateau) read: eval_loss (loss_fn's mean over eval_data) or a name "
+        "the Trainer's eval_fn returns.",
+    )
+    eval_mode: Literal["min", "max"] = Field(
+        "min",
+        description="Whether a lower (loss) or a higher (accuracy) eval_metric is better.",
+    )
+    keep_best: bool = Field(
+        False,
+        description="Keep a full checkpoint of the best evaluation so far in "
+        "RUN_DIR/best/checkpoints/ (written when eval_metric improves, synchronously).",
+    )
+    # -- end of evaluation fields -------------------------------------------------------------
     resume_overrides: list[RunDefiningField] = Field(
         default_factory=list,
         description="Run-defining values allowed to differ from the checkpoint being resumed "

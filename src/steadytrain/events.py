@@ -13,6 +13,11 @@ The loop, with each event where it fires::
             #     oom; drop partial grads, free cache; shrink (halve micro_batch_size)
             #     or memory_saver (activation checkpointing); redo this same batch
             unscale, clip, optimizer step, scheduler step, zero grads
+            if evaluation is due (evaluate_every_steps, or evaluate_every_epochs at an epoch's last step):
+                for micro_batch in eval_data:
+                    forward under no_grad
+                    eval_step_end                 # heartbeat: one per evaluation micro-batch
+                evaluation_end                    # info["metrics"]; a plateau scheduler steps
             step_end                              # info["metrics"]: one row of metrics.jsonl
         epoch_end
     fit_end                                       # info["reason"]: "finished" | "stopped"
@@ -44,6 +49,8 @@ class Event(str, enum.Enum):
     OOM = "oom"  # phase, micro_batch_size, error, memory
     SHRINK = "shrink"  # old, new, reason, memory
     MEMORY_SAVER = "memory_saver"  # saver, reason, memory
+    EVAL_STEP_END = "eval_step_end"  # index
+    EVALUATION_END = "evaluation_end"  # metrics, epoch, best (eval_metric improved)
     STEP_END = "step_end"  # metrics
     EPOCH_END = "epoch_end"  # epoch, memory
     FIT_END = "fit_end"  # reason, exit_code
@@ -62,6 +69,8 @@ class Callback:
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None: ...
+    def on_eval_step_end(self, state: TrainState, control: Control, info: dict) -> None: ...
+    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_epoch_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None: ...
@@ -92,6 +101,8 @@ class TrainState:
     activation_checkpointing: bool = False
     chunked_loss: int | None = None  # tokens per chunk of a chunked loss in force, None: plain
     last_loss: float | None = None
+    best_metric: float | None = None  # the best evaluation's eval_metric (keep_best)
+    best_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

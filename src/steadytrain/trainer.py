@@ -1,6 +1,6 @@
 """The public `Trainer`: puts the device, precision, data, step runner, loop and the default
 callbacks together from the config, and runs them."""
-# long-module: the one place every part of a fit meets, start-up watching and disk-full included
+# long-module: the one place every part of a fit meets (start-up watching, disk-full); the program's own data, state and evaluation glue is in trainer_program.py
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import contextlib
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import run_files
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
-from steadytrain.engine.batching import split_batch, to_device
+from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
+from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
@@ -36,13 +36,31 @@ from steadytrain.safety.child import announce_run_dir
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.saving import CheckpointSaver, full_disk_ends_the_run
+from steadytrain.safety.saving import CheckpointSaver, copy_room, full_disk_ends_the_run
 from steadytrain.safety.signals import SignalStop
-from steadytrain.safety.state import REQUIRED_FILES, HostBuffers, RunState, run_identity
+from steadytrain.safety.state import (
+    REQUIRED_FILES,
+    HostBuffers,
+    RunState,
+    model_tensors_names,
+    run_identity,
+)
 from steadytrain.safety.watchdog import HangWatchdog, startup_phase
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
+from steadytrain.trainer_program import (
+    arithmetic_event,
+    check_evaluation,
+    data_source,
+    dropout_note,
+    make_evaluation,
+    make_sampler,
+    order_identity,
+    restore_program_state,
+    with_program_state,
+)
+from steadytrain.user_state import check_user_state, restore, select, snapshot
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -67,8 +85,13 @@ class Trainer:
     `loss_fn` returns a mean loss tensor, or ``(loss_sum, count)`` for token-weighted losses.
     `optimizer` is an optimizer or a factory ``params -> optimizer`` (params: those that require
     grad); `scheduler` likewise a scheduler or a factory ``optimizer -> scheduler``, stepped once
-    per optimizer step. `train_data` is a map-style dataset or a DataLoader over one (its dataset, collate_fn
-    and workers are used; batching is steadytrain's).
+    per optimizer step, or after each evaluation with eval_metric when its ``step()`` takes a
+    metric (ReduceLROnPlateau). `train_data` is a map-style dataset or a DataLoader over one (its
+    dataset, sampler order, drop_last, collate_fn and workers are used; the optimizer batch is
+    effective_batch_size). `eval_data` (same kinds) is evaluated at the config's cadence with
+    `eval_fn(model, micro_batches) -> {name: value}` or, without one, loss_fn's mean
+    (``eval_loss``). `user_state` names objects with state_dict()/load_state_dict() that the model
+    or loss carries across steps (`steadytrain.user_state`, `steadytrain.CarriedState`).
     """
 
     def __init__(
@@ -81,14 +104,23 @@ class Trainer:
         scheduler: Any = None,
         callbacks: Iterable[Callback] = (),
         collate_fn: Callable | None = None,
+        eval_data: Dataset | DataLoader | None = None,
+        eval_fn: EvalFn | None = None,
+        user_state: Mapping[str, Any] | None = None,
     ):
         self.config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
         self.model, self.loss_fn, self.scheduler = model, loss_fn, scheduler
         self._optimizer = optimizer
         self.user_callbacks = list(callbacks)
-        self.dataset, self.collate_fn, self.workers, self.worker_init_fn = _data_source(
-            train_data, collate_fn, self.config.num_workers
+        self.data = data_source(train_data, collate_fn, self.config)
+        self.dataset, self.collate_fn = self.data.dataset, self.data.collate_fn
+        self.workers, self.worker_init_fn = self.data.workers, self.data.worker_init_fn
+        self.eval_data = (
+            None if eval_data is None else data_source(eval_data, collate_fn, None, "eval_data")
         )
+        self.eval_fn = eval_fn
+        self.user_state = check_user_state(user_state)
+        self._notes: list[str] = []
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
@@ -134,6 +166,12 @@ class Trainer:
             if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
                 with startup_phase("compile"):
                     planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+            notes = [*self._notes, dropout_note(run.model, cfg)]
+            planned.events += [("note", {"message": n}) for n in notes if n is not None]
+            arithmetic = arithmetic_event(
+                cfg, self.data, run.sampler, run.state, run.precision.name
+            )
+            planned.events.append(("arithmetic", arithmetic))
             run.emit.callbacks[:] = self._callbacks(
                 run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
@@ -159,13 +197,15 @@ class Trainer:
         cfg = self.config
         device = resolve_device(cfg.device, cfg.budget_bytes_or_fraction())
         precision = resolve_precision(cfg.precision, device)
-        seed_everything(cfg.seed)
+        if cfg.seed is not None:  # null: the RNG streams as the program left them
+            seed_everything(cfg.seed)
         model = self.model.to(device.torch_device)
         model.train()
         optimizer = self._build_optimizer(model)
         scheduler = self.scheduler
         if callable(scheduler) and not hasattr(scheduler, "state_dict"):
             scheduler = scheduler(optimizer)  # a factory: optimizer -> scheduler
+        check_evaluation(cfg, scheduler, self.eval_data, self.eval_fn)
         sampler = self._sampler()
         _warn_if_batch_dependent(model, cfg)
         state = TrainState(
@@ -186,25 +226,44 @@ class Trainer:
             precision=precision,
             state=state,
             emit=emit,
-            scheduler=scheduler,
+            scheduler=None if takes_metric(scheduler) else scheduler,  # evaluation steps it
             max_grad_norm=cfg.max_grad_norm,
             savers=savers,
+            user_state=self.user_state,
         )
-        return _Run(device, precision, model, optimizer, sampler, state, savers, runner, emit)
+        return _Run(
+            device,
+            precision,
+            model,
+            optimizer,
+            sampler,
+            state,
+            savers,
+            runner,
+            emit,
+            scheduler=scheduler,
+        )
 
     def _run_state(self, run: _Run) -> RunState:
         """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""
-        cfg, sched = self.config, run.runner.scheduler
-        keys = ("effective_batch_size", "seed", "drop_last", "shuffle")
-        fetch, settings = SeededFetch(self.dataset), {k: getattr(cfg, k) for k in keys}
-        identity = run_identity(run.model, run.optimizer, sched, fetch, settings)
-        return RunState(run.state, run.model, run.optimizer, sched, run.precision.scaler, identity)
+        identity = self._identity(run.model, run.optimizer, run.scheduler)
+        scaler = run.precision.scaler
+        return RunState(run.state, run.model, run.optimizer, run.scheduler, scaler, identity)
+
+    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
+        """The run's identity; what the data fingerprint checks by type only goes to _notes."""
+        cfg = self.config
+        settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
+        settings |= order_identity(self.data, cfg)
+        if self.user_state:
+            settings["user_state"] = sorted(self.user_state)
+        self._notes = []
+        data = SeededFetch(self.dataset)
+        return run_identity(model, optimizer, scheduler, data, settings, self._notes)
 
     def _sampler(self) -> OptimizerBatchSampler:
         cfg = self.config
-        sampler = OptimizerBatchSampler(
-            len(self.dataset), cfg.effective_batch_size, cfg.seed, cfg.shuffle, cfg.drop_last
-        )
+        sampler = make_sampler(self.data, cfg)
         if sampler.steps_per_epoch == 0:
             raise BadInputError(
                 f"train_data: {len(self.dataset)} sample(s), fewer than one optimizer batch of "
@@ -221,9 +280,11 @@ class Trainer:
         found = store.latest()
         if found is not None:
             step, path = found
+            payload = store.load(path)
             overridden, expected_loss = run.checkpoint.load(
-                store.load(path), path, self.config.resume_overrides
+                payload, path, self.config.resume_overrides
             )
+            restore_program_state(payload, run.sampler, self.user_state, run.device.torch_device)
             for difference in overridden:
                 files.record("resume_override", {"step": step, "change": difference})
             files.record(
@@ -252,8 +313,9 @@ class Trainer:
         cfg, state = self.config, run.state
         host = HostBuffers()
 
-        def capture(state: TrainState) -> Payload:
-            return run.checkpoint.capture(self._probe_next_loss(run, state), host)
+        def capture(state: TrainState, copy: bool = True) -> Payload:
+            payload = run.checkpoint.capture(self._probe_next_loss(run, state), host, copy)
+            return with_program_state(payload, run.sampler, self.user_state)
 
         async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
         continuity = None
@@ -264,11 +326,22 @@ class Trainer:
         callbacks = [
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
-            CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
+            CheckpointSaver(
+                store,
+                capture,
+                cfg.save_every_steps,
+                async_save,
+                record,
+                best=CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record)
+                if cfg.keep_best
+                else None,
+                room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
+            ),
             SignalStop(record),
             continuity,
             *telemetry,  # console, tensorboard, files (a late record after its fit_end
             # reopens the file), the events decided before the start
+            *[s for s in self.user_state.values() if isinstance(s, Callback)],
             *self.user_callbacks,
         ]
         return [c for c in callbacks if c is not None]
@@ -280,6 +353,13 @@ class Trainer:
             emit=run.emit,
             batches=lambda epoch, start: self._batches(run.sampler, epoch, start, run.device),
             time_every=cfg.log_every_steps,
+            evaluation=make_evaluation(
+                cfg,
+                run.runner,
+                run.scheduler,
+                self.eval_data,
+                self.eval_fn or loss_metrics(self.loss_fn),
+            ),
             fit_info={
                 "device": str(run.device.torch_device),
                 "device_skipped": list(run.device.skipped),
@@ -311,13 +391,14 @@ class Trainer:
             piece = to_device(
                 split_batch(batch, size)[0], run.device.torch_device, run.runner.non_blocking
             )
+            select(self.user_state, 0, size, batch_len(batch))  # the first `size` samples' state
             trial_pass(model, self.loss_fn, piece, run.precision.autocast)
 
         before = savers.snapshot()
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
         offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        with _left_as_found(model, savers):
+        with _left_as_found(model, savers, self.user_state):
             chosen = plan(
                 savers.trial_run(one_pass, before.chunked_loss),
                 run.device,
@@ -351,12 +432,18 @@ class Trainer:
         epoch, position = state.epoch, state.batch_in_epoch
         if position >= state.steps_per_epoch:
             epoch, position = epoch + 1, 0
+        if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
+            return None
         batch = self._batch_at(run.sampler, epoch, position)
         rng = get_rng_state()
+        buffers = [b.detach().clone() for b in run.model.buffers()]  # BatchNorm statistics
         try:
             return run.runner.evaluate(batch)
         finally:
             set_rng_state(rng)
+            with torch.no_grad():
+                for buffer, saved in zip(run.model.buffers(), buffers, strict=True):
+                    buffer.copy_(saved)
 
     def _batch_at(self, sampler: OptimizerBatchSampler, epoch: int, position: int) -> Any:
         """The collated optimizer batch at (`epoch`, `position`), as the loop will load it."""
@@ -366,6 +453,13 @@ class Trainer:
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(self._optimizer, torch.optim.Optimizer):
             return self._optimizer
+        if isinstance(self._optimizer, list | tuple):
+            raise BadInputError(
+                f"optimizer: {len(self._optimizer)} optimizers given; steadytrain takes one "
+                "optimizer step per batch. Parameters that step together belong in one optimizer "
+                "(param groups for their own lr); alternating updates (a GAN's generator and "
+                "discriminator) need your own loop: see docs/porting.md, 'Several optimizers'"
+            )
         if callable(self._optimizer):
             optimizer = self._optimizer([p for p in model.parameters() if p.requires_grad])
             if isinstance(optimizer, torch.optim.Optimizer):
@@ -385,7 +479,7 @@ class Trainer:
             num_workers=self.workers,
             worker_init_fn=self.worker_init_fn,
             pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(self.config.seed * 7919 + epoch),
+            generator=torch.Generator().manual_seed((self.config.seed or 0) * 7919 + epoch),
         )
 
 
@@ -404,15 +498,19 @@ class RecordAtStart(Callback):
 
 
 @contextlib.contextmanager
-def _left_as_found(model: torch.nn.Module, savers: MemorySavers) -> Iterator[None]:
-    """Every RNG stream, the model's buffers (BatchNorm statistics) and the memory savers put
-    back afterwards: the planner's passes leave no trace in the run."""
+def _left_as_found(
+    model: torch.nn.Module, savers: MemorySavers, user_state: dict[str, Any]
+) -> Iterator[None]:
+    """Every RNG stream, the model's buffers (BatchNorm statistics), the memory savers and the
+    state the program carries put back afterwards: the planner's passes leave no trace."""
     rng = get_rng_state()
     buffers = [b.detach().clone() for b in model.buffers()]
     before = savers.snapshot()
+    carried = snapshot(user_state)
     try:
         yield
     finally:
+        restore(user_state, carried)
         set_rng_state(rng)
         with torch.no_grad():
             for buffer, saved in zip(model.buffers(), buffers, strict=True):
@@ -433,6 +531,7 @@ class _Run:
     savers: MemorySavers
     runner: StepRunner
     emit: Dispatcher
+    scheduler: Any = None
     checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False
 
@@ -459,28 +558,16 @@ def _micro_cap_from_supervisor() -> int | None:
         ) from None
 
 
-def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):
-    """(dataset, collate_fn, num_workers, worker_init_fn) from a dataset or a DataLoader."""
-    worker_init_fn = None
-    if isinstance(train_data, DataLoader):
-        loader = train_data
-        train_data = loader.dataset
-        collate_fn = collate_fn or loader.collate_fn
-        workers = max(workers, loader.num_workers)
-        worker_init_fn = loader.worker_init_fn
-    if isinstance(train_data, IterableDataset) or not hasattr(train_data, "__getitem__"):
-        raise BadInputError(
-            "train_data: steadytrain needs a map-style dataset (len() and indexing) so that it can "
-            "choose, split and resume batches exactly; an iterable dataset cannot be resumed "
-            "mid-epoch. Wrap the data in a list or a torch.utils.data.Dataset."
-        )
-    try:
-        size = len(train_data)
-    except TypeError:
-        raise BadInputError("train_data: has no len(); give a map-style dataset") from None
-    if size == 0:
-        raise BadInputError("train_data: the dataset is empty")
-    return train_data, collate_fn or default_collate, workers, worker_init_fn
+def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What a background save adds to the next step's memory: the copy of what a checkpoint
+    holds (the model's saved tensors, the optimizer state), held while that step allocates its
+    gradients again."""
+    names = set(model_tensors_names(model))
+    tensors = [v for k, v in model.state_dict().items() if k in names]
+    for slot in optimizer.state.values():
+        tensors += [v for v in slot.values() if isinstance(v, torch.Tensor)]
+    tensors += [p for p in model.parameters() if p.requires_grad]  # the gradients
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class BatchDependentModelWarning(UserWarning):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from steadytrain.engine.evaluation import Evaluation
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError
 from steadytrain.events import Dispatcher, Event, StepMetrics
@@ -29,8 +30,10 @@ class Loop:
         emit: Dispatcher,
         fit_info: dict[str, Any],
         time_every: int,
+        evaluation: Evaluation | None = None,
     ):
         self.runner, self.batches, self.emit, self.fit_info = runner, batches, emit, fit_info
+        self.evaluation = evaluation
         self.time_every = time_every
         self.state, self.control = emit.state, emit.control
         self.last_metrics: StepMetrics | None = None
@@ -109,6 +112,9 @@ class Loop:
                 state.batch_in_epoch += 1
                 state.samples_seen += values["samples"]
                 self.last_metrics = self._row(values, data_time)
+                ends_epoch = state.batch_in_epoch >= state.steps_per_epoch
+                if self.evaluation is not None and self.evaluation.due(state, ends_epoch):
+                    self.evaluation.run(state)
                 self.emit(Event.STEP_END, {"metrics": self.last_metrics})
                 if control.shrink_reason:
                     self.runner.shrink(control.shrink_reason)

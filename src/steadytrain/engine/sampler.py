@@ -41,9 +41,11 @@ class OptimizerBatchSampler:
         seed: int,
         shuffle: bool = True,
         drop_last: bool = True,
+        order: LoaderOrder | None = None,
     ):
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
+        self.loader_order = order
         self.epoch, self.start = 0, 0
 
     @property
@@ -55,6 +57,8 @@ class OptimizerBatchSampler:
         self.epoch, self.start = epoch, start
 
     def order(self, epoch: int) -> list[int]:
+        if self.loader_order is not None:
+            return self.loader_order(epoch)
         if not self.shuffle:
             return list(range(self.num_samples))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -64,6 +68,11 @@ class OptimizerBatchSampler:
         order = self.order(self.epoch)
         for step in range(self.start, self.steps_per_epoch):
             yield self._batch(order, self.epoch, step)
+
+    def has_order(self, epoch: int) -> bool:
+        """Whether the order of `epoch` is known without drawing it (a DataLoader's sampler
+        draws from the training's RNG streams when its epoch starts)."""
+        return self.loader_order is None or epoch in self.loader_order.drawn
 
     def batch_at(self, epoch: int, step: int) -> SeededBatch:
         """The batch the sampler yields at (epoch, step), without moving it."""
@@ -76,6 +85,28 @@ class OptimizerBatchSampler:
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start
+
+
+class LoaderOrder:
+    """The order of a user's DataLoader: its sampler's indices for an epoch, drawn when the epoch
+    starts and as `iter(DataLoader)` draws them: first the workers' base seed, then the sampler
+    (a RandomSampler without a generator takes its seed from torch's global stream). A program
+    whose loop is `for batch in loader` therefore sees the same order and the same random
+    stream afterwards. The drawn order is saved in checkpoints (`drawn`): a resume mid-epoch
+    cannot draw it again."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.sampler, self.generator = loader.sampler, loader.generator
+        self.drawn: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __call__(self, epoch: int) -> list[int]:
+        if epoch not in self.drawn:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            self.drawn = {epoch: [int(i) for i in self.sampler]}
+        return self.drawn[epoch]
 
 
 class SeededFetch(torch.utils.data.Dataset):

@@ -33,6 +33,7 @@ from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.precision import Precision
 from steadytrain.errors import BadInputError, DoesNotFitError, OptimizerStateTouched
 from steadytrain.events import DeviceSpan, Event, TrainState
+from steadytrain.user_state import restore, select, snapshot
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 Emit = Callable[[Event, dict], None]
@@ -209,12 +210,23 @@ class StepRunner:
         scheduler: Any = None,
         max_grad_norm: float | None = None,
         savers: SaverLadder | None = None,
+        user_state: dict[str, Any] | None = None,
     ):
         """`savers`: what the ladder turns on at micro-batch 1 before giving up (None: none)."""
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.device, self.precision, self.state, self.emit = device, precision, state, emit
         self.scheduler, self.max_grad_norm, self.savers = scheduler, max_grad_norm, savers
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.user_state = user_state or {}  # state the program carries (steadytrain.user_state)
+        # BatchNorm's running statistics: a forward that runs out of memory may already have
+        # updated them, so a redo puts them back first (a few numbers per channel).
+        self.norm_statistics = [
+            b
+            for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+            if b is not None
+        ]
         self.non_blocking = device.type == "cuda"
         self._phase = "idle"
         self._versions_before_optimizer: dict | None = None
@@ -227,10 +239,16 @@ class StepRunner:
         `timed`: also measure the forward+backward and optimizer phases on the device's clock
         (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`."""
         rng = get_rng_state()
+        carried = snapshot(self.user_state)
+        statistics = [b.clone() for b in self.norm_statistics]
 
         def recover(oom: OutOfMemory) -> None:
             self._recover(oom)
             set_rng_state(rng)
+            restore(self.user_state, carried)
+            with torch.no_grad():
+                for buffer, saved in zip(self.norm_statistics, statistics, strict=True):
+                    buffer.copy_(saved)
 
         return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
@@ -273,8 +291,12 @@ class StepRunner:
         """Every micro-batch forward and backward; the gradients sum in the parameters."""
         loss = _BatchLoss(n)
         self._versions_before_optimizer = None
+        start = 0
         for i, piece in enumerate(pieces):
             self._phase = "forward"
+            size = batch_len(piece)
+            select(self.user_state, start, start + size, n)
+            start += size
             piece = to_device(piece, self.device.torch_device, self.non_blocking)
             with self.precision.autocast():
                 out = self.loss_fn(self.model, piece)
@@ -322,16 +344,23 @@ class StepRunner:
         autocast and weighting. Random draws (dropout) are the caller's to save and restore.
         None when it runs out of memory (the caller's check is then skipped, not the step)."""
 
+        n, micro = batch_len(batch), self.state.micro_batch_size
+
         def forward_only() -> float:
-            loss = _BatchLoss(batch_len(batch))
+            loss = _BatchLoss(n)
             with torch.no_grad():
-                for piece in split_batch(batch, self.state.micro_batch_size):
+                for i, piece in enumerate(split_batch(batch, micro)):
+                    select(self.user_state, i * micro, min((i + 1) * micro, n), n)
                     piece = to_device(piece, self.device.torch_device, self.non_blocking)
                     with self.precision.autocast():
                         loss.add(self.loss_fn(self.model, piece), batch_len(piece))
                 return float(loss.mean())
 
-        value, _ = call_or_oom(forward_only, self.device.empty_cache)
+        carried = snapshot(self.user_state)  # the probe never advances the program's state
+        try:
+            value, _ = call_or_oom(forward_only, self.device.empty_cache)
+        finally:
+            restore(self.user_state, carried)
         return value
 
     # -- out-of-memory ladder -------------------------------------------------------------

@@ -15,7 +15,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+from steadytrain._units import format_bytes
+from steadytrain.device.budget import cpu_headroom
 from steadytrain.errors import DiskFullError, RunDiskFullError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
@@ -58,17 +61,48 @@ def _kept(run_dir: str | Path, keep_last: int) -> str:
     return f"checkpoint {path} (step {step}), the last committed one, stays the latest"
 
 
+def copy_room(device: Any, need_bytes: Callable[[], int]) -> Callable[[], str | None]:
+    """For `CheckpointSaver(room=...)`: on CPU and MPS, where host memory is the training's
+    memory, a background save's copy of the state is held while the next step runs, so the copy
+    and that step's gradients (`need_bytes`) must fit in what is free; returns why they do not
+    (the save is then synchronous, written from the tensors themselves), or None when they fit.
+    A copy to host RAM from CUDA memory always goes ahead (pinned buffers, reused)."""
+
+    def why_not() -> str | None:
+        if device.type == "cuda":
+            return None
+        need = need_bytes()
+        room = cpu_headroom(device.system)
+        memory = device.memory().to_dict()
+        used = memory.get("allocated") if device.type == "mps" else memory.get("rss")
+        if memory.get("budget") and used is not None:
+            room = min(room, memory["budget"] - used)
+        if need * 5 // 4 <= room:
+            return None
+        return (
+            f"a background copy of the state beside the next step's gradients needs "
+            f"{format_bytes(need)}, {format_bytes(max(room, 0))} is free"
+        )
+
+    return why_not
+
+
 class CheckpointSaver(Callback):
     def __init__(
         self,
         store: CheckpointStore,
-        capture: Callable[[TrainState], Payload],
+        capture: Callable[[TrainState, bool], Payload],
         every: int,
         async_save: bool,
         record: Callable[[str, dict], None],
+        best: CheckpointStore | None = None,
+        room: Callable[[], str | None] | None = None,
     ):
+        """`capture(state, copy)`: the payload, copied to host memory when `copy`. `best`:
+        keep_best's store. `room`: why a background copy does not fit now (`copy_room`)."""
         self.store, self.capture, self.every = store, capture, every
         self.async_save, self.record = async_save, record
+        self.best, self.room = best, room
         self.last_saved: int | None = None
         self._in_flight: tuple[int, float] | None = None  # (step, seconds the loop was held)
 
@@ -83,6 +117,24 @@ class CheckpointSaver(Callback):
                 metrics["checkpoint_time"] = self.save(state, final=control.stop_requested)
             control.save_requested = False
 
+    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+        """keep_best: a full checkpoint of the step whose evaluation was the best so far, in
+        RUN_DIR/best/checkpoints/ (one kept, replaced only after a better one is committed)."""
+        if self.best is None or not info.get("best"):
+            return
+        start = time.perf_counter()
+        with allowance("checkpoint save"), _disk_full_exits_6():
+            self._settle(block=True)  # the capture reuses host buffers a save may still read
+            self.best.save(state.step, self.capture(state, False))
+        self.record(
+            "best_checkpoint",
+            {
+                "step": state.step,
+                "metric": state.best_metric,
+                "stall_s": round(time.perf_counter() - start, 4),
+            },
+        )
+
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
         try:
             if info.get("exit_code") in STOP_CODES and self.last_saved != state.step and state.step:
@@ -93,15 +145,17 @@ class CheckpointSaver(Callback):
     def save(self, state: TrainState, final: bool) -> float:
         """Save now; returns the seconds the loop was held (the whole write when synchronous)."""
         start = time.perf_counter()
+        start = time.perf_counter()
         self._settle(block=True)  # the capture reuses host buffers the last save may still read
-        payload = self.capture(state)
+        background = self.async_save and not final
+        why = self.room() if background and self.room is not None else None
         with _disk_full_exits_6():
-            if self.async_save and not final:
-                self.store.save_async(state.step, payload)
+            if why is None and background:
+                self.store.save_async(state.step, self.capture(state, True))
                 self._in_flight = (state.step, time.perf_counter() - start)
-            else:
-                self.store.save(state.step, payload)
-                self._committed(state.step, "sync", time.perf_counter() - start)
+            else:  # written from the training's own host tensors: no second copy of the state
+                self.store.save(state.step, self.capture(state, False))
+                self._committed(state.step, "sync", time.perf_counter() - start, why)
         self.last_saved = state.step
         return time.perf_counter() - start
 
@@ -115,6 +169,7 @@ class CheckpointSaver(Callback):
             self.store.wait()  # raises what the background save raised (a full disk)
         self._committed(step, "async", stall)
 
-    def _committed(self, step: int, mode: str, stall: float) -> None:
+    def _committed(self, step: int, mode: str, stall: float, why_sync: str | None = None) -> None:
         """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest."""
-        self.record("checkpoint", {"step": step, "mode": mode, "stall_s": round(stall, 4)})
+        info = {"step": step, "mode": mode, "stall_s": round(stall, 4)}
+        self.record("checkpoint", info | ({"why_sync": why_sync} if why_sync else {}))

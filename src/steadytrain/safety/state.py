@@ -26,6 +26,7 @@ import torch
 from steadytrain.device import get_rng_state, set_rng_state
 from steadytrain.errors import BadInputError
 from steadytrain.safety.checkpoint import Payload
+from steadytrain.safety.fingerprint import data_fingerprint
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -70,19 +71,22 @@ class HostBuffers:
             self._pending = False
 
 
-def to_host(obj: Any, buffers: HostBuffers | None = None, key: str = "") -> Any:
+def to_host(obj: Any, buffers: HostBuffers | None = None, key: str = "", copy: bool = True) -> Any:
     """A copy of `obj` whose tensors live in host memory (the async writer's snapshot). With
-    `buffers`, call `buffers.finish()` before reading the copies."""
+    `buffers`, call `buffers.finish()` before reading the copies. `copy=False` (a synchronous
+    save, written before training goes on): tensors already in host memory are not copied."""
     if isinstance(obj, torch.Tensor):
+        if not copy and obj.device.type == "cpu":
+            return obj.detach()
         if buffers is None:
             return obj.detach().to("cpu", copy=True)
         return buffers.copy(key, obj)
     if isinstance(obj, dict):
-        return {k: to_host(v, buffers, f"{key}/{k}") for k, v in obj.items()}
+        return {k: to_host(v, buffers, f"{key}/{k}", copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [to_host(v, buffers, f"{key}/{i}") for i, v in enumerate(obj)]
+        return [to_host(v, buffers, f"{key}/{i}", copy) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return tuple(to_host(v, buffers, f"{key}/{i}") for i, v in enumerate(obj))
+        return tuple(to_host(v, buffers, f"{key}/{i}", copy) for i, v in enumerate(obj))
     return obj
 
 
@@ -91,12 +95,14 @@ def frozen_base(model: torch.nn.Module) -> bool:
 
 
 def model_tensors(
-    model: torch.nn.Module, buffers: HostBuffers | None = None
+    model: torch.nn.Module, buffers: HostBuffers | None = None, copy: bool = True
 ) -> dict[str, torch.Tensor]:
-    """What training changes, copied to host memory (shared storage becomes separate copies)."""
+    """What training changes, in host memory (copied unless `copy` is false and it is there)."""
     names = set(model_tensors_names(model))
     return {
-        k: to_host(v, buffers, f"model/{k}") for k, v in model.state_dict().items() if k in names
+        k: to_host(v, buffers, f"model/{k}", copy)
+        for k, v in model.state_dict().items()
+        if k in names
     }
 
 
@@ -179,49 +185,6 @@ def rng_from_files(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> d
 # -- the run's identity: what must not change across a resume ---------------------------------
 
 
-def data_fingerprint(dataset: Any) -> str:
-    """Length and the contents of a few samples (first, middle, last): a changed or reordered
-    dataset shows, without reading all of it."""
-    digest = hashlib.sha256(f"len={len(dataset)}".encode())
-    n = len(dataset)
-    indices = sorted({0, n // 2, n - 1})
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:  # SeededFetch: random draws while loading are seeded, so repeatable
-        samples = getitems(_fixed_seed(indices))
-    else:
-        samples = [dataset[i] for i in indices]
-    for sample in samples:
-        _digest_leaves(digest, sample)
-    return digest.hexdigest()[:16]
-
-
-class _SeededIndices(list):
-    """Indices carrying a loading seed, as the engine's sampler yields them."""
-
-    seed = 0
-
-
-def _fixed_seed(indices: list[int]) -> list[int]:
-    return _SeededIndices(indices)
-
-
-def _digest_leaves(digest: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    elif isinstance(value, dict):
-        for key in sorted(value, key=str):
-            digest.update(str(key).encode())
-            _digest_leaves(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _digest_leaves(digest, item)
-    elif isinstance(value, np.ndarray):
-        digest.update(value.tobytes())
-    else:
-        digest.update(repr(value).encode())
-
-
 def optimizer_identity(optimizer: torch.optim.Optimizer) -> str:
     """Class and hyperparameters of a freshly built optimizer, per parameter group."""
     groups = [
@@ -255,15 +218,20 @@ def capture_payload(
     identity: dict[str, Any],
     next_loss: float | None,
     buffers: HostBuffers | None = None,
+    copy: bool = True,
 ) -> Payload:
-    """Everything a resume needs, copied to host memory at this step boundary."""
+    """Everything a resume needs, in host memory at this step boundary: copied for a background
+    write; for a synchronous one (`copy=False`) tensors already in host memory are written from
+    where they are, so the save needs no second copy of the state."""
     rng_tensors, rng_plain = rng_to_files()
-    objects: dict[str, Any] = {OPTIMIZER_FILE: to_host(optimizer.state_dict(), buffers, "opt")}
+    objects: dict[str, Any] = {
+        OPTIMIZER_FILE: to_host(optimizer.state_dict(), buffers, "opt", copy)
+    }
     if scheduler is not None:
         objects[SCHEDULER_FILE] = to_host(scheduler.state_dict())
     if scaler is not None:
         objects[SCALER_FILE] = to_host(scaler.state_dict())
-    model_copy = model_tensors(model, buffers)
+    model_copy = model_tensors(model, buffers, copy)
     if buffers is not None:
         buffers.finish()
     document = {
@@ -296,16 +264,18 @@ def run_identity(
     scheduler: Any,
     data: Any,
     settings: dict[str, Any],
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
     """What defines a run (`settings`: the config values that do, model, optimizer, schedule,
-    data); a checkpoint of a different run must not be resumed into it."""
+    data); a checkpoint of a different run must not be resumed into it. What the data
+    fingerprint checks by type only is described in `notes`."""
     return {
         **settings,
         "model": model_shape(model),
         "frozen_base": frozen_fingerprint(model),
         "optimizer": optimizer_identity(optimizer),
         "schedule": schedule_identity(scheduler),
-        "data": data_fingerprint(data),
+        "data": data_fingerprint(data, notes),
     }
 
 
@@ -348,7 +318,10 @@ class RunState:
     identity: dict[str, Any]
     """`run_identity` of this run."""
 
-    def capture(self, next_loss: float | None, buffers: HostBuffers | None = None) -> Payload:
+    def capture(
+        self, next_loss: float | None, buffers: HostBuffers | None = None, copy: bool = True
+    ) -> Payload:
+        """`copy=False`: for a synchronous save, host tensors are written from where they are."""
         return capture_payload(
             self.state,
             self.model,
@@ -358,6 +331,7 @@ class RunState:
             self.identity,
             next_loss,
             buffers,
+            copy=copy,
         )
 
     def load(

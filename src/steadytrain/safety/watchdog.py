@@ -194,6 +194,9 @@ class HangWatchdog(Callback):
     def on_micro_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         self.beats += 1
 
+    def on_eval_step_end(self, state: TrainState, control: Control, info: dict) -> None:
+        self.beats += 1  # evaluation is progress, not a hang
+
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         self.beats += 1
         self.step_times[self.steps_done % STEP_WINDOW] = time.monotonic() - self._step_started

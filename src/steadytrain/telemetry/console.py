@@ -81,6 +81,11 @@ class ConsoleLog(Callback):
         self._print_pending()
         self.console.print(f"[yellow]{info['saver'].replace('_', ' ')} on[/] ({info['reason']})")
 
+    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+        self._print_pending()
+        values = ", ".join(f"{k} {v:.5g}" for k, v in info["metrics"].items())
+        self.console.print(f"evaluation at step {state.step} (epoch {info['epoch']}): {values}")
+
     def note(self, name: str, info: dict) -> None:
         """An event recorded outside the loop's dispatch (checkpoint, resume, hang, leak, ...).
 

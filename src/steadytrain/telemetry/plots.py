@@ -154,6 +154,7 @@ def plot_loss_lr(run: Run):
             loss_ax.set_yscale("log")  # a loss falling by orders of magnitude
     else:
         _empty(loss_ax, "no loss recorded yet")
+    _plot_evaluations(loss_ax, run.evals)
     _mark_events(loss_ax, run.events, _event_step, seen)
     loss_ax.set_ylabel("loss")
     loss_ax.set_title("loss by step")
@@ -169,6 +170,17 @@ def plot_loss_lr(run: Run):
     lr_ax.set_xlabel("optimizer step")
     lr_ax.grid(alpha=0.3)
     return fig
+
+
+def _plot_evaluations(ax, evals: list[dict]) -> None:
+    """Each evaluation metric as a dashed curve over the steps it followed."""
+    skip = ("kind", "time", "step", "epoch")
+    names = sorted(
+        {k for r in evals for k, v in r.items() if k not in skip and as_number(v) is not None}
+    )
+    for name in names:
+        points = [(r["step"], v) for r in evals if (v := as_number(r.get(name))) is not None]
+        ax.plot(*zip(*points, strict=True), lw=1.5, ls="--", marker="s", ms=4, label=name)
 
 
 def plot_step_time(run: Run):

@@ -52,6 +52,8 @@ class Run:
     lost_steps: int = 0
     status: str = ""
     counts: Counter = field(default_factory=Counter)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The last evaluation line of each step (``kind: "eval"`` in metrics.jsonl), by step."""
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:
@@ -68,7 +70,9 @@ def load_run(run_dir: str | os.PathLike) -> Run:
             f"{path} is not a run directory: it holds neither metrics.jsonl nor events.jsonl "
             "(they are written there by Trainer.fit once the run starts)"
         )
-    lines = [r for r in _records(metrics_path) if is_int(r.get("step"))]
+    records = [r for r in _records(metrics_path) if is_int(r.get("step"))]
+    lines = [r for r in records if r.get("kind") != "eval"]
+    evals = {r["step"]: r for r in records if r.get("kind") == "eval"}
     last: dict[int, dict[str, Any]] = {}
     for record in lines:
         last[record["step"]] = record
@@ -87,6 +91,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         end=max(times) if times else None,
         lost_steps=len(lines) - len(last),
         counts=Counter(e["event"] for e in events),
+        evals=[evals[s] for s in sorted(evals)],
     )
     run.status = _status(events)
     return run

@@ -1,0 +1,180 @@
+"""Evaluation during training: the model in eval mode over the evaluation data, at a cadence of
+optimizer steps and/or epochs, before the step's `step_end` (so the checkpoint of that step holds
+what the evaluation changed: a plateau scheduler's state, the best metric).
+
+The metrics come from the user's ``eval_fn(model, batches) -> {name: number}`` or, without one,
+from `loss_fn`: ``eval_loss``, the mean over samples (or over the tokens of ``(loss_sum, count)``
+losses). ``batches`` yields micro-batches on the device; each one is a heartbeat for the hang
+watchdog (`eval_step_end`). Out of memory halves the evaluation's own micro-batch and runs the
+evaluation again; the training's micro-batch is not touched. A scheduler whose ``step()`` takes a
+metric (ReduceLROnPlateau) is stepped after each evaluation with the chosen metric. State users
+carry across steps (`steadytrain.user_state`) is reset for the evaluation and put back after it.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from steadytrain.device import is_oom
+from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.engine.step import StepRunner
+from steadytrain.errors import BadInputError, DoesNotFitError
+from steadytrain.events import Event, TrainState
+from steadytrain.user_state import reset, restore, select, snapshot
+
+EvalFn = Callable[[torch.nn.Module, Iterable[Any]], dict[str, float]]
+
+
+def takes_metric(scheduler: Any) -> bool:
+    """Whether `scheduler.step()` needs a metric (ReduceLROnPlateau and its kind)."""
+    if scheduler is None or not hasattr(scheduler, "step"):
+        return False
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    try:
+        parameters = inspect.signature(scheduler.step).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        for p in parameters
+    )
+
+
+def loss_metrics(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> EvalFn:
+    """The default evaluation: `loss_fn`'s mean over every evaluation sample (or token)."""
+
+    def evaluate(model: torch.nn.Module, batches: Iterable[Any]) -> dict[str, float]:
+        total, weight = 0.0, 0
+        for piece in batches:
+            out = loss_fn(model, piece)
+            if isinstance(out, tuple | list):
+                loss_sum, count = out
+                total += float(loss_sum)
+                weight += int(count)
+            else:
+                size = batch_len(piece)
+                total += float(out) * size
+                weight += size
+        return {"eval_loss": total / max(weight, 1)}
+
+    return evaluate
+
+
+class Evaluation:
+    """Runs evaluations for the loop; `batches(index)` yields the collated evaluation batches of
+    the `index`-th evaluation (the same ones again when an out-of-memory repeats it)."""
+
+    def __init__(
+        self,
+        *,
+        runner: StepRunner,
+        batches: Callable[[int], Iterable[Any]],
+        eval_fn: EvalFn,
+        every_steps: int | None,
+        every_epochs: int | None,
+        scheduler: Any = None,
+        metric: str = "eval_loss",
+        mode: str = "min",
+        needs_metric: bool = False,
+    ):
+        self.runner, self.batches, self.eval_fn = runner, batches, eval_fn
+        self.every_steps, self.every_epochs = every_steps, every_epochs
+        self.scheduler, self.metric, self.mode = scheduler, metric, mode
+        self.needs_metric = needs_metric or scheduler is not None
+        self.micro: int | None = None  # None: whole evaluation batches
+        self.count = 0
+
+    def due(self, state: TrainState, ends_epoch: bool) -> bool:
+        if self.every_steps and state.step % self.every_steps == 0:
+            return True
+        return bool(ends_epoch and self.every_epochs and (state.epoch + 1) % self.every_epochs == 0)
+
+    def run(self, state: TrainState) -> dict[str, float]:
+        """One evaluation; emits `evaluation_end` and steps a metric-driven scheduler."""
+        runner = self.runner
+        model, carried = runner.model, snapshot(runner.user_state)
+        was_training = model.training
+        model.eval()
+        try:
+            while True:
+                try:
+                    metrics = self._once(self.count)
+                    break
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    error = str(exc).strip().splitlines()[0][:400]
+                restore(runner.user_state, carried)
+                self._shrink(error)
+        finally:
+            model.train(was_training)
+            restore(runner.user_state, carried)
+        self.count += 1
+        metrics = {k: float(v) for k, v in metrics.items()}
+        best = False
+        if self.needs_metric or self.metric in metrics:
+            value = self.value(metrics)
+            best = state.best_metric is None or (
+                value < state.best_metric if self.mode == "min" else value > state.best_metric
+            )
+            if best:
+                state.best_metric, state.best_step = value, state.step
+            if self.scheduler is not None:
+                self.scheduler.step(value)
+        runner.emit(Event.EVALUATION_END, {"metrics": metrics, "epoch": state.epoch, "best": best})
+        return metrics
+
+    def value(self, metrics: dict[str, float]) -> float:
+        """The chosen metric (eval_metric), refused with the names there are when absent."""
+        if self.metric not in metrics:
+            raise BadInputError(
+                f"eval_metric: {self.metric!r} is not among the evaluation's metrics "
+                f"{sorted(metrics)}; set eval_metric to one of them"
+            )
+        value = metrics[self.metric]
+        if not math.isfinite(value):
+            raise BadInputError(f"eval_metric: {self.metric} is {value}; look for NaN in eval_data")
+        return value
+
+    def _once(self, index: int) -> dict[str, float]:
+        runner = self.runner
+        reset(runner.user_state)
+        with torch.no_grad(), runner.precision.autocast():
+            return self.eval_fn(runner.model, self._micro_batches(index))
+
+    def _micro_batches(self, index: int) -> Iterator[Any]:
+        runner, count = self.runner, 0
+        for batch in self.batches(index):
+            n = batch_len(batch)
+            micro = min(self.micro or n, n)
+            for i, piece in enumerate(split_batch(batch, micro)):
+                select(runner.user_state, i * micro, min((i + 1) * micro, n), n)
+                yield to_device(piece, runner.device.torch_device, runner.non_blocking)
+                count += 1
+                runner.emit(Event.EVAL_STEP_END, {"index": count})
+
+    def _shrink(self, error: str) -> None:
+        runner = self.runner
+        gc.collect()
+        runner.device.empty_cache()
+        memory = runner.device.memory().to_dict()
+        old = self.micro or max((batch_len(b) for b in self.batches(self.count)), default=1)
+        runner.emit(
+            Event.OOM,
+            {"phase": "evaluation", "error": error, "micro_batch_size": old, "memory": memory},
+        )
+        if old <= 1:
+            raise DoesNotFitError(
+                f"does not fit: evaluation at one sample per micro-batch runs out of memory on "
+                f"{runner.device.torch_device} ({error}); use shorter evaluation samples or a "
+                "smaller model"
+            )
+        self.micro = old // 2

@@ -1,0 +1,295 @@
+"""What a user's own program brings to the `Trainer`, taken as its author meant it: the data
+(dataset, collation, order), the state it carries across steps, its evaluation.
+
+A map-style dataset is batched by steadytrain: `shuffle` and `drop_last` of the config (seeded
+permutations, exact on resume). A `DataLoader` keeps its own sampler (its order, drawn as its own
+iterator draws it), its `drop_last` and its collate_fn; a config that sets `shuffle` or
+`drop_last` against it is refused, naming the field. `arithmetic_event` is the one line at the
+start of a run that lists every setting that changes the arithmetic. A checkpoint holds the
+program's part beside the engine's: a DataLoader's drawn orders and each user_state's
+state_dict(). Evaluation is built from the config, `eval_data` and `eval_fn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate
+
+from steadytrain.config import TrainConfig
+from steadytrain.engine import OptimizerBatchSampler, StepRunner
+from steadytrain.engine.batching import to_device
+from steadytrain.engine.collate import collate
+from steadytrain.engine.evaluation import EvalFn, Evaluation, takes_metric
+from steadytrain.engine.sampler import LoaderOrder
+from steadytrain.errors import BadInputError
+from steadytrain.events import TrainState
+from steadytrain.safety.checkpoint import Payload
+from steadytrain.safety.state import to_host
+
+DATA_ORDER_FILE = "data_order.safetensors"  # a DataLoader's drawn epoch orders
+USER_STATE_FILE = "user_state.pt"  # state_dict() of each user_state object, by name
+
+
+@dataclass
+class DataSource:
+    dataset: Any
+    collate_fn: Callable
+    workers: int
+    worker_init_fn: Callable | None
+    loader: DataLoader | None = None
+    order: LoaderOrder | None = None  # a DataLoader's sampler order, drawn per epoch
+
+
+def data_source(
+    train_data: Any, collate_fn: Callable | None, cfg: TrainConfig | None, field: str = "train_data"
+) -> DataSource:
+    """The dataset, collation, workers and (for a DataLoader) its order; refuses what cannot be
+    trained exactly (an iterable dataset, an empty one, a config against the loader). Without
+    `cfg` (evaluation data) the samples are loaded in the training process."""
+    loader, worker_init_fn, workers = None, None, cfg.num_workers if cfg is not None else 0
+    if isinstance(train_data, DataLoader):
+        loader = train_data
+        train_data = loader.dataset
+        if loader.collate_fn is not default_collate:
+            collate_fn = collate_fn or loader.collate_fn
+        if cfg is not None:
+            workers = max(workers, loader.num_workers)
+            worker_init_fn = loader.worker_init_fn
+            _check_loader(loader, cfg, field)
+    if isinstance(train_data, IterableDataset) or not hasattr(train_data, "__getitem__"):
+        raise BadInputError(
+            f"{field}: steadytrain needs a map-style dataset (len() and indexing) so that it can "
+            "choose, split and resume batches exactly; an iterable dataset cannot be resumed "
+            "mid-epoch. Wrap the data in a list or a torch.utils.data.Dataset."
+        )
+    try:
+        size = len(train_data)
+    except TypeError:
+        raise BadInputError(f"{field}: has no len(); give a map-style dataset") from None
+    if size == 0:
+        raise BadInputError(f"{field}: the dataset is empty")
+    order = LoaderOrder(loader) if loader is not None else None
+    return DataSource(train_data, collate_fn or collate, workers, worker_init_fn, loader, order)
+
+
+def _check_loader(loader: DataLoader, cfg: TrainConfig, field: str) -> None:
+    if loader.batch_size is None:
+        raise BadInputError(
+            f"{field}: a DataLoader with its own batch_sampler; steadytrain makes the optimizer "
+            "batches itself (effective_batch_size). Pass a DataLoader with a sampler and "
+            "batch_size, or the dataset"
+        )
+    given = cfg.model_fields_set
+    shuffles = not isinstance(loader.sampler, SequentialSampler)
+    if "shuffle" in given and cfg.shuffle != shuffles:
+        raise BadInputError(
+            f"shuffle: the config says {cfg.shuffle} and the DataLoader's sampler "
+            f"({type(loader.sampler).__name__}) {'shuffles' if shuffles else 'does not'}; the "
+            "DataLoader's order is used, so remove shuffle from the config or change the loader"
+        )
+    if "drop_last" in given and cfg.drop_last != loader.drop_last:
+        raise BadInputError(
+            f"drop_last: the config says {cfg.drop_last} and the DataLoader "
+            f"{loader.drop_last}; the DataLoader's is used, so remove drop_last from the config "
+            "or change the loader"
+        )
+
+
+def make_sampler(source: DataSource, cfg: TrainConfig) -> OptimizerBatchSampler:
+    seed = cfg.seed or 0
+    if source.loader is None:
+        return OptimizerBatchSampler(
+            len(source.dataset), cfg.effective_batch_size, seed, cfg.shuffle, cfg.drop_last
+        )
+    order = source.order
+    return OptimizerBatchSampler(
+        len(order), cfg.effective_batch_size, seed, True, source.loader.drop_last, order
+    )
+
+
+def order_identity(source: DataSource, cfg: TrainConfig) -> dict[str, Any]:
+    """shuffle and drop_last as the run uses them (a DataLoader's, or the config's)."""
+    if source.loader is None:
+        return {"shuffle": cfg.shuffle, "drop_last": cfg.drop_last}
+    sampler = source.loader.sampler
+    shuffle: bool | str = isinstance(sampler, RandomSampler)
+    if not isinstance(sampler, RandomSampler | SequentialSampler):
+        shuffle = type(sampler).__name__
+    return {"shuffle": shuffle, "drop_last": source.loader.drop_last}
+
+
+def arithmetic_event(
+    cfg: TrainConfig,
+    source: DataSource,
+    sampler: OptimizerBatchSampler,
+    state: TrainState,
+    precision: str,
+) -> dict[str, Any]:
+    """Every setting that changes the arithmetic of training, as one event with one sentence."""
+    micro, batch = state.micro_batch_size, state.effective_batch_size
+    dropped = sampler.num_samples % batch if sampler.drop_last else 0
+    if source.loader is not None:
+        order = f"the DataLoader's {type(source.loader.sampler).__name__}"
+    else:
+        order = f"shuffled each epoch (seed {cfg.seed or 0})" if cfg.shuffle else "in order"
+    clipping = (
+        "off" if cfg.max_grad_norm is None else f"gradient norm clipped to {cfg.max_grad_norm}"
+    )
+    accumulation = f"micro-batch {micro} × {-(-batch // micro)} accumulated to {batch}"
+    seeding = (
+        "RNG streams as the program left them"
+        if cfg.seed is None
+        else f"RNG streams reseeded from seed {cfg.seed}"
+    )
+    parts = [
+        f"clipping {clipping}",
+        f"order {order}",
+        f"{dropped} sample(s) dropped per epoch",
+        f"precision {precision}",
+        accumulation,
+        seeding,
+    ]
+    if source.loader is not None and source.loader.batch_size != batch:
+        parts.append(
+            f"the DataLoader's batch_size {source.loader.batch_size} replaced by "
+            f"effective_batch_size {batch}"
+        )
+    return {
+        "clipping": cfg.max_grad_norm,
+        "order": order,
+        "dropped_per_epoch": dropped,
+        "precision": precision,
+        "micro_batch_size": micro,
+        "effective_batch_size": batch,
+        "seed": cfg.seed,
+        "message": "; ".join(parts),
+    }
+
+
+def eval_batches(source: DataSource, batch_size: int, index: int) -> Iterator[Any]:
+    """The collated batches of the `index`-th evaluation: a DataLoader's order and batch_size
+    (its order drawn as its iterator draws it) or the dataset's, in batches of `batch_size`."""
+    order = source.order(index) if source.order is not None else range(len(source.dataset))
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        if source.loader is not None and source.loader.drop_last and len(chunk) < batch_size:
+            return
+        yield source.collate_fn([source.dataset[i] for i in chunk])
+
+
+def dropout_note(model: torch.nn.Module, cfg: TrainConfig) -> str | None:
+    """A note naming the modules that draw random masks per forward (dropout), when the batch
+    may be split: masks are drawn per micro-batch, so a run split differently (after a shrink)
+    is a different sample of the same training, not the same numbers."""
+    if cfg.micro_batch_size == cfg.effective_batch_size:
+        return None
+    names = [
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0)
+        or (isinstance(module, torch.nn.RNNBase) and module.dropout > 0)
+    ]
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"dropout in {shown} draws its masks per micro-batch: when the batch is split (or "
+        "split again after an out-of-memory) the masks differ from those of the whole batch, "
+        "so the losses differ from an unsplit run (their expectation does not)"
+    )
+
+
+def loader_orders(sampler: OptimizerBatchSampler) -> dict[str, torch.Tensor]:
+    """The drawn epoch orders of a DataLoader's sampler, for the checkpoint (empty otherwise)."""
+    order = sampler.loader_order
+    if order is None:
+        return {}
+    return {str(e): torch.tensor(o, dtype=torch.int64) for e, o in order.drawn.items()}
+
+
+def restore_loader_orders(sampler: OptimizerBatchSampler, saved: dict[str, torch.Tensor]) -> None:
+    if sampler.loader_order is not None:
+        sampler.loader_order.drawn = {int(e): t.tolist() for e, t in saved.items()}
+
+
+def with_program_state(
+    payload: Payload, sampler: OptimizerBatchSampler, user_state: dict[str, Any]
+) -> Payload:
+    """The checkpoint's payload plus what the program keeps: a DataLoader's drawn orders and the
+    user_state objects' state_dict()."""
+    orders = loader_orders(sampler)
+    if orders:
+        payload.tensors[DATA_ORDER_FILE] = orders
+    if user_state:
+        payload.objects[USER_STATE_FILE] = {
+            name: to_host(obj.state_dict()) for name, obj in user_state.items()
+        }
+    return payload
+
+
+def restore_program_state(
+    payload: Payload,
+    sampler: OptimizerBatchSampler,
+    user_state: dict[str, Any],
+    device: torch.device,
+) -> None:
+    restore_loader_orders(sampler, payload.tensors.get(DATA_ORDER_FILE, {}))
+    saved = payload.objects.get(USER_STATE_FILE, {})
+    for name, obj in user_state.items():
+        if name in saved:
+            obj.load_state_dict(to_device(saved[name], device))
+
+
+def check_evaluation(
+    cfg: TrainConfig, scheduler: Any, eval_data: DataSource | None, eval_fn: EvalFn | None
+) -> None:
+    """Evaluation settings without evaluation data, and a metric-driven scheduler without
+    evaluation, are refused before training, naming the field."""
+    wanted = [
+        f for f in ("evaluate_every_steps", "evaluate_every_epochs", "keep_best") if getattr(cfg, f)
+    ]
+    if eval_data is None and (wanted or eval_fn is not None):
+        raise BadInputError(
+            f"eval_data: {', '.join(wanted) or 'eval_fn'} given, but no evaluation data; "
+            "pass Trainer(eval_data=...) or remove the evaluation settings"
+        )
+    if takes_metric(scheduler) and eval_data is None:
+        raise BadInputError(
+            f"scheduler: {type(scheduler).__name__}.step() needs a metric; give "
+            "Trainer(eval_data=...) so that each evaluation steps it with eval_metric "
+            f"({cfg.eval_metric!r}), evaluating every epoch unless evaluate_every_steps or "
+            "evaluate_every_epochs says otherwise"
+        )
+
+
+def make_evaluation(
+    cfg: TrainConfig,
+    runner: StepRunner,
+    scheduler: Any,
+    source: DataSource | None,
+    eval_fn: EvalFn,
+) -> Evaluation | None:
+    """The loop's evaluation (None without eval_data): each epoch unless a cadence is set."""
+    if source is None:
+        return None
+    every_epochs = cfg.evaluate_every_epochs
+    if every_epochs is None and cfg.evaluate_every_steps is None:
+        every_epochs = 1
+    loader_batch = source.loader.batch_size if source.loader is not None else None
+    batch = cfg.eval_batch or loader_batch or cfg.effective_batch_size
+    return Evaluation(
+        runner=runner,
+        batches=lambda index: eval_batches(source, batch, index),
+        eval_fn=eval_fn,
+        every_steps=cfg.evaluate_every_steps,
+        every_epochs=every_epochs,
+        scheduler=scheduler if takes_metric(scheduler) else None,
+        metric=cfg.eval_metric,
+        mode=cfg.eval_mode,
+        needs_metric=cfg.keep_best,
+    )

@@ -1,0 +1,485 @@
+"""Programs as their authors wrote them: nothing changed that was not asked for (clipping, the
+DataLoader's order and drop_last, the RNG streams), state carried across steps, evaluation
+during training with a plateau scheduler and the best checkpoint kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import MALLOC_ENV, WORKLOADS
+from torch.utils.data import DataLoader, TensorDataset
+
+from steadytrain import BadInputError, Callback, CarriedState, TrainConfig, Trainer
+from steadytrain.telemetry.files import read_jsonl
+
+N, FEATURES = 36, 5  # batches of 8: four full ones and a short one of 4
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, FEATURES, generator=g)
+    return TensorDataset(x, torch.randint(0, 3, (N,), generator=g))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 16),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(16, 3),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def classify(model, batch):
+    x, label = batch
+    return torch.nn.functional.cross_entropy(model(x), label)
+
+
+def config(tmp_path, **over) -> TrainConfig:
+    values = dict(
+        run_dir=str(tmp_path / "run"),
+        effective_batch_size=8,
+        micro_batch_size=8,
+        epochs=2,
+        save_every_steps=3,
+        device="cpu",
+        progress="off",
+        memory_watch=False,
+    )
+    return TrainConfig(**(values | over))
+
+
+def own_loop(model, loader, epochs, clip=None):
+    """The loop the program had before steadytrain."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(epochs):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = classify(model, batch)
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def step_losses(tmp_path) -> list[float]:
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    return [r["loss"] for r in rows if r.get("kind") != "eval"]
+
+
+def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def test_a_program_that_clips_at_0_25_with_an_ordered_loader_trains_exactly_as_its_loop(tmp_path):
+    torch.manual_seed(1)
+    mine = Net()
+    want = own_loop(mine, DataLoader(data(), batch_size=8, shuffle=False), 2, clip=0.25)
+    torch.manual_seed(1)
+    port = Net()
+    loader = DataLoader(data(), batch_size=8, shuffle=False)
+    result = Trainer(port, sgd, classify, loader, config(tmp_path, max_grad_norm=0.25)).fit()
+    assert result.steps == 10  # the short last batch of each epoch is kept, as the loader does
+    assert step_losses(tmp_path) == want
+    assert_same_parameters(mine, port)
+    samples = [r["samples"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert samples == [8, 8, 8, 8, 4] * 2
+
+
+def test_no_clipping_unless_asked(tmp_path):
+    torch.manual_seed(1)
+    mine = Net()
+    want = own_loop(mine, DataLoader(data(), batch_size=8), 2)
+    torch.manual_seed(1)
+    port = Net()
+    Trainer(port, sgd, classify, DataLoader(data(), batch_size=8), config(tmp_path)).fit()
+    assert step_losses(tmp_path) == want
+    assert_same_parameters(mine, port)
+
+
+def test_a_shuffling_loader_keeps_its_order_and_the_programs_random_stream(tmp_path):
+    """RandomSampler draws its seed from torch's stream when the epoch starts; dropout draws
+    from the same stream. With seed null the port sees the same order and the same masks."""
+    torch.manual_seed(3)
+    mine = Net(dropout=0.3)
+    want = own_loop(mine, DataLoader(data(), batch_size=8, shuffle=True), 3)
+    torch.manual_seed(3)
+    port = Net(dropout=0.3)
+    loader = DataLoader(data(), batch_size=8, shuffle=True)
+    Trainer(port, sgd, classify, loader, config(tmp_path, seed=None, epochs=3)).fit()
+    assert step_losses(tmp_path) == want
+    assert_same_parameters(mine, port)
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"), [({"shuffle": True}, "shuffle"), ({"drop_last": True}, "drop_last")]
+)
+def test_a_config_against_the_loader_is_refused_naming_the_field(tmp_path, setting, field):
+    loader = DataLoader(data(), batch_size=8, shuffle=False)
+    with pytest.raises(BadInputError, match=f"^{field}: the config says"):
+        Trainer(Net(), sgd, classify, loader, config(tmp_path, **setting))
+
+
+def test_the_start_line_lists_every_setting_that_changes_the_arithmetic(tmp_path, capsys):
+    Trainer(
+        Net(),
+        sgd,
+        classify,
+        data(),
+        config(tmp_path, micro_batch_size=4, max_steps=1, save_every_steps=1, progress="lines"),
+    ).fit()
+    event = next(
+        e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "arithmetic"
+    )
+    assert event["dropped_per_epoch"] == 4 and event["clipping"] is None
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("arithmetic"))
+    for words in (
+        "clipping off",
+        "shuffled each epoch (seed 0)",
+        "4 sample(s) dropped per epoch",
+        "precision fp32",
+        "micro-batch 4 × 2 accumulated to 8",
+        "reseeded from seed 0",
+    ):
+        assert words in line
+
+
+# -- state carried across steps ------------------------------------------------------------
+
+
+SEQ, VOCAB, HIDDEN = 5, 11, 8
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.rnn = torch.nn.LSTM(HIDDEN, HIDDEN, batch_first=True)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens, hidden):
+        out, hidden = self.rnn(self.embed(tokens), hidden)
+        return self.head(out), hidden
+
+
+def streams(columns: int = 8, steps: int = 6) -> TensorDataset:
+    """Sample k of step s is column k's s-th chunk: an ordered loader of `columns` per batch
+    walks each column's stream in order, as a batchified language-model corpus does."""
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, VOCAB, (columns, steps * SEQ + 1), generator=g)
+    xs, ys = [], []
+    for s in range(steps):
+        for k in range(columns):
+            xs.append(text[k, s * SEQ : (s + 1) * SEQ])
+            ys.append(text[k, s * SEQ + 1 : (s + 1) * SEQ + 1])
+    return TensorDataset(torch.stack(xs), torch.stack(ys))
+
+
+def carried_loss(hidden: CarriedState, fail_once: list | None = None):
+    def loss_fn(model, batch):
+        tokens, targets = batch
+        logits, new = model(tokens, hidden.get())
+        hidden.set(new)
+        if fail_once:
+            fail_once.pop()
+            raise torch.OutOfMemoryError("out of memory (raised by the test)")
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    return loss_fn
+
+
+def lm_fit(run_dir, micro: int, fail_once=None, save_every=6, **over):
+    torch.manual_seed(0)
+    model = TinyLM()
+    hidden = CarriedState(
+        init=lambda n: (torch.zeros(1, n, HIDDEN), torch.zeros(1, n, HIDDEN)), batch_dim=1
+    )
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=8,
+        micro_batch_size=micro,
+        epochs=1,
+        save_every_steps=save_every,
+        device="cpu",
+        progress="off",
+        memory_watch=False,
+        shuffle=False,
+        **over,
+    )
+    result = Trainer(
+        model,
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        carried_loss(hidden, fail_once),
+        streams(),
+        config,
+        user_state={"hidden": hidden},
+    ).fit()
+    return model, hidden, result
+
+
+def test_carried_state_is_per_sample_when_split_and_untouched_by_extra_passes(tmp_path):
+    whole, hidden, _ = lm_fit(tmp_path / "whole", micro=8)
+    split, split_hidden, _ = lm_fit(tmp_path / "split", micro=2)
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # accumulation rounds differently
+    torch.testing.assert_close(hidden.value, split_hidden.value, rtol=1e-5, atol=1e-6)
+    # A checkpoint every step runs the loss probe every step, and 'auto' runs the planner's
+    # trial passes: neither may advance the carried state.
+    probed, probed_hidden, _ = lm_fit(tmp_path / "probed", micro="auto", save_every=1)
+    assert_same_parameters(whole, probed)
+    assert all(torch.equal(a, b) for a, b in zip(hidden.value, probed_hidden.value, strict=True))
+
+
+def test_a_step_redone_after_out_of_memory_starts_from_the_same_carried_state(tmp_path):
+    redone, _, result = lm_fit(tmp_path / "redone", micro=8, fail_once=[True])
+    assert result.oom_count == 1 and result.micro_batch_size == 4
+    fixed, _, _ = lm_fit(tmp_path / "fixed", micro=4)
+    assert_same_parameters(redone, fixed)
+
+
+def test_carried_state_is_saved_and_restored_by_a_resume(tmp_path):
+    whole, hidden, _ = lm_fit(tmp_path / "whole", micro=8)
+
+    class StopAt(Callback):
+        def on_step_end(self, state, control, info):
+            if state.step == 3:
+                control.request_stop(143, "test")
+
+    run_dir = tmp_path / "resumed"  # the same program, stopped at step 3 and started again
+    _, _, stopped = _lm_with_callbacks(run_dir, [StopAt()])
+    assert stopped.steps == 3
+    model, hid, result = _lm_with_callbacks(run_dir, [])
+    assert result.steps == 6
+    assert_same_parameters(whole, model)
+    assert all(torch.equal(a, b) for a, b in zip(hidden.value, hid.value, strict=True))
+
+
+def _lm_with_callbacks(run_dir, callbacks):
+    torch.manual_seed(0)
+    model = TinyLM()
+    hidden = CarriedState(
+        init=lambda n: (torch.zeros(1, n, HIDDEN), torch.zeros(1, n, HIDDEN)), batch_dim=1
+    )
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=8,
+        micro_batch_size=8,
+        epochs=1,
+        save_every_steps=6,
+        device="cpu",
+        progress="off",
+        memory_watch=False,
+        shuffle=False,
+    )
+    result = Trainer(
+        model,
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        carried_loss(hidden),
+        streams(),
+        config,
+        user_state={"hidden": hidden},
+        callbacks=callbacks,
+    ).fit()
+    return model, hidden, result
+
+
+def test_user_state_without_the_two_methods_is_refused():
+    with pytest.raises(BadInputError, match="user_state: 'h' is a Tensor"):
+        Trainer(
+            Net(),
+            sgd,
+            classify,
+            data(),
+            {"effective_batch_size": 8},
+            user_state={"h": torch.ones(1)},
+        )
+
+
+# -- evaluation during training ------------------------------------------------------------
+
+
+def test_a_plateau_scheduler_is_driven_by_evaluation_and_the_best_is_kept(tmp_path):
+    """The program: train an epoch, validate, scheduler.step(val_loss); with an lr so high that
+    the validation loss stops falling, the plateau scheduler cuts it."""
+    train, val = data(), TensorDataset(*[t[:12] for t in data().tensors])
+
+    def plateau(optimizer):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+
+    torch.manual_seed(0)
+    mine = Net()
+    optimizer = sgd(mine.parameters())
+    scheduler = plateau(optimizer)
+    want_lr, want_val = [], []
+    for _ in range(4):
+        for batch in DataLoader(train, batch_size=8):
+            optimizer.zero_grad()
+            classify(mine, batch).backward()
+            optimizer.step()
+        mine.eval()
+        with torch.no_grad():
+            val_loss = sum(
+                torch.nn.functional.cross_entropy(mine(x), y, reduction="sum").item()
+                for x, y in DataLoader(val, batch_size=6)
+            ) / len(val)
+        mine.train()
+        scheduler.step(val_loss)
+        want_val.append(val_loss)
+        want_lr.append(optimizer.param_groups[0]["lr"])
+
+    def val_metrics(model, batches):
+        total = sum(
+            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+            for x, y in batches
+        )
+        return {"val_loss": total / len(val)}
+
+    torch.manual_seed(0)
+    port = Net()
+    Trainer(
+        port,
+        sgd,
+        classify,
+        DataLoader(train, batch_size=8),
+        config(tmp_path, epochs=4, eval_metric="val_loss", keep_best=True),
+        scheduler=plateau,
+        eval_data=DataLoader(val, batch_size=6),
+        eval_fn=val_metrics,
+    ).fit()
+    assert_same_parameters(mine, port)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["val_loss"] for r in evals] == want_val
+    assert [r["step"] for r in evals] == [5, 10, 15, 20]
+    lr_after_eval = [
+        next(r["lr"] for r in rows if r.get("step") == e["step"] + 1) for e in evals[:-1]
+    ]
+    assert lr_after_eval == want_lr[:-1] and len(set(want_lr)) > 1  # the scheduler did cut it
+    best_step = min(evals, key=lambda r: r["val_loss"])["step"]
+    kept = list((tmp_path / "run" / "best" / "checkpoints").glob("step-*"))
+    assert [p.name for p in kept] == [f"step-{best_step:08d}"]
+
+
+def test_a_metric_scheduler_without_evaluation_is_refused_naming_it(tmp_path):
+    trainer = Trainer(
+        Net(),
+        sgd,
+        classify,
+        data(),
+        config(tmp_path),
+        scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+    )
+    with pytest.raises(
+        BadInputError, match=r"^scheduler: ReduceLROnPlateau.step\(\) needs a metric"
+    ):
+        trainer.fit()
+
+
+def test_evaluation_shrinks_its_own_micro_batch_on_out_of_memory(tmp_path):
+    failures = [True]
+
+    def metrics(model, batches):
+        sizes = []
+        for x, _ in batches:
+            if failures and len(x) > 3:
+                failures.pop()
+                raise torch.OutOfMemoryError("out of memory (raised by the test)")
+            sizes.append(len(x))
+        return {"eval_loss": 1.0, "sizes": float(sum(sizes))}
+
+    result = Trainer(
+        Net(),
+        sgd,
+        classify,
+        data(),
+        config(tmp_path, max_steps=4, evaluate_every_steps=2),
+        eval_data=TensorDataset(*[t[:8] for t in data().tensors]),
+        eval_fn=metrics,
+    ).fit()
+    assert result.micro_batch_size == 8  # the training's micro-batch is untouched
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [(e["phase"], e["micro_batch_size"]) for e in events if e["event"] == "oom"] == [
+        ("evaluation", 8)
+    ]
+    evals = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert [r["sizes"] for r in evals] == [8.0, 8.0]  # every sample, in micro-batches of 4
+
+
+def test_a_long_evaluation_is_progress_for_the_watchdog_not_a_hang(tmp_path):
+    """Each evaluation micro-batch is a heartbeat: an evaluation several hang_timeouts long,
+    made of short batches, is no hang."""
+
+    def slow(model, batches):
+        for _ in batches:
+            time.sleep(0.25)
+        return {"eval_loss": 0.0}
+
+    Trainer(
+        Net(),
+        sgd,
+        classify,
+        data(),
+        config(
+            tmp_path,
+            max_steps=3,
+            evaluate_every_steps=2,
+            hang_timeout=2.0,
+            hang_action="report",
+        ),
+        eval_data=DataLoader(data(), batch_size=1),  # 36 heartbeats 0.25 s apart
+        eval_fn=slow,
+    ).fit()
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert [e for e in events if e["event"] == "hang"] == []
+    assert any(r.get("kind") == "eval" for r in read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+
+
+# -- a save that fits ------------------------------------------------------------------------
+
+
+def test_under_a_cap_with_no_room_for_a_second_copy_saves_are_written_without_a_shrink(tmp_path):
+    """A model with 64 MiB of weights under a cap that holds them, their gradients and little
+    more: a background save's copy held during the next step would run it out of memory; the
+    saves go synchronous, from the tensors themselves, and the micro-batch never shrinks."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(WORKLOADS / "big_state.py"), str(run_dir), "--cap-mib", "110"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **MALLOC_ENV},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text()) == {
+        "steps": 6,
+        "micro_batch_size": 8,
+        "oom_count": 0,
+    }
+    events = read_jsonl(run_dir / "events.jsonl")
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4, 6]
+    assert all(e["mode"] == "sync" and "is free" in e["why_sync"] for e in saves)
+    assert not [e for e in events if e["event"] in ("oom", "shrink")]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
+        "step-00000004",
+        "step-00000006",
+    ]

@@ -4,7 +4,9 @@ callbacks together from the config, and runs them."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -24,7 +26,7 @@ from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunne
 from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError, user_code_error
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -32,11 +34,13 @@ from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.continuity import ContinuityCheck
+from steadytrain.safety.failures import ERROR_EVENT
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import HostBuffers, RunState, run_identity
+from steadytrain.safety.supervisor import append_event
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.files import RunFiles
@@ -90,12 +94,24 @@ class Trainer:
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
+        run_dir = Path(self.config.run_dir)
         try:
             return self._fit()
+        except UserCodeError as exc:
+            _record_error(run_dir, exc, exc.step, exc.where, exc.signature)
+            raise
         except (SteadytrainError, KeyboardInterrupt):
             raise
-        except Exception:
-            _keep_traceback(Path(self.config.run_dir))
+        except Exception as exc:
+            theirs = user_code_error(exc)  # raised before the loop: planning, the first batch
+            if theirs is not None:
+                _record_error(run_dir, theirs, None, theirs.where, theirs.signature)
+                raise theirs from exc
+            _keep_traceback(run_dir)
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})"
+            signature = f"{type(exc).__name__}|{exc}|{where}"
+            _record_error(run_dir, exc, getattr(exc, "steadytrain_step", None), where, signature)
             raise
 
     def _fit(self) -> FitResult:
@@ -496,3 +512,22 @@ def _keep_traceback(run_dir: Path) -> None:
         (folder / f"{stamp}-{os.getpid()}.txt").write_text(traceback.format_exc())
     except OSError:
         pass
+
+
+def _record_error(
+    run_dir: Path, exc: BaseException, step: int | None, where: str, signature: str
+) -> None:
+    """One "error" event, so that a supervisor can tell a failure that repeats identically (a
+    restart would fail the same way) from one that may pass."""
+    error = exc.error if isinstance(exc, UserCodeError) else f"{type(exc).__name__}: {exc}"
+    record = {
+        "time": time.time(),
+        "event": ERROR_EVENT,
+        "step": step,
+        "exit_code": getattr(exc, "exit_code", 1),
+        "error": error.splitlines()[0][:500] if error else type(exc).__name__,
+        "where": where,
+        "signature": hashlib.sha256(signature.encode()).hexdigest()[:16],
+    }
+    with contextlib.suppress(OSError):  # a full disk must not hide the error itself
+        append_event(run_dir, record)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain.errors import RESTARTABLE_EXIT
+from steadytrain.errors import RESTARTABLE_EXIT, USER_CODE_EXIT
+from steadytrain.safety.failures import MemoryAtKill
 
 HANG = RESTARTABLE_EXIT
 STOPPED = (130, 143)
@@ -142,11 +143,13 @@ def _oom_kill_field(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class ChildExit:
-    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), and how
-    much the cgroup's oom_kill counter rose meanwhile (None: not readable)."""
+    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), how
+    much the cgroup's oom_kill counter rose meanwhile (None: not readable), and the memory
+    reading of its last step (None: no metrics line to tell)."""
 
     returncode: int
     oom_kill_delta: int | None = None
+    memory: MemoryAtKill | None = None
 
     @property
     def killed_by(self) -> signal.Signals | None:
@@ -177,11 +180,14 @@ class ChildExit:
 
     @property
     def memory_kill_suspected(self) -> bool:
-        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam).
-        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start."""
+        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam);
+        or a SIGKILL with an unchanged counter (a user-space killer such as systemd-oomd or
+        earlyoom, or a plain kill -9) when memory was high at the last step."""
         if self.oom_kill_delta:
             return True
-        return self.killed_by == signal.SIGKILL and self.oom_kill_delta is None
+        if self.killed_by != signal.SIGKILL:
+            return False
+        return self.oom_kill_delta is None or (self.memory is not None and self.memory.high)
 
     @property
     def exit_code(self) -> int:
@@ -204,6 +210,8 @@ class ChildExit:
             text = f"child exited {rc}: {NOT_RESTARTABLE[rc]}"
         elif rc == HANG:
             text = f"hang detected by the watchdog (exit {HANG})"
+        elif rc == USER_CODE_EXIT:
+            text = f"child exited {rc}: an error in your code (its message is above)"
         elif sig is None:
             text = f"child crashed with exit {rc}"
         else:
@@ -225,7 +233,7 @@ class ChildExit:
         else:
             head = f"child killed by {sig.name} (exit {self.returncode})"
         why = {
-            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta),
+            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta, self.memory),
             signal.SIGABRT: "on a Mac often a Metal assertion",
             signal.SIGSEGV: "a crash in native code",
             signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
@@ -233,12 +241,20 @@ class ChildExit:
         return f"{head}: {why}" if why else head
 
 
-def _sigkill_cause(oom_kill_delta: int | None) -> str:
+def _sigkill_cause(oom_kill_delta: int | None, memory: MemoryAtKill | None) -> str:
     if oom_kill_delta is None:  # no counter (macOS, no cgroup): the usual sender is the OS
         return "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
     if oom_kill_delta > 0:
         return "the OS out-of-memory killer"
-    return (
+    text = (
         "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
         "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
+    )
+    if memory is None:
+        return text + "; no memory reading in metrics.jsonl to tell which: no smaller micro-batch"
+    if memory.high:
+        return f"{text}; memory was high at the last step ({memory.text}): taken for a memory kill"
+    return (
+        f"{text}; memory was not high at the last step ({memory.text}): taken for a plain kill, "
+        "no smaller micro-batch"
     )

@@ -206,7 +206,9 @@ def _fixed_seed(indices: list[int]) -> list[int]:
 def _digest_leaves(digest: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(
+            value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     elif isinstance(value, dict):
         for key in sorted(value, key=str):
             digest.update(str(key).encode())

@@ -91,7 +91,7 @@ def memory_at_kill(run_dir: Path | None, total: int | None = None) -> MemoryAtKi
     high = (isinstance(pressure, int) and pressure >= PRESSURE_WARNING) or (
         available is not None and bool(total) and available < LOW_AVAILABLE * total
     )
-    return MemoryAtKill(high, f"{', '.join(parts)} at step {line.get('step')}")
+    return MemoryAtKill(high, f"step {line.get('step')}: {', '.join(parts)}")
 
 
 def _number(value: Any) -> float | None:

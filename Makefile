@@ -7,17 +7,23 @@ CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev
 
 .PHONY: demo quickstart test lint format clean
 
-$(VENV)/.installed: pyproject.toml
+# Two levels: the demo's (steadytrain with the `demo` extra: transformers, peft, matplotlib) and,
+# on top, the developer tools `make test` needs (the `dev` extra: pytest, ruff, tensorboard).
+$(VENV)/.demo-installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(if $(CPU_TORCH),$(PY) -m pip install -q $(CPU_TORCH))
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: $(VENV)/.installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report
+demo: $(VENV)/.demo-installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report
 	rm -rf runs/demo
 	$(VENV)/bin/steadytrain demo runs/demo
 
-quickstart: $(VENV)/.installed  ## train through the engine, surviving a real out-of-memory; then the report
+quickstart: $(VENV)/.demo-installed  ## train through the engine, surviving a real out-of-memory; then the report
 	rm -rf runs/quickstart
 	$(PY) examples/quickstart.py runs/quickstart
 	$(VENV)/bin/steadytrain report runs/quickstart

@@ -43,6 +43,7 @@ from steadytrain.safety.state import HostBuffers, RunState, run_identity
 from steadytrain.safety.supervisor import append_event
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.console import console_callback
+from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
 
@@ -266,6 +267,7 @@ class Trainer:
         callbacks = [
             HangWatchdog.from_config(cfg, Path(cfg.run_dir), run.device, record),
             MemoryWatch.from_config(cfg, run.device, record),
+            CpuContention.from_config(cfg, run.device, record),
             CheckpointSaver(store, capture, cfg.save_every_steps, async_save, record),
             SignalStop(record),
             continuity,

@@ -292,6 +292,7 @@ class Supervisor:
             self._proc = subprocess.Popen(self.command, env=env, start_new_session=True)
         except OSError as exc:
             raise BadInputError(f"cannot start {shlex.join(self.command)}: {exc}") from exc
+        self._say(f"attempt {self.restarts + 1} runs as pid {self._proc.pid}")
         return self._wait(self._proc)
 
     def _wait(self, proc: subprocess.Popen) -> int:

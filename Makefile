@@ -9,14 +9,17 @@ CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev
 
 # Two levels: the demo's (steadytrain with the `demo` extra: transformers, peft, matplotlib) and,
 # on top, the developer tools `make test` needs (the `dev` extra: pytest, ruff, tensorboard).
+# One pip run (one resolve); --no-compile: Python compiles the modules it imports when it first
+# imports them, instead of pip compiling every file of torch and transformers up front.
+PIP := $(PY) -m pip install -q --no-compile
+
 $(VENV)/.demo-installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(if $(CPU_TORCH),$(PY) -m pip install -q $(CPU_TORCH))
-	$(PY) -m pip install -q -e ".[demo]"
+	$(PIP) $(CPU_TORCH) -e ".[demo]"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PIP) -e ".[dev]"
 	touch $@
 
 demo: $(VENV)/.demo-installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report

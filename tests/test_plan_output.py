@@ -105,7 +105,7 @@ def test_an_unknown_hub_id_offline_fails_at_once_naming_a_local_folder(tiny):
     err = " ".join(result.stderr.split())
     assert "hub id 'nobody-xyz/no-such-model' is not in the local Hugging Face cache" in err
     assert "HF_HUB_OFFLINE is set (offline mode)" in err
-    assert "Point at a local folder holding its config.json" in err
+    assert "Point at a local directory holding its config.json" in err
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 120  # no retries (the import alone takes seconds)
 

@@ -88,6 +88,7 @@ def test_an_error_in_forward_names_forward_and_the_loss_fn_that_called_it(tmp_pa
     assert error.where.startswith("forward (test_user_errors.py:")
     assert ", called from mse (test_user_errors.py:" in error.where
     assert "ValueError: shapes do not match" in str(error)
+    assert isinstance(error, ValueError)  # `except ValueError` around fit() still catches it
     assert 'raise ValueError("shapes do not match")' in error.frames
     assert "return torch.nn.functional.mse_loss(model(x), y)" in error.frames
 

@@ -181,4 +181,22 @@ def user_code_error(exc: BaseException, step: int | None = None) -> UserCodeErro
         )
     error = f"{type(exc).__name__}: {str(exc).strip()}".strip().rstrip(":")
     text = "".join(traceback.format_list(shown)).rstrip()
-    return UserCodeError(error, where=where, step=step, frames=text, error=error)
+    fields = {"where": where, "step": step, "frames": text, "error": error}
+    try:
+        return _theirs_class(type(exc))(error, **fields)
+    except TypeError:  # an exception class whose constructor wants more than a message
+        return UserCodeError(error, **fields)
+
+
+_THEIRS: dict[type, type] = {}
+
+
+def _theirs_class(original: type) -> type:
+    """`UserCodeError` that is also an instance of the user's exception type, so code around
+    `fit()` that catches `ValueError` still catches the ValueError its loss function raised."""
+    if original not in _THEIRS:
+        try:
+            _THEIRS[original] = type("UserCodeError", (UserCodeError, original), {})
+        except TypeError:  # a final class, or a layout that cannot be combined
+            _THEIRS[original] = UserCodeError
+    return _THEIRS[original]

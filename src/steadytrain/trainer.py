@@ -99,6 +99,7 @@ class Trainer:
         try:
             return self._fit()
         except UserCodeError as exc:
+            _keep_traceback(run_dir)  # the whole of it; the message shows the user's frames
             _record_error(run_dir, exc, exc.step, exc.where, exc.signature)
             raise
         except (SteadytrainError, KeyboardInterrupt):
@@ -106,6 +107,7 @@ class Trainer:
         except Exception as exc:
             theirs = user_code_error(exc)  # raised before the loop: planning, the first batch
             if theirs is not None:
+                _keep_traceback(run_dir)
                 _record_error(run_dir, theirs, None, theirs.where, theirs.signature)
                 raise theirs from exc
             _keep_traceback(run_dir)

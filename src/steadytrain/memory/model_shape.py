@@ -80,7 +80,7 @@ def load_config(model: str):
         if offline:  # fail now, not after the hub client's retries
             raise BadInputError(
                 f"model: hub id {model!r} is not in the local Hugging Face cache, and {offline}. "
-                "Point at a local folder holding its config.json instead: one written by "
+                "Point at a local directory holding its config.json instead: one written by "
                 "save_pretrained, one downloaded where there is a network (huggingface-cli "
                 "download MODEL config.json --local-dir DIR), or its snapshot in the cache "
                 "(~/.cache/huggingface/hub/models--ORG--NAME/snapshots/HASH)"

@@ -22,21 +22,19 @@ import pytest
 from conftest import MALLOC_ENV, ROOT, WORKLOADS
 
 from steadytrain.telemetry.files import read_jsonl
+from steadytrain.telemetry.plots import _event_step, plot_memory_events
 from steadytrain.telemetry.report import (
     BUDGET_COLOR,
     EVENT_STYLES,
-    GIB,
     INSTALL_HINT,
     LOSS_COLOR,
     LR_COLOR,
-    _event_step,
-    budget,
     load_run,
     peak_memory,
-    plot_memory_events,
     summary_rows,
     write_report,
 )
+from steadytrain.telemetry.run_reading import GIB, budget
 
 CHROMIUM = Path("/usr/bin/chromium")
 KILL_AT, SAVE_EVERY = 5, 3  # checkpoint at 3, SIGKILL at the end of 5: step 4 is recorded twice

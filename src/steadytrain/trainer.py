@@ -4,14 +4,10 @@ callbacks together from the config, and runs them."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import time
-import traceback
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +22,21 @@ from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunne
 from steadytrain.engine.batching import split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError, user_code_error
+from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
+from steadytrain.safety.child import micro_cap_from_supervisor
 from steadytrain.safety.continuity import ContinuityCheck
-from steadytrain.safety.failures import ERROR_EVENT
+from steadytrain.safety.failure_record import record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import HostBuffers, RunState, run_identity
-from steadytrain.safety.supervisor import append_event
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
@@ -98,24 +94,15 @@ class Trainer:
         run_dir = Path(self.config.run_dir)
         try:
             return self._fit()
-        except UserCodeError as exc:
-            _keep_traceback(run_dir)  # the whole of it; the message shows the user's frames
-            _record_error(run_dir, exc, exc.step, exc.where, exc.signature)
-            raise
-        except (SteadytrainError, KeyboardInterrupt):
+        except (SteadytrainError, KeyboardInterrupt) as exc:
+            if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
+                record_failure(run_dir, exc)
             raise
         except Exception as exc:
-            theirs = user_code_error(exc)  # raised before the loop: planning, the first batch
-            if theirs is not None:
-                _keep_traceback(run_dir)
-                _record_error(run_dir, theirs, None, theirs.where, theirs.signature)
-                raise theirs from exc
-            _keep_traceback(run_dir)
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            where = f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})"
-            signature = f"{type(exc).__name__}|{exc}|{where}"
-            _record_error(run_dir, exc, getattr(exc, "steadytrain_step", None), where, signature)
-            raise
+            theirs = record_failure(run_dir, exc)  # theirs before the loop: planning, a batch
+            if theirs is None:
+                raise
+            raise theirs from exc
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
@@ -133,6 +120,8 @@ class Trainer:
         try:
             store = CheckpointStore(run_dir, cfg.keep_last, log=files.record)
             expected_loss = self._resume_or_start(run, store, files)
+            if run.resumed and run.state.step >= run.state.max_steps:
+                return _already_finished(run.state, store, run_dir)
             cfg.dump(run_dir / run_files.CONFIG)
             console = console_callback(cfg)
             record = _recorder(files, console)
@@ -145,17 +134,7 @@ class Trainer:
                 run, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
-            committed = store.committed()
-            return FitResult(
-                steps=run.state.step,
-                final_loss=run.state.last_loss,
-                micro_batch_size=run.state.micro_batch_size,
-                reason=reason,
-                exit_code=code,
-                run_dir=str(run_dir),
-                checkpoint=str(committed[-1][1]) if committed else None,
-                oom_count=run.state.oom_count,
-            )
+            return _result(run.state, reason, code, run_dir, store)
         finally:
             files.close()  # closed at fit_end already; this covers a refusal before it
 
@@ -241,7 +220,7 @@ class Trainer:
             )
         run.resumed = found is not None
         run.savers.start(resumed=run.resumed)
-        cap = _micro_cap_from_supervisor()
+        cap = micro_cap_from_supervisor()
         if cap is not None and cap < run.state.micro_batch_size:
             reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
             files.record(
@@ -452,19 +431,6 @@ def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
     return record
 
 
-def _micro_cap_from_supervisor() -> int | None:
-    """`steadytrain run` sets this after an OS kill, to start the restarted run smaller."""
-    value = os.environ.get(run_files.ENV_MAX_MICRO_BATCH)
-    if not value:
-        return None
-    try:
-        return max(1, int(value))
-    except ValueError:
-        raise BadInputError(
-            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
-        ) from None
-
-
 def _data_source(train_data: Any, collate_fn: Callable | None, workers: int):
     """(dataset, collate_fn, num_workers, worker_init_fn) from a dataset or a DataLoader."""
     worker_init_fn = None
@@ -507,31 +473,25 @@ def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
         )
 
 
-def _keep_traceback(run_dir: Path) -> None:
-    """An unexpected error is a bug: keep its traceback in the run directory for the report."""
-    try:
-        folder = run_dir / "errors"
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        (folder / f"{stamp}-{os.getpid()}.txt").write_text(traceback.format_exc())
-    except OSError:
-        pass
+def _result(
+    state: TrainState, reason: str, code: int, run_dir: Path, store: CheckpointStore
+) -> FitResult:
+    committed = store.committed()
+    checkpoint = str(committed[-1][1]) if committed else None
+    return FitResult(
+        state.step, state.last_loss, state.micro_batch_size, reason, code, str(run_dir),
+        checkpoint, state.oom_count,
+    )  # fmt: skip
 
 
-def _record_error(
-    run_dir: Path, exc: BaseException, step: int | None, where: str, signature: str
-) -> None:
-    """One "error" event, so that a supervisor can tell a failure that repeats identically (a
-    restart would fail the same way) from one that may pass."""
-    error = exc.error if isinstance(exc, UserCodeError) else f"{type(exc).__name__}: {exc}"
-    record = {
-        "time": time.time(),
-        "event": ERROR_EVENT,
-        "step": step,
-        "exit_code": getattr(exc, "exit_code", 1),
-        "error": error.splitlines()[0][:500] if error else type(exc).__name__,
-        "where": where,
-        "signature": hashlib.sha256(signature.encode()).hexdigest()[:16],
-    }
-    with contextlib.suppress(OSError):  # a full disk must not hide the error itself
-        append_event(run_dir, record)
+def _already_finished(state: TrainState, store: CheckpointStore, run_dir: Path) -> FitResult:
+    """A run whose checkpoint is already at max_steps: nothing to train, and it says so."""
+    print(
+        f"steadytrain: {run_dir} is already finished: its checkpoint {store.committed()[-1][1].name}"
+        f" is at step {state.step} of {state.max_steps}; nothing to train (the model holds its "
+        "weights). To train further, raise max_steps or epochs (the run resumes from there); to "
+        "start over, use a new run_dir.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return _result(state, "already finished", 0, run_dir, store)

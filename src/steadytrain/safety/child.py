@@ -8,12 +8,13 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain.errors import RESTARTABLE_EXIT, USER_CODE_EXIT
+from steadytrain.errors import RESTARTABLE_EXIT, USER_CODE_EXIT, BadInputError
 from steadytrain.safety.failures import MemoryAtKill
 
 HANG = RESTARTABLE_EXIT
@@ -258,3 +259,17 @@ def _sigkill_cause(oom_kill_delta: int | None, memory: MemoryAtKill | None) -> s
         f"{text}; memory was not high at the last step ({memory.text}): taken for a plain kill, "
         "no smaller micro-batch"
     )
+
+
+def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The child's side: `steadytrain run` sets this after a memory kill, to start the
+    restarted run smaller."""
+    value = environ.get(run_files.ENV_MAX_MICRO_BATCH)
+    if not value:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise BadInputError(
+            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
+        ) from None

@@ -181,12 +181,8 @@ class Supervisor:
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
-            oom_after = self._oom_kill_count()
-            delta = None if None in (oom_before, oom_after) else oom_after - oom_before
-            death = ChildExit(returncode, delta, memory_at_kill(run_dir))
-            step = checkpoint_step(run_dir)
-
-            error = last_error(run_dir, started_wall)
+            death, step = self._death(returncode, oom_before), checkpoint_step(run_dir)
+            error = last_error(run_dir, started_wall)  # what this attempt recorded, if anything
             final = self._final_code(death, step, error, error_before)
             if final is not None:
                 return final
@@ -210,7 +206,7 @@ class Supervisor:
                 exit_code=returncode,
                 signal=death.killed_by.name if death.killed_by else None,
                 reason=death.describe(),
-                oom_kill_delta=delta,
+                oom_kill_delta=death.oom_kill_delta,
                 delay_s=delay,
                 max_micro_batch=max_micro,
                 progressed=progressed,
@@ -229,6 +225,13 @@ class Supervisor:
                     128 + self._stop_signal, step, f"stopped by {name} while waiting to restart"
                 )
             delay = min(delay * 2, self.options.backoff_max)
+
+    def _death(self, returncode: int, oom_before: int | None) -> ChildExit:
+        """How the child ended: its code, the OOM killer's count since it started, and the
+        memory reading of its last step."""
+        oom_after = self._oom_kill_count()
+        delta = None if None in (oom_before, oom_after) else oom_after - oom_before
+        return ChildExit(returncode, delta, memory_at_kill(self.options.run_dir))
 
     def _final_code(
         self,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steadytrain import run_files
+
 TAIL_BYTES = 64 * 1024  # enough for the last few lines of a JSON-lines file, however long
 LOW_AVAILABLE = 0.20
 """Memory counts as high when less than this share of the machine's memory was available at the
@@ -68,7 +70,7 @@ def memory_at_kill(run_dir: Path | None, total: int | None = None) -> MemoryAtKi
     reading). `total` is the machine's memory (default: read here, where the child ran)."""
     if run_dir is None:
         return None
-    lines = [r for r in tail_lines(Path(run_dir) / "metrics.jsonl") if "step" in r]
+    lines = [r for r in tail_lines(Path(run_dir) / run_files.METRICS) if "step" in r]
     if not lines:
         return None
     line = lines[-1]
@@ -110,7 +112,7 @@ def last_error(run_dir: Path | None, since: float) -> dict[str, Any] | None:
     since the epoch): the one the attempt started then recorded; None when it recorded none."""
     if run_dir is None:
         return None
-    for record in reversed(tail_lines(Path(run_dir) / "events.jsonl")):
+    for record in reversed(tail_lines(Path(run_dir) / run_files.EVENTS)):
         if record.get("event") != ERROR_EVENT:
             continue
         stamp = record.get("time")

@@ -7,17 +7,26 @@ CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev
 
 .PHONY: demo quickstart test test-all lint format clean
 
-$(VENV)/.installed: pyproject.toml
+# Two levels: the demo's (steadytrain with the `demo` extra: transformers, peft, matplotlib) and,
+# on top, the developer tools `make test` needs (the `dev` extra: pytest, ruff, tensorboard).
+# One pip run (one resolve); --no-compile: Python compiles the modules it imports when it first
+# imports them, instead of pip compiling every file of torch and transformers up front.
+PIP := $(PY) -m pip install -q --no-compile
+
+$(VENV)/.demo-installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(if $(CPU_TORCH),$(PY) -m pip install -q $(CPU_TORCH))
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PIP) $(CPU_TORCH) -e ".[demo]"
 	touch $@
 
-demo: $(VENV)/.installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report
+$(VENV)/.installed: $(VENV)/.demo-installed
+	$(PIP) -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.demo-installed  ## fine-tune a tiny model offline: plan, progress, checkpoint, kill and resume, eval, report
 	rm -rf runs/demo
 	$(VENV)/bin/steadytrain demo runs/demo
 
-quickstart: $(VENV)/.installed  ## train through the engine, surviving a real out-of-memory; then the report
+quickstart: $(VENV)/.demo-installed  ## train through the engine, surviving a real out-of-memory; then the report
 	rm -rf runs/quickstart
 	$(PY) examples/quickstart.py runs/quickstart
 	$(VENV)/bin/steadytrain report runs/quickstart

@@ -93,10 +93,10 @@ def test_the_supervisor_and_the_trainer_read_one_variable(monkeypatch):
 
     assert supervisor.ENV_MAX_MICRO_BATCH == run_files.ENV_MAX_MICRO_BATCH
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "4")
-    assert trainer._micro_cap_from_supervisor() == 4
+    assert trainer.micro_cap_from_supervisor() == 4  # the child's reader (safety/child.py)
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "four")
     with pytest.raises(BadInputError, match=run_files.ENV_MAX_MICRO_BATCH):
-        trainer._micro_cap_from_supervisor()
+        trainer.micro_cap_from_supervisor()
 
 
 def test_one_version_read_by_the_package_and_the_checkpoint_manifest():

@@ -241,8 +241,11 @@ def test_a_planned_run_equals_an_unplanned_run_at_the_chosen_size(tmp_path: Path
     assert estimate["source"] == "probe" and estimate["peak"] == chosen["predicted_peak"]
     assert [e["event"] for e in events][:3] == ["fit_start", "plan", "estimate"]
     rows = dict(summary_rows(load_run(tmp_path / "planned")))
-    assert rows["estimated vs measured peak"].startswith(
-        f"estimated {estimate['total'] / GiB:.2f} GiB, measured "
+    # The probe's figure is the plan's cautious upper bound, and the report names it so
+    # (issue 19): the same figure, no longer called an estimate.
+    assert rows["plan bound vs measured peak"].startswith(
+        f"plan bound {estimate['total'] / GiB:.2f} GiB at micro-batch {micro} (the planner's "
+        "cautious upper bound, not a prediction), measured "
     )
 
 

@@ -22,6 +22,7 @@ import pytest
 from conftest import MALLOC_ENV, ROOT, WORKLOADS
 
 from steadytrain.telemetry.files import read_jsonl
+from steadytrain.telemetry.plots import _event_step, plot_memory_events
 from steadytrain.telemetry.report import (
     BUDGET_COLOR,
     EVENT_STYLES,
@@ -33,6 +34,7 @@ from steadytrain.telemetry.report import (
     summary_rows,
     write_report,
 )
+from steadytrain.telemetry.run_reading import GIB, budget
 
 CHROMIUM = Path("/usr/bin/chromium")
 KILL_AT, SAVE_EVERY = 5, 3  # checkpoint at 3, SIGKILL at the end of 5: step 4 is recorded twice
@@ -326,6 +328,110 @@ def test_peak_memory_reads_the_devices_counter(tmp_path: Path, device, counters,
     assert run.device == device.split(":")[0]
     assert peak_memory(run) == (expected[0] * gib, expected[1])
     assert dict(summary_rows(run))["peak memory"].startswith(f"{expected[0]:.2f} GiB")
+
+
+# ---- what a new user reads off the page (issue 19, point 6) ---------------------------------
+
+
+def test_a_restart_is_drawn_where_the_attempt_died_and_the_resume_where_it_took_up(supervised):
+    run = load_run(supervised)
+    (restart,) = [e for e in run.events if e["event"] == "restart"]
+    (resume,) = [e for e in run.events if e["event"] == "resume"]
+    died = max((r for r in run.lines if r["time"] <= restart["time"]), key=lambda r: r["time"])
+    assert restart["at_step"] == died["step"] == KILL_AT - 1  # step 5's line was never written
+    assert _event_step(restart) == KILL_AT - 1
+    assert _event_step(resume) == SAVE_EVERY
+    assert restart["step"] == SAVE_EVERY  # the event itself still says where it resumes
+
+
+def test_the_memory_axis_follows_the_data_and_names_a_far_budget(supervised, tmp_path):
+    run = load_run(supervised)  # its budget lies just above its readings: drawn as a line
+    peak, limit = peak_memory(run)[0] / GIB, budget(run) / GIB
+    memory_ax = plot_memory_events(run).axes[0]
+    assert memory_ax.get_ylim()[1] >= limit
+    assert "budget" in memory_ax.get_legend_handles_labels()[1]
+    assert not memory_ax.texts
+
+    far = tmp_path / "far"  # the same run under a 20 GiB budget: readings 2 % of it
+    shutil.copytree(supervised, far)
+    lines = read_jsonl(far / "metrics.jsonl")
+    for line in lines:
+        line["mem_budget"] = 20 * GIB
+    (far / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    memory_ax = plot_memory_events(load_run(far)).axes[0]
+    assert peak <= memory_ax.get_ylim()[1] < 2 * peak  # the readings fill the plot
+    labels = memory_ax.get_legend_handles_labels()[1]
+    assert any(label.startswith("budget 20.00 GiB: off the scale, ") for label in labels)
+    assert [t.get_text() for t in memory_ax.texts] == [
+        f"budget 20.00 GiB ↑ ({peak / 20:.0%} used at most)"
+    ]
+
+
+LONG_REASON = "one sample adds at most 12.83 MiB; " + "x" * 600 + " END OF REASON"
+
+
+def with_plan(by_hand, tmp_path: Path, budget_bytes: float | None = None) -> Path:
+    """The run resumed by hand, with a plan and its probe bound recorded (and, if given, a
+    different budget in every metrics line)."""
+    run_dir = tmp_path / "planned"
+    shutil.copytree(by_hand[0], run_dir)
+    if budget_bytes is not None:
+        lines = [x | {"mem_budget": budget_bytes} for x in read_jsonl(run_dir / "metrics.jsonl")]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plan = {
+        "time": 2e9,
+        "event": "plan",
+        "micro_batch_size": 16,
+        "predicted_peak": 581_000_000,
+        "limit": 15_000_000_000,
+        "reasons": ["budget 20.65 GiB", LONG_REASON, "accumulation 1"],
+        "candidates": [{"micro": 16, "peak": 581_000_000}],
+    }
+    estimate = {"time": 2e9, "event": "estimate", "source": "probe", "peak": 2**30, "total": 2**30}
+    estimate["micro_batch_size"] = 16
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps(plan) + "\n" + json.dumps(estimate) + "\n")
+    return run_dir
+
+
+def test_events_table_shows_bytes_in_units_and_the_plans_reasons_whole(by_hand, tmp_path):
+    page = write_report(with_plan(by_hand, tmp_path)).html.read_text()
+    (row,) = events_by_kind(page)["plan"]
+    assert "predicted_peak=554.08 MiB" in row and "limit=13.97 GiB" in row
+    assert "candidates: [micro=16, peak=554.08 MiB]" in row
+    assert "581000000" not in row and "15000000000" not in row
+    assert (
+        "\n- budget 20.65 GiB\n- one sample adds" in row
+        and "END OF REASON\n- accumulation 1" in row
+    )
+
+
+def test_the_plans_bound_is_not_called_an_estimate(by_hand, tmp_path):
+    run = load_run(with_plan(by_hand, tmp_path))
+    rows = dict(summary_rows(run))
+    assert "estimated vs measured peak" not in rows
+    measured = peak_memory(run)[0] / GIB
+    assert rows["plan bound vs measured peak"] == (
+        "plan bound 1.00 GiB at micro-batch 16 (the planner's cautious upper bound, not a "
+        f"prediction), measured {measured:.2f} GiB ({measured:.0%} of the bound)"
+    )
+
+
+def test_the_first_hour_page_in_a_headless_browser(by_hand, tmp_path: Path):
+    """What a person sees: the far budget's box in its colour on the memory plot, and in the
+    rendered DOM the plan bound row and every reason, whole, each on its own line."""
+    browser = chromium()
+    page = write_report(with_plan(by_hand, tmp_path, budget_bytes=20 * GIB)).html
+    (box,) = plot_memory_events(load_run(page.parent)).axes[0].texts
+    assert box.get_text().startswith("budget 20.00 GiB ↑")
+    shot = tmp_path / "page.png"
+    proc = run_chromium(browser, tmp_path, f"--screenshot={shot}", page)
+    assert shot.is_file(), proc.stderr
+    assert count_color(read_png(shot), BUDGET_COLOR) >= 100
+    dom = run_chromium(browser, tmp_path, "--dump-dom", page).stdout
+    assert "plan bound vs measured peak" in dom
+    (row,) = events_by_kind(dom)["plan"]
+    assert LONG_REASON in row and "predicted_peak=554.08 MiB" in row
 
 
 # ---- the command line ------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Every child is CHILD below, a tiny Python script that follows a plan of one acti
 attempt (the last one repeats): `exit:N`, `kill:SIGNAME` (itself), `ckpt:STEP` (commit a
 checkpoint pointer), `handle` (SIGINT/SIGTERM write a marker and exit 128 + N), `ignore`
 (SIGTERM), `spawn` (a grandchild that sleeps), `probe` (is that grandchild still running?),
-`ready` (a marker file), `sleep:S`; joined by `+`. It records the environment each attempt saw. Logic tests run the `Supervisor` in this process;
+`ready` (a marker file), `sleep:S`, `error:X` (the trainer's error event for error X, exit 5);
+joined by `+`. It records the environment each attempt saw. Logic tests run the `Supervisor` in this process;
 signal tests run `python -m steadytrain.cli run` and signal it.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -87,6 +89,13 @@ for action in plan[min(k, len(plan) - 1)].split("+"):
         (state / "ready").write_text("")
     elif verb == "sleep":
         time.sleep(float(arg))
+    elif verb == "error":  # the trainer's "error" event for an error ARG at step 1, then exit 5
+        run_dir.mkdir(parents=True, exist_ok=True)
+        event = {"time": time.time(), "event": "error", "step": 1, "exit_code": 5,
+                 "error": "ValueError: " + arg, "where": "loss_fn (train.py:7)", "signature": arg}
+        with open(run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+        sys.exit(5)
 """
 
 
@@ -220,6 +229,55 @@ def test_sigkill_reported_as_memory_kill_and_micro_batch_halved(job):
     assert restarts[0]["reason"] == expected
     assert expected in out
     assert "STEADYTRAIN_MAX_MICRO_BATCH=8" in out
+
+
+def memory_line(job, available: int) -> None:
+    job.run_dir.mkdir()
+    line = {"step": 7, "micro_batch_size": 16, "mem_system_available": available, "mem_rss": 2**30}
+    (job.run_dir / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+
+
+def test_uncounted_sigkill_with_memory_high_at_the_last_step_halves_the_micro_batch(job):
+    """systemd-oomd and earlyoom kill with SIGKILL and leave the kernel's counter unchanged:
+    when the last metrics line shows little memory available, the kill is taken for theirs."""
+    memory_line(job, available=1024)
+    code, _ = supervise(job, "kill:SIGKILL", "exit:0", oom_kill_count=lambda: 0)
+    assert code == 0
+    assert [a["STEADYTRAIN_MAX_MICRO_BATCH"] for a in job.attempts()] == [None, "8"]
+    reason = job.events("restart")[0]["reason"]
+    assert (
+        "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged)" in reason
+    )
+    assert "memory was high at the last step (step 7: 0.0 GiB of " in reason
+    assert "GiB available, 1.0 GiB used by the trainer): taken for a memory kill" in reason
+
+
+def test_uncounted_sigkill_with_memory_low_at_the_last_step_is_a_plain_kill(job):
+    memory_line(job, available=2**60)
+    code, out = supervise(job, "kill:SIGKILL", "exit:0", oom_kill_count=lambda: 0)
+    assert code == 0
+    assert [a["STEADYTRAIN_MAX_MICRO_BATCH"] for a in job.attempts()] == [None, None]
+    assert "memory was not high at the last step" in out
+    assert "taken for a plain kill, no smaller micro-batch" in out
+
+
+def test_the_same_error_at_the_same_step_is_not_restarted_again(job):
+    code, out = supervise(job, "error:a", "error:a", "exit:0")
+    assert code == 5
+    assert len(job.attempts()) == 2
+    assert "child exited 5: an error in your code" in out
+    assert (
+        "the same error as the attempt before, at the same step (step 1): ValueError: a in "
+        "loss_fn (train.py:7); not restarting: a restart fails the same way" in out
+    )
+    end = job.events()[-1]
+    assert (end["event"], end["exit_code"]) == ("supervisor_end", 5)
+
+
+def test_a_different_error_or_none_is_restarted(job):
+    code, _ = supervise(job, "error:a", "error:b", "kill:SIGKILL", "error:b", "exit:0")
+    assert code == 0
+    assert len(job.attempts()) == 5
 
 
 def test_sigkill_without_metrics_sets_no_cap(job):

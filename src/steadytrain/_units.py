@@ -47,3 +47,13 @@ def format_bytes(n: int | float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def format_count(n: int | float) -> str:
+    """A count in natural units: 436352 -> '436k', 1234567 -> '1.23M', 3.21e9 -> '3.21B'."""
+    n = float(n)
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= 0.9995 * scale:  # 999,999 is 1M, not 1000k
+            value = n / scale
+            return f"{value:.3g}{unit}" if abs(value) < 99.95 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"

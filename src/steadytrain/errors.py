@@ -2,22 +2,29 @@
 class steadytrain raises on purpose lives here.
 
 The CLI and `entrypoint` turn any `SteadytrainError` into its message and its `exit_code`,
-without a traceback. Anything else that escapes is a bug (exit 1), so no `SteadytrainError`
+without a traceback. An exception raised in the user's own code (`UserCodeError`) exits
+`USER_CODE_EXIT`. Anything else that escapes is a bug (exit 1), so no `SteadytrainError`
 exits 1: a stop that a restart from the last checkpoint fixes exits `RESTARTABLE_EXIT`, which
 `steadytrain run` restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import os
 import shutil
+import site
+import sysconfig
+import traceback
 from pathlib import Path
 
 from steadytrain._units import format_bytes
 
 BAD_INPUT_EXIT = 2
 DOES_NOT_FIT_EXIT = 3
+USER_CODE_EXIT = 5  # an exception raised in the user's loss function, model, data or callback
 DISK_FULL_EXIT = 6  # a file of the run could not be written; a restart fails the same way
 RESTARTABLE_EXIT = 75  # EX_TEMPFAIL: try again; also what a detected hang exits with
 SHRINK_EXIT = 76
@@ -157,3 +164,108 @@ def free_space(path: str | os.PathLike | None) -> str:
     except OSError:
         return ""
     return format_bytes(free)
+
+
+class UserCodeError(SteadytrainError):
+    """An exception raised in code the user gave (loss function, model forward, dataset,
+    collate function, callback), or a value it returned that cannot work. Its message names the
+    function and the step and shows the user's own frames of the traceback. Exit 5."""
+
+    exit_code = USER_CODE_EXIT
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        where: str | None = None,
+        step: int | None = None,
+        frames: str = "",
+        error: str | None = None,
+    ):
+        self.problem, self.where, self.step, self.frames = problem, where, step, frames
+        self.error = error or problem.splitlines()[0]
+        super().__init__(problem)
+
+    def __str__(self) -> str:
+        where = f" ({self.where})" if self.where else ""
+        at = f" at step {self.step}" if self.step is not None else " before the first step"
+        text = f"error in your code{where}{at}: {self.problem}"
+        if self.frames:
+            text += f"\nTraceback, your code only (most recent call last):\n{self.frames}"
+        return text + "\nFix it and run again: the run resumes from its last checkpoint."
+
+    @property
+    def signature(self) -> str:
+        """The same error at the same place gives the same text (a restart would repeat it)."""
+        return hashlib.sha256(f"{self.where}|{self.error}|{self.frames}".encode()).hexdigest()[:16]
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    with contextlib.suppress(AttributeError):  # site lacks these under some embedders
+        dirs.update(site.getsitepackages())
+        dirs.add(site.getusersitepackages())
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+
+
+_OURS = os.path.realpath(Path(__file__).parent) + os.sep
+
+
+def _owner(filename: str) -> str:
+    """ "ours" (steadytrain), "library" (the standard library, installed packages) or "user"."""
+    if filename.startswith("<") and filename != "<string>" and not filename.startswith("<ipy"):
+        return "library"  # <frozen importlib._bootstrap> and the like
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    if path.startswith(_OURS):
+        return "ours"
+    return "library" if path.startswith(_library_dirs()) else "user"
+
+
+def user_code_error(exc: BaseException, step: int | None = None) -> UserCodeError | None:
+    """`exc` as an error in the user's code, or None when it is not theirs. It is theirs when
+    the traceback, after its last frame in steadytrain, passes through a file of theirs (not
+    steadytrain, not the standard library or an installed package). An error already classified
+    gets the step if it had none."""
+    if isinstance(exc, UserCodeError):
+        if exc.step is None:
+            exc.step = step
+        return exc
+    if not isinstance(exc, Exception) or isinstance(exc, SteadytrainError):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    owners = [_owner(f.filename) for f in frames]
+    last_ours = max((i for i, o in enumerate(owners) if o == "ours"), default=-1)
+    after = list(zip(frames[last_ours + 1 :], owners[last_ours + 1 :], strict=True))
+    mine = [f for f, owner in after if owner == "user"]
+    if not mine:
+        return None
+    shown = [f for f, owner in after if owner == "user" or f is after[-1][0]]
+    called = mine[0]
+    where = f"{called.name} ({Path(called.filename).name}:{called.lineno})"
+    if mine[-1] is not called:
+        deepest = mine[-1]
+        where = (
+            f"{deepest.name} ({Path(deepest.filename).name}:{deepest.lineno}), called from {where}"
+        )
+    error = f"{type(exc).__name__}: {str(exc).strip()}".strip().rstrip(":")
+    text = "".join(traceback.format_list(shown)).rstrip()
+    fields = {"where": where, "step": step, "frames": text, "error": error}
+    try:
+        return _theirs_class(type(exc))(error, **fields)
+    except TypeError:  # an exception class whose constructor wants more than a message
+        return UserCodeError(error, **fields)
+
+
+_THEIRS: dict[type, type] = {}
+
+
+def _theirs_class(original: type) -> type:
+    """`UserCodeError` that is also an instance of the user's exception type, so code around
+    `fit()` that catches `ValueError` still catches the ValueError its loss function raised."""
+    if original not in _THEIRS:
+        try:
+            _THEIRS[original] = type("UserCodeError", (UserCodeError, original), {})
+        except TypeError:  # a final class, or a layout that cannot be combined
+            _THEIRS[original] = UserCodeError
+    return _THEIRS[original]

@@ -5,12 +5,10 @@ callbacks together from the config, and runs them."""
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +23,16 @@ from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
-from steadytrain.safety.child import announce_run_dir
+from steadytrain.safety.child import announce_run_dir, micro_cap_from_supervisor
 from steadytrain.safety.continuity import ContinuityCheck
+from steadytrain.safety.failure_record import record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver, copy_room, full_disk_ends_the_run
@@ -47,6 +46,7 @@ from steadytrain.safety.state import (
 )
 from steadytrain.safety.watchdog import HangWatchdog, startup_phase
 from steadytrain.telemetry.console import console_callback
+from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
 from steadytrain.trainer_program import (
@@ -124,13 +124,18 @@ class Trainer:
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
+        run_dir = Path(self.config.run_dir)
         try:
             return self._fit()
-        except (SteadytrainError, KeyboardInterrupt):
+        except (SteadytrainError, KeyboardInterrupt) as exc:
+            if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
+                record_failure(run_dir, exc)
             raise
-        except Exception:
-            _keep_traceback(Path(self.config.run_dir))
-            raise
+        except Exception as exc:
+            theirs = record_failure(run_dir, exc)  # theirs before the loop: planning, a batch
+            if theirs is None:
+                raise
+            raise theirs from exc
 
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
@@ -158,6 +163,8 @@ class Trainer:
             )
             with startup_phase("checkpoint load"):
                 expected_loss = self._resume_or_start(run, store, files)
+            if run.resumed and run.state.step >= run.state.max_steps:
+                return _already_finished(run.state, store, run_dir)
             cfg.dump(run_dir / run_files.CONFIG)
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
@@ -176,17 +183,7 @@ class Trainer:
                 run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
-            committed = store.committed()
-            return FitResult(
-                steps=run.state.step,
-                final_loss=run.state.last_loss,
-                micro_batch_size=run.state.micro_batch_size,
-                reason=reason,
-                exit_code=code,
-                run_dir=str(run_dir),
-                checkpoint=str(committed[-1][1]) if committed else None,
-                oom_count=run.state.oom_count,
-            )
+            return _result(run.state, reason, code, run_dir, store)
         finally:  # both ended at fit_end already; this covers a refusal before it
             watchdog.stop()
             files.close()
@@ -297,7 +294,7 @@ class Trainer:
             )
         run.resumed = found is not None
         run.savers.start(resumed=run.resumed)
-        cap = _micro_cap_from_supervisor()
+        cap = micro_cap_from_supervisor()
         if cap is not None and cap < run.state.micro_batch_size:
             reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
             files.record(
@@ -326,6 +323,7 @@ class Trainer:
         callbacks = [
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
+            CpuContention.from_config(cfg, run.device, record),
             CheckpointSaver(
                 store,
                 capture,
@@ -545,19 +543,6 @@ def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
     return record
 
 
-def _micro_cap_from_supervisor() -> int | None:
-    """`steadytrain run` sets this after an OS kill, to start the restarted run smaller."""
-    value = os.environ.get(run_files.ENV_MAX_MICRO_BATCH)
-    if not value:
-        return None
-    try:
-        return max(1, int(value))
-    except ValueError:
-        raise BadInputError(
-            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
-        ) from None
-
-
 def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """What a background save adds to the next step's memory: the copy of what a checkpoint
     holds (the model's saved tensors, the optimizer state), held while that step allocates its
@@ -588,12 +573,25 @@ def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
         )
 
 
-def _keep_traceback(run_dir: Path) -> None:
-    """An unexpected error is a bug: keep its traceback in the run directory for the report."""
-    try:
-        folder = run_dir / "errors"
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        (folder / f"{stamp}-{os.getpid()}.txt").write_text(traceback.format_exc())
-    except OSError:
-        pass
+def _result(
+    state: TrainState, reason: str, code: int, run_dir: Path, store: CheckpointStore
+) -> FitResult:
+    committed = store.committed()
+    checkpoint = str(committed[-1][1]) if committed else None
+    return FitResult(
+        state.step, state.last_loss, state.micro_batch_size, reason, code, str(run_dir),
+        checkpoint, state.oom_count,
+    )  # fmt: skip
+
+
+def _already_finished(state: TrainState, store: CheckpointStore, run_dir: Path) -> FitResult:
+    """A run whose checkpoint is already at max_steps: nothing to train, and it says so."""
+    print(
+        f"steadytrain: {run_dir} is already finished: its checkpoint {store.committed()[-1][1].name}"
+        f" is at step {state.step} of {state.max_steps}; nothing to train (the model holds its "
+        "weights). To train further, raise max_steps or epochs (the run resumes from there); to "
+        "start over, use a new run_dir.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return _result(state, "already finished", 0, run_dir, store)

@@ -7,13 +7,43 @@ a traceback; anything else is a bug and exits 1 with the traceback.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
+from steadytrain import __version__
 from steadytrain.cli.memory_commands import register as register_memory_commands
 from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
+
+
+def _flags_without_type(params: list) -> list:
+    """A flag takes no value, so its help shows no type (typer ≥ 0.2x prints `<bool>` after
+    `--json` and `--help`, as if they took one)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A command's help as people read it: flags without a type, and a required argument as
+    `MODEL` in the usage line (typer ≥ 0.2x writes `{MODEL}`)."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _flags_without_type(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list:
+        return _flags_without_type(super().get_params(ctx))
+
 
 app = typer.Typer(
     name="steadytrain",
@@ -21,8 +51,25 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 err_console = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"steadytrain {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Make a training run on a memory-constrained machine finish."""
 
 
 @app.command()
@@ -342,8 +389,14 @@ def report_command(
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:  # a bare `steadytrain` asks what there is: the help, and no error
+        args = ["--help"]
+    for info in app.registered_commands:
+        if info.cls in (None, TyperCommand):
+            info.cls = _Command
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=args, prog_name="steadytrain", standalone_mode=False)
     except SteadytrainError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
         sys.exit(exc.exit_code)

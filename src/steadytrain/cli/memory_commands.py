@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from steadytrain._units import format_bytes
+from steadytrain._units import format_bytes, format_count
 from steadytrain.cli.options import settings_command
+from steadytrain.cli.readable import readable_console
 from steadytrain.memory.settings import Settings, from_options
 
 if TYPE_CHECKING:
@@ -116,10 +117,9 @@ def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
 
 
 def render_estimate(result: Estimate, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or readable_console()
     s = result.settings
     sh = result.shape
     what = (
@@ -128,7 +128,7 @@ def render_estimate(result: Estimate, console=None) -> None:
         else "full fine-tune"
     )
     title = (
-        f"{result.model or sh.family}: {result.params / 1e9:.2f} B params "
+        f"{result.model or sh.family}: {format_count(result.params)} params "
         f"({sh.family}, {sh.layers} layers, hidden {sh.hidden}, vocab {sh.vocab:,}"
         f"{', tied' if sh.tied else ''}); {what}; micro-batch {s.micro_batch_size} × seq {s.seq}, "
         f"{s.precision} compute over {s.weights_dtype} weights, {s.optimizer}"
@@ -201,12 +201,11 @@ def _knobs(result: Estimate) -> list[str]:
 
 def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     """The candidates table and the reasons."""
-    from rich.console import Console
     from rich.table import Table
 
     from steadytrain.memory.choice import Mode
 
-    console = console or Console()
+    console = console or readable_console()
     table = Table(
         title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
         f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
@@ -226,6 +225,8 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     hidden = len(chosen.candidates) - len(shown)
     if hidden:
         table.caption = f"{hidden} larger size(s) over the limit not shown (--json lists them)"
+    if not shown:  # the quick path measured one size and chose without a candidates table
+        table.add_row(*_quick_row(chosen))
     for c in shown:
         picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == Mode(
             chosen.checkpointing, chosen.chunked_loss
@@ -244,3 +245,21 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     console.print(table)
     for reason in chosen.reasons:
         console.print(f"- {reason}", markup=False, highlight=False)
+
+
+def _quick_row(chosen: Plan) -> tuple[str, ...]:
+    """The chosen settings as the one row of a plan that took the quick path (one measured
+    size, the bound extrapolated from it: no candidates were compared, so no speeds)."""
+    from steadytrain.memory.choice import Mode
+
+    peak, limit = chosen.predicted_peak, chosen.limit
+    return (
+        Mode(chosen.checkpointing, chosen.chunked_loss).describe().replace("checkpointed", "ckpt"),
+        str(chosen.micro_batch_size),
+        str(chosen.accumulation),
+        format_bytes(peak),
+        f"{peak / limit:.0%}" if limit and peak else "-",
+        "-",
+        "-",
+        "◀ chosen (bound from one measured size, see below)",
+    )

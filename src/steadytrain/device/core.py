@@ -168,6 +168,10 @@ class Device:
         return check_autocast(dtype, lambda d: self.backend.autocast_probe(self.index, d))
 
 
+# The end of the "device not usable" message: where doctor itself says it, doctor leaves it out.
+DOCTOR_HINT = ", and run `steadytrain doctor` for a diagnosis"
+
+
 def default_backends(system: SystemProbe | None = None) -> dict[str, Backend]:
     system = system or SystemProbe()
     return {"cuda": CUDABackend(), "mps": MPSBackend(system), "cpu": CPUBackend(system)}
@@ -219,7 +223,7 @@ def resolve_device(
         raise DeviceUnavailableError(
             f"device: {spec!r} is not usable on this machine: {why}. Available here: "
             f"{', '.join(available_devices(backends, system))}. Set device to one of those or to "
-            "'auto', and run `steadytrain doctor` for a diagnosis."
+            f"'auto'{DOCTOR_HINT}."
         )
     return Device(backend, index, budget_spec, system)
 

@@ -34,6 +34,7 @@ from steadytrain.doctor.checks import (
 )
 from steadytrain.doctor.environment import check_environment
 from steadytrain.doctor.findings import Context, Finding
+from steadytrain.doctor.threads import check_threads
 
 
 def diagnose(
@@ -63,6 +64,7 @@ def diagnose(
         check_memory,
         check_environment,
         check_autocast,
+        check_threads,
         check_disk,
     ]
     if selftest:

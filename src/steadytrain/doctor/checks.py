@@ -10,6 +10,7 @@ import torch
 
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes
 from steadytrain.device import is_oom, resolve_device
+from steadytrain.device.core import DOCTOR_HINT
 from steadytrain.device.selftest import run_selftest
 from steadytrain.device.watermarks import HIGH_VAR, LOW_VAR
 from steadytrain.doctor.findings import (
@@ -272,7 +273,7 @@ def check_device(ctx: Context) -> list[Finding]:
             Finding(
                 "device",
                 "fail",
-                str(exc),
+                str(exc).replace(DOCTOR_HINT, ""),  # we are that diagnosis
                 "pick one of the available devices (--device auto chooses for you)",
             )
         ]

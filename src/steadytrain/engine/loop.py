@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -9,7 +10,7 @@ from typing import Any
 
 from steadytrain.engine.evaluation import Evaluation
 from steadytrain.engine.step import StepRunner
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, user_code_error
 from steadytrain.events import Dispatcher, Event, StepMetrics
 
 
@@ -37,6 +38,7 @@ class Loop:
         self.time_every = time_every
         self.state, self.control = emit.state, emit.control
         self.last_metrics: StepMetrics | None = None
+        self.step_in_progress: int | None = None  # the step an error is reported at
         self._last_loss_step = 0
 
     def _account(self, metrics: StepMetrics) -> None:
@@ -85,11 +87,20 @@ class Loop:
             if self.last_metrics is not None:
                 self.last_metrics.resolve()
         except BaseException as exc:
-            code = 130 if isinstance(exc, KeyboardInterrupt) else getattr(exc, "exit_code", 1)
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            self.emit(
-                Event.FIT_END, {"reason": f"{type(exc).__name__}: {first_line}", "exit_code": code}
-            )
+            # An error raised in the user's code (loss_fn, model, dataset, callback) is theirs:
+            # reported with the step, their frames and exit 5, not as a bug of ours.
+            theirs = user_code_error(exc, self.step_in_progress)
+            shown = theirs if theirs is not None else exc
+            code = 130 if isinstance(shown, KeyboardInterrupt) else getattr(shown, "exit_code", 1)
+            first_line = (str(shown).strip().splitlines() or [""])[0]
+            reason = f"{type(shown).__name__}: {first_line}"
+            if theirs is not None:
+                reason = f"stopped by an error in your code ({theirs.where}): {theirs.error}"
+            self.emit(Event.FIT_END, {"reason": reason, "exit_code": code})
+            if theirs is not None and theirs is not exc:
+                raise theirs from exc
+            with contextlib.suppress(AttributeError, TypeError):  # for the "error" event
+                exc.steadytrain_step = self.step_in_progress  # type: ignore[attr-defined]
             raise
         if self.control.stop_requested:
             reason, code = self.control.stop_reason or "stopped", self.control.stop_exit_code
@@ -102,6 +113,7 @@ class Loop:
         state, control = self.state, self.control
         while state.step < state.max_steps and not control.stop_requested:
             data_start = time.perf_counter()
+            self.step_in_progress = state.step + 1  # its batch is read next
             for batch in self.batches(state.epoch, state.batch_in_epoch):
                 data_time = time.perf_counter() - data_start
                 self.emit(Event.STEP_START)
@@ -122,6 +134,7 @@ class Loop:
                 if state.step >= state.max_steps or control.stop_requested:
                     break
                 data_start = time.perf_counter()
+                self.step_in_progress = state.step + 1
             if state.batch_in_epoch >= state.steps_per_epoch:
                 self.emit(
                     Event.EPOCH_END,

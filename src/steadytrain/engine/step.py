@@ -31,7 +31,12 @@ from steadytrain.device import (
 )
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.precision import Precision
-from steadytrain.errors import BadInputError, DoesNotFitError, OptimizerStateTouched
+from steadytrain.errors import (
+    BadInputError,
+    DoesNotFitError,
+    OptimizerStateTouched,
+    UserCodeError,
+)
 from steadytrain.events import DeviceSpan, Event, TrainState
 from steadytrain.user_state import restore, select, snapshot
 
@@ -91,6 +96,9 @@ class _BatchLoss:
                 "loss_fn: returned a mean on one micro-batch and (loss_sum, "
                 "count) on another; return one form always"
             )
+        _check_loss(
+            out[0] if is_pair and len(out) == 2 else out, is_pair, len(out) if is_pair else 2
+        )
         if is_pair:
             loss_sum, count = out
             self.count.add(count)
@@ -107,6 +115,25 @@ class _BatchLoss:
     def mean(self) -> torch.Tensor | float:
         divisor = self.divisor()
         return self.value / divisor if divisor is not None else self.value
+
+
+def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
+    """A loss that cannot be backpropagated as one number is the user's mistake: say which
+    form was expected instead of failing later inside autograd."""
+    form = "(loss_sum, count)" if is_pair else "the loss"
+    if is_pair and length != 2:
+        problem = f"returned a {length}-tuple; a pair (loss_sum, count) or one mean loss tensor"
+    elif not isinstance(loss, torch.Tensor):
+        problem = f"returned {form} as {type(loss).__name__}, not a tensor"
+    elif loss.numel() != 1:
+        problem = (
+            f"returned {form} as a tensor of shape {tuple(loss.shape)}, not one number: reduce "
+            'it to a 0-dim tensor (e.g. `reduction="mean"` or `.mean()`'
+            + (", or `.sum()` for loss_sum)" if is_pair else ")")
+        )
+    else:
+        return
+    raise UserCodeError(f"loss_fn {problem}", where="loss_fn")
 
 
 def _divide_and_clip(

@@ -86,6 +86,12 @@ fixed share for the runtime itself (CUDA context or Metal/MPS driver state, torc
 buffers). On an H100 (bench/estimate_accuracy.py) reserved over allocated was 1.04-1.14 without
 activation checkpointing and 1.06-1.36 with it (recomputation churns the cache). A planning
 margin, not a measurement."""
+RUNTIME = {
+    "cuda": "runtime: the CUDA context and torch's buffers",
+    "mps": "runtime: Metal driver state and torch's buffers",
+    "cpu": "runtime: torch's libraries and buffers in the process",
+}
+"""What the fixed share stands for on each device; the row names only the device in question."""
 
 
 @dataclass
@@ -312,7 +318,7 @@ def _overhead_row(s: Settings, overhead: int | None) -> Row:
     formula = (
         f"{_overhead_fraction(s):.0%} of the peak (allocator rounding, fragmentation"
         f"{', more with checkpointing' if s.checkpointing else ''}) + "
-        f"{format_bytes(OVERHEAD_FIXED)} (runtime: CUDA context or Metal driver state)"
+        f"{format_bytes(OVERHEAD_FIXED)} ({RUNTIME.get(s.device_type, RUNTIME['cpu'])})"
     )
     return Row("framework/allocator overhead", overhead, formula)
 

@@ -3,7 +3,11 @@ and the exact parameter counts of the causal LM built from it on the meta device
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +73,18 @@ def load_config(model: str):
                 f"model: {model!r} has no config.json; pass the directory the model was saved "
                 "to (save_pretrained writes config.json there)"
             )
+    if not looks_local:
+        with contextlib.suppress(OSError, ValueError, KeyError):  # not in the cache
+            return AutoConfig.from_pretrained(model, local_files_only=True)
+        offline = hub_unreachable()
+        if offline:  # fail now, not after the hub client's retries
+            raise BadInputError(
+                f"model: hub id {model!r} is not in the local Hugging Face cache, and {offline}. "
+                "Point at a local directory holding its config.json instead: one written by "
+                "save_pretrained, one downloaded where there is a network (huggingface-cli "
+                "download MODEL config.json --local-dir DIR), or its snapshot in the cache "
+                "(~/.cache/huggingface/hub/models--ORG--NAME/snapshots/HASH)"
+            )
     try:
         return AutoConfig.from_pretrained(str(path) if looks_local else model)
     except (OSError, ValueError, KeyError) as exc:
@@ -83,6 +99,36 @@ def load_config(model: str):
             "local directory holding its config.json instead (download it where there is a "
             "network: huggingface-cli download MODEL config.json --local-dir DIR)"
         ) from exc
+
+
+HUB_CHECK_S = 3.0  # how long to wait for the hub's address and a connection before calling it away
+
+
+def hub_unreachable(timeout: float = HUB_CHECK_S) -> str | None:
+    """Why the Hugging Face hub cannot be asked now (offline by setting, or no connection
+    within `timeout` seconds), or None when it answers. Name lookup cannot be timed out on its
+    own, so the check runs in a thread that is left behind if it hangs."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name} is set (offline mode)"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    parsed = urllib.parse.urlsplit(endpoint)
+    host, port = parsed.hostname or "", parsed.port or (443 if parsed.scheme == "https" else 80)
+    result: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(None)
+        except OSError as exc:
+            result.append(f"the hub ({host}) cannot be reached from here ({exc})")
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not result:
+        return f"the hub ({host}) did not answer within {timeout:.0f} s"
+    return result[0]
 
 
 def text_config(config):

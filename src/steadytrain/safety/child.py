@@ -9,13 +9,21 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
 from steadytrain._durable import NOFOLLOW, write_all, write_error
-from steadytrain.errors import DISK_FULL_EXIT, RESTARTABLE_EXIT, SHRINK_EXIT
+from steadytrain.errors import (
+    DISK_FULL_EXIT,
+    RESTARTABLE_EXIT,
+    SHRINK_EXIT,
+    USER_CODE_EXIT,
+    BadInputError,
+)
+from steadytrain.safety.failures import MemoryAtKill
 
 HANG = RESTARTABLE_EXIT
 SHRINK = SHRINK_EXIT
@@ -158,11 +166,13 @@ def _oom_kill_field(path: Path) -> int | None:
 
 @dataclass(frozen=True)
 class ChildExit:
-    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), and how
-    much the cgroup's oom_kill counter rose meanwhile (None: not readable)."""
+    """A child's end as `Popen.returncode` gives it (negative: killed by that signal), how
+    much the cgroup's oom_kill counter rose meanwhile (None: not readable), and the memory
+    reading of its last step (None: no metrics line to tell)."""
 
     returncode: int
     oom_kill_delta: int | None = None
+    memory: MemoryAtKill | None = None
 
     @property
     def killed_by(self) -> signal.Signals | None:
@@ -193,12 +203,15 @@ class ChildExit:
 
     @property
     def memory_kill_suspected(self) -> bool:
-        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam).
-        A SIGKILL with a readable, unchanged counter was a plain kill -9: no smaller start.
-        Exit 76: the child ran out of memory and asks for a smaller start itself."""
+        """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam);
+        or a SIGKILL with an unchanged counter (a user-space killer such as systemd-oomd or
+        earlyoom, or a plain kill -9) when memory was high at the last step. Exit 76: the
+        child ran out of memory and asks for a smaller start itself."""
         if self.oom_kill_delta or self.returncode == SHRINK:
             return True
-        return self.killed_by == signal.SIGKILL and self.oom_kill_delta is None
+        if self.killed_by != signal.SIGKILL:
+            return False
+        return self.oom_kill_delta is None or (self.memory is not None and self.memory.high)
 
     @property
     def exit_code(self) -> int:
@@ -223,6 +236,8 @@ class ChildExit:
             text = f"hang detected by the watchdog (exit {HANG})"
         elif rc == SHRINK:
             text = f"out of memory; the child asks for a smaller micro-batch (exit {SHRINK})"
+        elif rc == USER_CODE_EXIT:
+            text = f"child exited {rc}: an error in your code (its message is above)"
         elif sig is None:
             text = f"child crashed with exit {rc}"
         else:
@@ -244,7 +259,7 @@ class ChildExit:
         else:
             head = f"child killed by {sig.name} (exit {self.returncode})"
         why = {
-            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta),
+            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta, self.memory),
             signal.SIGABRT: "on a Mac often a Metal assertion",
             signal.SIGSEGV: "a crash in native code",
             signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
@@ -252,15 +267,37 @@ class ChildExit:
         return f"{head}: {why}" if why else head
 
 
-def _sigkill_cause(oom_kill_delta: int | None) -> str:
+def _sigkill_cause(oom_kill_delta: int | None, memory: MemoryAtKill | None) -> str:
     if oom_kill_delta is None:  # no counter (macOS, no cgroup): the usual sender is the OS
         return "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
     if oom_kill_delta > 0:
         return "the OS out-of-memory killer"
-    return (
+    text = (
         "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
         "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
     )
+    if memory is None:
+        return text + "; no memory reading in metrics.jsonl to tell which: no smaller micro-batch"
+    if memory.high:
+        return f"{text}; memory was high at the last step ({memory.text}): taken for a memory kill"
+    return (
+        f"{text}; memory was not high at the last step ({memory.text}): taken for a plain kill, "
+        "no smaller micro-batch"
+    )
+
+
+def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The child's side: `steadytrain run` sets this after a memory kill, to start the
+    restarted run smaller."""
+    value = environ.get(run_files.ENV_MAX_MICRO_BATCH)
+    if not value:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise BadInputError(
+            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
+        ) from None
 
 
 def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:

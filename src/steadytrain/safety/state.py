@@ -15,6 +15,7 @@ back into the same objects (torchtitan's `Stateful` state_dict / load_state_dict
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 from collections.abc import Collection
@@ -202,11 +203,67 @@ def schedule_identity(scheduler: Any) -> str | None:
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return [
-        f"{key}: {saved.get(key)!r} -> {now.get(key)!r}"
-        for key in sorted(set(saved) | set(now))
-        if saved.get(key) != now.get(key)
-    ]
+    """One line per changed value, `field: old -> new`; an optimizer's or a schedule's change
+    is broken down to the hyperparameter (`optimizer: lr: 0.003 -> 0.001`)."""
+    lines = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if old != new:
+            detail = _detail(old, new)
+            lines += [f"{key}: {d}" for d in detail] if detail else [f"{key}: {old!r} -> {new!r}"]
+    return lines
+
+
+def override_hint(refused: list[str]) -> str:
+    """The `resume_overrides` entry that would let exactly these differences through."""
+    fields = dict.fromkeys(
+        "model" if d.split(":", 1)[0] == "frozen_base" else d.split(":", 1)[0] for d in refused
+    )
+    return f"resume_overrides: {list(fields)}"
+
+
+def _parsed(identity: Any) -> tuple[str, list] | None:
+    """`optimizer_identity` / `schedule_identity` text back into (class name, values)."""
+    if not isinstance(identity, str) or "[" not in identity:
+        return None
+    name, _, rest = identity.partition("[")
+    try:
+        values = ast.literal_eval("[" + rest)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None  # a value without a literal form (a tensor lr): shown whole
+    return name, values
+
+
+def _detail(old: Any, new: Any) -> list[str]:
+    before, after = _parsed(old), _parsed(new)
+    if before is None or after is None:
+        return []
+    if before[0] != after[0]:
+        return [f"{before[0]} -> {after[0]}"]
+    groups_a, groups_b = ([_as_dict(g) for g in x[1]] for x in (before, after))
+    if None in groups_a or None in groups_b:  # a schedule: one list of (key, value) pairs
+        groups_a, groups_b = [_as_dict(before[1])], [_as_dict(after[1])]
+        if None in groups_a + groups_b:
+            return []
+    if len(groups_a) != len(groups_b):
+        return [f"parameter groups: {len(groups_a)} -> {len(groups_b)}"]
+    lines = []
+    for i, (a, b) in enumerate(zip(groups_a, groups_b, strict=True)):
+        prefix = f"group {i} " if len(groups_a) > 1 else ""
+        lines += [
+            f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}"
+            for k in sorted(set(a) | set(b), key=str)
+            if a.get(k) != b.get(k)
+        ]
+    return lines
+
+
+def _as_dict(value: Any) -> dict | None:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, list) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        return dict(value)
+    return None
 
 
 def capture_payload(
@@ -300,7 +357,7 @@ def check_identity(
             f"resume: {source} belongs to a different run; what changed (old -> new):\n  "
             + "\n  ".join(refused)
             + "\nUse the settings, model, optimizer and data of that run, start a new run_dir, "
-            "or allow a change explicitly with resume_overrides (e.g. ['seed'])."
+            f"or allow these changes explicitly in the config: {override_hint(refused)}"
         )
     return overridden
 

@@ -18,10 +18,13 @@ must outlive whatever kills the trainer. One pass of its loop::
       2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
                                  same way, so exit with that code
       anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
-                                 (75), out of memory in a library's loop (76): read the
-                                 checkpoint step again; a newer one is progress and resets
-                                 the count and the backoff; after more than max_restarts
-                                 failures in a row without progress, exit 4;
+                                 (75), out of memory in a library's loop (76), an error in the
+                                 user's code (5): the same error as the attempt before, at the
+                                 same step (the trainer's "error" event): exit with that code, a
+                                 restart fails the same way; else read the checkpoint step
+                                 again; a newer one is progress and resets the count and the
+                                 backoff; after more than max_restarts failures in a row
+                                 without progress, exit 4;
                                  else SIGKILL what is left of the child's group, append a
                                  "restart" event, sleep the backoff, go again
 
@@ -61,6 +64,7 @@ from steadytrain.safety.child import (
     last_micro_batch_size,
     read_oom_kill_count,
 )
+from steadytrain.safety.failures import last_error, memory_at_kill, same_failure
 from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
 
 GAVE_UP = 4
@@ -188,23 +192,23 @@ class Supervisor:
         max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
         no_progress = 0  # failures in a row without a newer checkpoint
         delay = self.options.backoff_initial
+        error_before: dict[str, Any] | None = None  # the error the attempt before recorded
         self._say_start()
         while True:
             step_before = checkpoint_step(self.options.run_dir)
             oom_before = self._oom_kill_count()
-            started = time.monotonic()
+            started, started_wall = time.monotonic(), time.time()
             returncode = self._run_child(max_micro)
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
-            oom_after = self._oom_kill_count()
-            delta = None if None in (oom_before, oom_after) else oom_after - oom_before
-            death = ChildExit(returncode, delta)
+            death = self._death(returncode, oom_before)
             step = checkpoint_step(self.options.run_dir)
-
-            final = self._final_code(death, step)
+            error = last_error(self.options.run_dir, started_wall)  # what this attempt recorded
+            final = self._final_code(death, step, error, error_before)
             if final is not None:
                 return final
+            error_before = error
 
             progressed = step is not None and (step_before is None or step > step_before)
             no_progress = 0 if progressed else no_progress + 1
@@ -224,7 +228,7 @@ class Supervisor:
                 exit_code=returncode,
                 signal=death.killed_by.name if death.killed_by else None,
                 reason=death.describe(),
-                oom_kill_delta=delta,
+                oom_kill_delta=death.oom_kill_delta,
                 delay_s=delay,
                 max_micro_batch=max_micro,
                 progressed=progressed,
@@ -244,9 +248,23 @@ class Supervisor:
                 )
             delay = min(delay * 2, self.options.backoff_max)
 
-    def _final_code(self, death: ChildExit, step: int | None) -> int | None:
+    def _death(self, returncode: int, oom_before: int | None) -> ChildExit:
+        """How the child ended: its code, the OOM killer's count since it started, and the
+        memory reading of its last step."""
+        oom_after = self._oom_kill_count()
+        delta = None if None in (oom_before, oom_after) else oom_after - oom_before
+        return ChildExit(returncode, delta, memory_at_kill(self.options.run_dir))
+
+    def _final_code(
+        self,
+        death: ChildExit,
+        step: int | None,
+        error: dict[str, Any] | None = None,
+        error_before: dict[str, Any] | None = None,
+    ) -> int | None:
         """The exit code when this child's end ends the supervision (asked to stop, finished,
-        stopped by a signal, bad input); None when it is restarted."""
+        stopped by a signal, bad input, the same error as the attempt before at the same step);
+        None when it is restarted."""
         if self._stop_signal is not None:
             how = (
                 f"child killed by our SIGKILL (exit {death.returncode}): it did not stop within "
@@ -270,7 +288,25 @@ class Supervisor:
             )
             self._say(f"{death.describe()}; not restarting: {why} (see the child's message above)")
             return self._end(death.exit_code, step, death.describe())
+        if same_failure(error, error_before):
+            return self._repeated(death, error, step)
         return None
+
+    def _repeated(self, death: ChildExit, error: dict[str, Any], step: int | None) -> int:
+        """The same error at the same step twice in a row: stop at once with its exit code."""
+        at = error.get("step")
+        where = f" in {error['where']}" if error.get("where") else ""
+        reason = (
+            f"the same error as the attempt before, at the same step "
+            f"({'step ' + str(at) if at is not None else 'before the first step'}): "
+            f"{error.get('error')}{where}"
+        )
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{death.describe()}: {reason}; not restarting: a restart fails the same way. Fix it "
+            f"and run again (the run resumes from {resume}); the traceback is above"
+        )
+        return self._end(death.exit_code, step, reason)
 
     # -- one child --
 
@@ -301,6 +337,7 @@ class Supervisor:
         finally:
             if write_end is not None:
                 os.close(write_end)
+        self._say(f"attempt {self.restarts + 1} runs as pid {self._proc.pid}")
         returncode = self._wait(self._proc)
         self._learn_run_dir()  # what it said before it ended
         return returncode

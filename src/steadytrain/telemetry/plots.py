@@ -37,7 +37,7 @@ EVENT_STYLES: dict[str, Style] = {
     "checkpoint": Style("#2ca02c", "^", "checkpoint", False),
     "resume": Style("#17becf", ">", "resume", True, (0, (5, 5))),
     "killed": Style("#000000", "x", "killed (no fit_end)", True, ":"),
-    "restart": Style("#000000", "D", "restart (supervisor)", True, (5, (5, 5))),
+    "restart": Style("#000000", "D", "died here, restarted (supervisor)", True, (5, (5, 5))),
     "supervisor_gave_up": Style("#000000", "P", "supervisor gave up", True),
     "signal": Style("#9467bd", "o", "signal (stop)", True),
     "hang": Style("#8c564b", "h", "hang", True),
@@ -253,9 +253,7 @@ def plot_memory_events(run: Run):
     swap = series("mem_swap_used", keep_zero=False)
     if swap[0]:
         mem_ax.plot(*swap, color=SWAP_COLOR, lw=1.5, ls=":", label="swap used")
-    limit = series("mem_budget")
-    if limit[0]:
-        mem_ax.step(*limit, where="post", color=BUDGET_COLOR, lw=2.5, ls="--", label="budget")
+    scale_top = _draw_budget(mem_ax, series("mem_budget"), run)
     if counters:  # readings taken at an oom or shrink, between the per-step lines
         key = counters[0][0].removeprefix("mem_")
         for event in run.events:
@@ -263,7 +261,7 @@ def plot_memory_events(run: Run):
             value = as_number(reading.get(key)) if isinstance(reading, dict) else None
             if style.incident and value is not None and (x := x_of(event)) is not None:
                 mem_ax.plot([x], [value / GIB], ls="", marker=style.marker, ms=9, color=style.color)
-        mem_ax.set_ylim(bottom=0)
+        mem_ax.set_ylim(bottom=0, top=scale_top)
     else:
         _empty(mem_ax, "no memory readings recorded yet")
     _mark_events(mem_ax, run.events, x_of, set())
@@ -293,6 +291,45 @@ def plot_memory_events(run: Run):
     return fig
 
 
+BUDGET_FAR = 3.0
+"""A budget more than this many times the highest reading is not drawn to scale: the axis
+follows the data (a 0.5 GiB run under a 20 GiB budget would be a flat line on the floor) and
+the budget is named in a box and in the legend instead."""
+
+
+def _draw_budget(ax, budget_series: tuple[list[float], list[float]], run: Run) -> float | None:
+    """The budget as a line when it is near the data; else named in a box and in the legend.
+    Returns the top of the y axis to use (None: matplotlib's own)."""
+    xs, ys = budget_series
+    if not xs:
+        return None
+    top = max((v for v in ys if not math.isnan(v)), default=0.0)
+    high = [
+        v / GIB
+        for key, _ in memory_counters(run)
+        for r in run.lines
+        if (v := as_number(r.get(key))) is not None
+    ]
+    data = max(high, default=0.0)
+    if not data or top <= BUDGET_FAR * data:
+        ax.step(xs, ys, where="post", color=BUDGET_COLOR, lw=2.5, ls="--", label="budget")
+        return None
+    text = f"budget {top:.2f} GiB: off the scale, {top / data:.0f}× the highest reading"
+    ax.plot([], [], color=BUDGET_COLOR, lw=2.5, ls="--", label=text)
+    ax.annotate(
+        f"budget {top:.2f} GiB ↑ ({data / top:.0%} used at most)",
+        xy=(0.99, 0.97),
+        xycoords="axes fraction",
+        ha="right",
+        va="top",
+        color=BUDGET_COLOR,
+        fontsize=10,
+        fontweight="bold",
+        bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": BUDGET_COLOR, "lw": 2},
+    )
+    return data * 1.25
+
+
 def _strip_kinds(events: list[dict]) -> list[str]:
     present = {e["event"] for e in events}
     known = [name for name in EVENT_STYLES if name in present]
@@ -300,7 +337,7 @@ def _strip_kinds(events: list[dict]) -> list[str]:
 
 
 def _event_step(event: dict) -> float | None:
-    step = event.get("step")
+    step = event.get("at_step", event.get("step"))
     return float(step) if is_int(step) else None
 
 

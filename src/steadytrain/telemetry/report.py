@@ -38,6 +38,7 @@ from typing import Any
 
 from steadytrain import run_files
 from steadytrain._durable import write_atomic
+from steadytrain._units import format_bytes
 from steadytrain.errors import BadInputError
 from steadytrain.telemetry.plots import (
     BUDGET_COLOR,
@@ -59,7 +60,6 @@ from steadytrain.telemetry.run_reading import (
     budget,
     duration_text,
     find_estimate,
-    gib,
     load_run,
     memory_counters,
     peak_memory,
@@ -70,7 +70,8 @@ from steadytrain.telemetry.run_reading import (
 MAX_EVENT_ROWS = 2000
 """The events table stops here (a week-long run with a checkpoint every few minutes stays
 readable); the count of the rest is shown, and events.jsonl has them all."""
-MAX_DETAIL_CHARS = 400
+MAX_DETAIL_CHARS = 4000
+"""An event's details are cut only past this (a plan's reasons and candidates stay whole)."""
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -145,7 +146,8 @@ th {{ background: #f4f4f4; }}
 figure {{ margin: 0 0 1.5em; }}
 figure img {{ max-width: 100%; height: auto; border: 1px solid #eee; }}
 figcaption {{ color: #555; font-size: 13px; }}
-td.details {{ font-family: ui-monospace, monospace; font-size: 12px; word-break: break-word; }}
+td.details {{ font-family: ui-monospace, monospace; font-size: 12px; word-break: break-word;
+              white-space: pre-line; }}
 td.time {{ white-space: nowrap; }}
 tr.incident td.event {{ font-weight: bold; }}
 tr.derived td {{ font-style: italic; }}
@@ -224,31 +226,45 @@ BYTE_FIELDS = {
     "swap_used",
     "usable",
     "requested",
+    "predicted_peak",
+    "limit",
+    "in_use",
+    "analytic_peak",
+    "analytic_total",
+    "probe_peak",
+    "baseline",
+    "bytes",
 }
+"""Fields that hold bytes: shown in the same units as the rest of the page, never raw."""
 
 
 def _details(event: dict) -> str:
     parts = []
     for key, value in event.items():
-        if key in ("time", "event", "step", "derived") or value is None or value == []:
+        if key in ("time", "event", "step", "derived", "at_step") or value is None or value == []:
             continue
         if key == "config":
             parts.append("config: see config.json")
-        elif isinstance(value, dict):
-            inner = ", ".join(
-                f"{k}={_value(k, v)}" for k, v in value.items() if v is not None and v != []
-            )
-            parts.append(f"{key}: {inner}")
+        elif key == "reasons" and isinstance(value, list):  # a plan's: one per line, whole
+            parts.append("reasons:" + "".join(f"\n- {reason}" for reason in value) + "\n")
+        elif isinstance(value, (dict, list)):
+            parts.append(f"{key}: {_value(key, value)}")
         else:
             parts.append(f"{key}={_value(key, value)}")
-    text = "; ".join(parts)
+    text = "; ".join(parts).replace("\n; ", "\n")
     return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 1] + "…"
 
 
 def _value(key: str, value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k}={_value(k, v)}" for k, v in value.items() if v is not None and v != []
+        )
+    if isinstance(value, list):
+        return "[" + "; ".join(_value(key, item) for item in value) + "]"
     number = as_number(value)
     if key in BYTE_FIELDS and number is not None:
-        return gib(number)
+        return format_bytes(number)
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)

@@ -79,6 +79,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     events = [r for r in _records(events_path) if isinstance(r.get("event"), str)]
     events.sort(key=lambda e: as_number(e.get("time")) or 0.0)
     events = _with_kills(events, lines)
+    _place_restarts(events, lines)
     times = [t for r in (*lines, *events) if (t := as_number(r.get("time"))) is not None]
     run = Run(
         run_dir=path,
@@ -104,6 +105,19 @@ def _records(path: Path) -> list[dict[str, Any]]:
 # Written by the next attempt before its own fit_start (it restores, then starts): when an attempt
 # died, these belong to the one after it.
 BEFORE_START = ("resume", "resume_override", "micro_batch_cap")
+
+
+def _place_restarts(events: list[dict], lines: list[dict]) -> None:
+    """A `restart` event's `step` is the checkpoint the next attempt resumes from; on the plots
+    by step it is drawn where the attempt died: `at_step`, the last step that attempt recorded
+    (the resume is drawn at the resume step by its own event)."""
+    for event in events:
+        when = as_number(event.get("time"))
+        if event["event"] != "restart" or when is None:
+            continue
+        before = [r for r in lines if (as_number(r.get("time")) or math.inf) <= when]
+        if before:
+            event["at_step"] = max(before, key=lambda r: r["time"])["step"]
 
 
 def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
@@ -273,10 +287,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     elif limit is not None:
         rows.append(("memory budget", gib(limit)))
     if run.estimate is not None:
-        estimated = _estimate_for(run.estimate, run.device)
-        measured = f"measured {gib(peak[0])}" if peak else "no measurement yet"
-        off = f" ({(peak[0] - estimated) / estimated:+.0%})" if peak and estimated else ""
-        rows.append(("estimated vs measured peak", f"estimated {gib(estimated)}, {measured}{off}"))
+        rows.append(_estimate_row(run.estimate, run.device, peak))
     micro = last.get("micro_batch_size") if last else None
     if micro is not None:
         rows.append(("final micro-batch", str(micro)))
@@ -289,6 +300,27 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
 def fp16_skipped(run: Run) -> int:
     """Steps fp16's grad scaler skipped (inf/NaN gradients), from the kept metrics lines."""
     return sum(1 for row in run.steps if row.get("skipped") is True)
+
+
+def _estimate_row(
+    estimate: dict[str, Any], device: str, peak: tuple[float, str] | None
+) -> tuple[str, str]:
+    """The planner's figure against the measured peak, named for what it is: an analytic
+    estimate is a prediction; the probe's figure is the plan's cautious upper bound (the
+    measured passes extrapolated with a margin), which a run is meant to stay under."""
+    figure = _estimate_for(estimate, device)
+    measured = f"measured {gib(peak[0])}" if peak else "no measurement yet"
+    if estimate.get("source") == "probe":
+        micro = estimate.get("micro_batch_size")
+        at = f" at micro-batch {micro}" if micro is not None else ""
+        share = f" ({peak[0] / figure:.0%} of the bound)" if peak and figure else ""
+        return (
+            "plan bound vs measured peak",
+            f"plan bound {gib(figure)}{at} (the planner's cautious upper bound, not a "
+            f"prediction), {measured}{share}",
+        )
+    off = f" ({(peak[0] - figure) / figure:+.0%})" if peak and figure else ""
+    return "estimated vs measured peak", f"estimated {gib(figure)}, {measured}{off}"
 
 
 def summary_line(run: Run) -> str:

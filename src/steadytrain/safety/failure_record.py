@@ -1,0 +1,62 @@
+"""What `Trainer.fit()` leaves in the run directory when it fails: the whole traceback in
+RUN_DIR/errors/, and one "error" event that lets `steadytrain run` tell a failure that repeats
+identically (a restart would fail the same way) from one that may pass."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+from steadytrain.errors import UserCodeError, user_code_error
+from steadytrain.safety.child import append_event
+from steadytrain.safety.failures import ERROR_EVENT
+
+
+def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
+    """Keep the traceback and record the error event. Returns the error as the user's
+    (`UserCodeError`, exit 5) when it was raised in their code, else None (a bug: exit 1)."""
+    theirs = user_code_error(exc)
+    keep_traceback(run_dir, exc)
+    if theirs is not None:
+        record_error(run_dir, theirs, theirs.step, theirs.where, theirs.signature)
+        return theirs
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f"{frame.name} ({Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    step = getattr(exc, "steadytrain_step", None)  # set by the loop on its way out
+    record_error(run_dir, exc, step, where, f"{type(exc).__name__}|{exc}|{where}")
+    return None
+
+
+def keep_traceback(run_dir: Path, exc: BaseException) -> None:
+    """The whole traceback (the chain included) in RUN_DIR/errors/, for the report and for
+    whoever fixes it; the message on the console shows the user's frames only."""
+    try:
+        folder = run_dir / "errors"
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        (folder / f"{stamp}-{os.getpid()}.txt").write_text(text)
+    except OSError:
+        pass
+
+
+def record_error(
+    run_dir: Path, exc: BaseException, step: int | None, where: str, signature: str
+) -> None:
+    error = exc.error if isinstance(exc, UserCodeError) else f"{type(exc).__name__}: {exc}"
+    record = {
+        "time": time.time(),
+        "event": ERROR_EVENT,
+        "step": step,
+        "exit_code": getattr(exc, "exit_code", 1),
+        "error": error.splitlines()[0][:500] if error else type(exc).__name__,
+        "where": where,
+        "signature": hashlib.sha256(signature.encode()).hexdigest()[:16],
+    }
+    with contextlib.suppress(OSError):  # a full disk must not hide the error itself
+        append_event(run_dir, record)

@@ -1,0 +1,184 @@
+"""Errors in the user's own code (issue 19, point 1): an exception raised in the loss function,
+the model's forward, the dataset, the collate function or a callback is reported as theirs: the
+message names the function and the step, the traceback shows only their frames, and the exit
+code is 5; under `steadytrain run` the same error at the same step is not restarted again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.errors import UserCodeError, user_code_error
+from steadytrain.telemetry.files import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+STEADYTRAIN = str(ROOT / "src" / "steadytrain")
+
+
+def data(n=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return list(zip(x, x.sum(1, keepdim=True), strict=True))
+
+
+def mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def fit(tmp_path, loss_fn=mse, dataset=None, model=None, **kwargs):
+    torch.manual_seed(0)
+    model = model or torch.nn.Linear(4, 1)
+    config = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        effective_batch_size=8,
+        max_steps=4,
+        device="cpu",
+        log_every_steps=100,
+    )
+    opt = lambda params: torch.optim.SGD(params, lr=0.01)  # noqa: E731
+    return Trainer(model, opt, loss_fn, dataset or data(), config, **kwargs).fit()
+
+
+def fails(tmp_path, **kwargs) -> UserCodeError:
+    with pytest.raises(UserCodeError) as info:
+        fit(tmp_path, **kwargs)
+    error = info.value
+    assert error.exit_code == 5
+    assert STEADYTRAIN not in error.frames  # their frames only
+    return error
+
+
+def test_a_loss_that_is_not_one_number_names_loss_fn_and_the_fix(tmp_path):
+    def per_sample(model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y, reduction="none")
+
+    error = fails(tmp_path, loss_fn=per_sample)
+    text = str(error)
+    assert text.startswith("error in your code (loss_fn) at step 1: loss_fn returned the loss")
+    assert "shape (8, 1)" in text and 'reduction="mean"' in text
+    event = read_jsonl(tmp_path / "run" / "events.jsonl")[-1]
+    assert (event["event"], event["step"], event["exit_code"]) == ("error", 1, 5)
+
+
+def test_an_error_in_forward_names_forward_and_the_loss_fn_that_called_it(tmp_path):
+    class Model(torch.nn.Linear):
+        fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise ValueError("shapes do not match")
+            return super().forward(x)
+
+    class FailFromStep3(Callback):
+        def on_step_end(self, state, control, info):
+            model.fail = state.step == 2
+
+    model = Model(4, 1)
+    error = fails(tmp_path, model=model, callbacks=[FailFromStep3()])
+    assert error.step == 3
+    assert error.where.startswith("forward (test_user_errors.py:")
+    assert ", called from mse (test_user_errors.py:" in error.where
+    assert "ValueError: shapes do not match" in str(error)
+    assert isinstance(error, ValueError)  # `except ValueError` around fit() still catches it
+    assert 'raise ValueError("shapes do not match")' in error.frames
+    assert "return torch.nn.functional.mse_loss(model(x), y)" in error.frames
+
+
+def test_an_error_in_the_dataset_names_getitem(tmp_path):
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, index):
+            if index == 31:
+                raise KeyError(f"no sample {index}")
+            return data()[index]
+
+    error = fails(tmp_path, dataset=Broken())
+    assert error.where.startswith("__getitem__ (test_user_errors.py:")
+    assert "KeyError: 'no sample 31'" in str(error)
+
+
+def test_an_error_in_a_callback_names_it_and_its_step(tmp_path):
+    class Stops(Callback):
+        def on_step_end(self, state, control, info):
+            if state.step == 2:
+                raise RuntimeError("my callback failed")
+
+    error = fails(tmp_path, callbacks=[Stops()])
+    assert error.step == 2
+    assert error.where.startswith("on_step_end (test_user_errors.py:")
+    assert "at step 2: RuntimeError: my callback failed" in str(error)
+
+
+def test_an_error_in_collate_is_theirs(tmp_path):
+    def collate(samples):
+        raise TypeError("cannot stack")
+
+    error = fails(tmp_path, collate_fn=collate)
+    assert error.where.startswith("collate (test_user_errors.py:")
+
+
+def test_errors_inside_libraries_alone_are_not_the_users():
+    """Frames only in steadytrain and installed packages: not theirs, it stays a bug (exit 1)."""
+    try:
+        torch.zeros(2).view(3)
+    except RuntimeError as exc:
+        error = exc
+    assert user_code_error(error.with_traceback(None)) is None
+    assert user_code_error(KeyboardInterrupt()) is None
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from steadytrain import Trainer, TrainConfig, entrypoint
+
+    def loss_fn(model, batch):
+        x, y = batch
+        raise ValueError("my bug")
+
+    @entrypoint
+    def main():
+        data = [(torch.randn(4), torch.randn(1)) for _ in range(16)]
+        model = torch.nn.Linear(4, 1)
+        config = TrainConfig(run_dir=sys.argv[1], effective_batch_size=8, max_steps=2,
+                             device="cpu")
+        return Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn, data, config).fit()
+
+    main()
+    """
+)
+
+
+def test_supervised_script_exits_5_and_is_not_restarted_when_the_error_repeats(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir),
+         "--backoff-initial", "0.05", "--", sys.executable, str(script), str(run_dir)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 5, result.stderr
+    err = result.stderr
+    # The planner's trial pass calls loss_fn first, before step 1.
+    assert (
+        "error in your code (loss_fn (train.py:7)) before the first step: ValueError: my bug" in err
+    )
+    assert 'raise ValueError("my bug")' in err
+    assert "Traceback (most recent call last)" not in err
+    assert err.count("starting attempt") == 2  # the first start and one restart, no more
+    assert "the same error as the attempt before, at the same step (before the first step)" in err
+    end = read_jsonl(run_dir / "events.jsonl")[-1]
+    assert (end["event"], end["exit_code"]) == ("supervisor_end", 5)

@@ -528,3 +528,24 @@ def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, caps
     probed = {(s["checkpointing"], s["chunked_loss"]) for s in event["probe"]["samples"]}
     assert probed == {(False, False), (True, False), (False, True), (True, True)}, event["reasons"]
     assert event["micro_batch_size"] * event["accumulation"] == 8
+
+
+def test_first_step_bytes_and_the_plan_commands_optimizer_names_share_one_table():
+    """The state the first optimizer step adds, for a live optimizer and for the name the plan
+    command takes, comes from one table (FIRST_STEP_PARAM_MULTIPLE)."""
+    from steadytrain.memory.config_plan import _pending_bytes
+    from steadytrain.memory.estimate import Settings
+    from steadytrain.memory.plan import first_step_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(24))]
+    size = 1024 * 4
+    live = {
+        "adamw": torch.optim.AdamW(params),
+        "sgd": torch.optim.SGD(params, lr=0.1),
+        "sgd-momentum": torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    }
+    expected = {"adamw": 3 * size, "sgd": 0, "sgd-momentum": size, "adamw8bit": size // 2}
+    for name, optimizer in live.items():
+        assert first_step_bytes(optimizer) == expected[name]
+    for name, want in expected.items():
+        assert _pending_bytes(Settings(optimizer=name), params) == want

@@ -15,10 +15,10 @@ from steadytrain.memory.plan import (
     Plan,
     Room,
     accumulation_reason,
-    first_step_bytes,
     plan,
 )
 from steadytrain.memory.probe import Fit
+from steadytrain.memory.settings import FIRST_STEP_PARAM_MULTIPLE
 
 ASSUMED_RECOMPUTE = 4 / 3
 """Without a probe the times are unknown; checkpointing is taken to cost one more forward per
@@ -184,10 +184,5 @@ def _random_model(config, settings, dtype, torch_device):
 
 def _pending_bytes(settings: Settings, params) -> int:
     """The first optimizer step's state for the optimizer the settings name."""
-    import torch
-
-    if settings.optimizer.startswith("sgd"):
-        momentum = 0.9 if settings.optimizer == "sgd-momentum" else 0.0
-        return first_step_bytes(torch.optim.SGD(params, lr=0.0, momentum=momentum))
-    pending = first_step_bytes(torch.optim.AdamW(params))
-    return pending // 6 if settings.optimizer == "adamw8bit" else pending
+    size = sum(p.numel() * p.element_size() for p in params)
+    return int(size * FIRST_STEP_PARAM_MULTIPLE[settings.optimizer])

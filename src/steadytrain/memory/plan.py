@@ -38,12 +38,12 @@ from typing import Any
 
 from steadytrain._units import format_bytes
 from steadytrain.device import Device, call_or_oom
-from steadytrain.memory.analytic import Analytic, analytic_for
+from steadytrain.memory.analytic import Analytic, analytic_for, optimizer_name
 from steadytrain.memory.choice import SAVER_GAIN, Candidate, Mode, allowed_sizes, choose
 from steadytrain.memory.finalists import measured_speed, time_finalists
 from steadytrain.memory.plan_record import Plan, Room
 from steadytrain.memory.probe import Fit, ProbeResult, RunPass, in_use, measure, probe
-from steadytrain.memory.settings import SIZE_POLICIES
+from steadytrain.memory.settings import FIRST_STEP_PARAM_MULTIPLE, SIZE_POLICIES
 
 __all__ = [  # the names the trainer, the command line and users import from here
     "MARGINS",
@@ -403,17 +403,10 @@ def accumulation_reason(micro_batch_size: int, effective_batch_size: int) -> str
 
 def first_step_bytes(optimizer) -> int:
     """Memory the first optimizer step adds that no probed pass shows: the optimizer's state,
-    created lazily at that step (Adam and AdamW: two tensors the size of each parameter, plus
-    one parameter-sized temporary in the default foreach step; SGD with momentum: one; plain
-    SGD: none; 8-bit Adam: about half a byte per value; any other optimizer is taken as Adam).
-    0 when the state exists already."""
+    created lazily at that step (`FIRST_STEP_PARAM_MULTIPLE` by the optimizer's estimate name;
+    an optimizer the estimate does not know is taken as AdamW). 0 when the state exists
+    already."""
     if any(optimizer.state.values()):
         return 0
-    groups = optimizer.param_groups
-    size = sum(p.numel() * p.element_size() for g in groups for p in g["params"])
-    name = type(optimizer).__name__.lower()
-    if name == "sgd":
-        return size if any(g.get("momentum") for g in groups) else 0
-    if "8bit" in name:
-        return size // 2
-    return 3 * size
+    size = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    return int(size * FIRST_STEP_PARAM_MULTIPLE[optimizer_name(optimizer)])

@@ -13,6 +13,10 @@ from steadytrain.errors import BadInputError
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
+# What the first optimizer step adds, in multiples of the trainable parameters' bytes: AdamW two
+# states plus one parameter-sized temporary of its foreach step; 8-bit AdamW about half a byte a
+# value; SGD with momentum one state; plain SGD none. The estimate's own table is per row.
+FIRST_STEP_PARAM_MULTIPLE = {"adamw": 3.0, "adamw8bit": 0.5, "sgd": 0.0, "sgd-momentum": 1.0}
 METHODS = ("full", "lora")
 ATTENTIONS = ("sdpa", "flash", "eager")
 DEVICE_TYPES = ("cuda", "mps", "cpu")

@@ -322,9 +322,8 @@ class StepRunner:
         }
 
     def _accumulate(self, pieces: list[Any], n: int) -> _BatchLoss:
-        """This rank's forward and backward passes; with several ranks, then their agreement
-        and the gradient sum (engine/distributed.py), so an out-of-memory on any rank makes
-        every rank redo the step and none waits in a collective."""
+        """This rank's passes, then the ranks' agreement and gradient sum (engine/distributed.py):
+        an out-of-memory on any rank makes every rank redo the step; none waits in a collective."""
         if not self.group.active:
             return self._forward_backward(pieces, n)
         loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
@@ -347,7 +346,7 @@ class StepRunner:
         loss.value = agreed.loss
         if agreed.count is not None:
             loss.count = _Count()
-            loss.count.add(agreed.count)
+            loss.count.add(agreed.count)  # the global token count divides the summed gradients
         return loss
 
     def _forward_backward(self, pieces: list[Any], n: int) -> _BatchLoss:

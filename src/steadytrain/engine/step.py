@@ -1,3 +1,4 @@
+# long-module: one optimizer step and its out-of-memory ladder, in one process and across ranks, read top to bottom
 """One optimizer step that survives out-of-memory.
 
 The collated batch is split into micro-batches of the size in force; each is moved to the device,

@@ -14,6 +14,7 @@ the supervisor and its child agree on. One place, so the writer (trainer, callba
       .lock                  LOCK            one writer per run directory
       report.html            REPORT_HTML     `steadytrain report`
       final/                 FINAL           the exported model or adapter
+      ranks/rank-N/          RANKS           rank N's (N > 0) metrics, events, lock, hangs
       training_config.json   TRAINING_CONFIG a fine-tune's resolved config (also in final/)
       adapters/step-N/       ADAPTERS        a fine-tune checkpoint exported as a peft adapter
       training.log           TRAINING_LOG    a fine-tune's console output
@@ -32,6 +33,7 @@ HEARTBEAT = "heartbeat"
 LOCK = ".lock"
 REPORT_HTML = "report.html"
 FINAL = "final"
+RANKS = "ranks"
 TRAINING_CONFIG = "training_config.json"
 ADAPTERS = "adapters"
 TRAINING_LOG = "training.log"
@@ -62,6 +64,7 @@ __all__ = [
     "LATEST",
     "LOCK",
     "METRICS",
+    "RANKS",
     "REPORT_HTML",
     "TRAINING_CONFIG",
     "TRAINING_LOG",

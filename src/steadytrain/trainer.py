@@ -5,6 +5,7 @@ callbacks together from the config, and runs them."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,6 +22,7 @@ from steadytrain.device import Device, get_rng_state, resolve_device, seed_every
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks
+from steadytrain.engine.distributed import Group
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
@@ -141,20 +143,26 @@ class Trainer:
         run_dir = Path(self.config.run_dir)
         announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
         # RunLock creates run_dir or says why it cannot; a full disk anywhere is exit 6
-        with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(run_dir):
-            return self._fit_locked(run_dir)
+        group = Group.from_env()
+        own_dir = group.own_dir(run_dir)  # rank 0 holds RUN_DIR; rank N its own folder
+        own_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(own_dir):
+                return self._fit_locked(run_dir, group)
+        finally:
+            group.close()
 
-    def _fit_locked(self, run_dir: Path) -> FitResult:
+    def _fit_locked(self, run_dir: Path, group: Group) -> FitResult:
         cfg = self.config
-        run = self._set_up()
-        tensorboard = TensorBoardLog.from_config(cfg, run_dir)  # refused before anything is written
+        run = self._set_up(group)
+        tensorboard = TensorBoardLog.from_config(cfg, run_dir) if group.is_main else None
         if cfg.compile:
             check_compiler(run.device.type)
-        files = RunFiles(run_dir)
+        files = RunFiles(group.own_dir(run_dir))
         console = console_callback(cfg)
         record = _recorder(files, console)
         # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S
-        watchdog = HangWatchdog.from_config(cfg, run_dir, run.device, record)
+        watchdog = HangWatchdog.from_config(cfg, group.own_dir(run_dir), run.device, record)
         watchdog.start(run.state, "data fingerprint")
         try:
             run.checkpoint = self._run_state(run)
@@ -165,7 +173,8 @@ class Trainer:
                 expected_loss = self._resume_or_start(run, store, files)
             if run.resumed and run.state.step >= run.state.max_steps:
                 return _already_finished(run.state, store, run_dir)
-            cfg.dump(run_dir / run_files.CONFIG)
+            if group.is_main:
+                cfg.dump(run_dir / run_files.CONFIG)
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
                 with startup_phase("plan"):
@@ -188,15 +197,17 @@ class Trainer:
             watchdog.stop()
             files.close()
 
-    def _set_up(self) -> _Run:
+    def _set_up(self, group: Group) -> _Run:
         """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
         savers and the step runner: everything before a checkpoint is looked for."""
         cfg = self.config
-        device = resolve_device(cfg.device, cfg.budget_bytes_or_fraction())
+        device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
+        group = group.on(device.torch_device)
         precision = resolve_precision(cfg.precision, device)
         if cfg.seed is not None:  # null: the RNG streams as the program left them
             seed_everything(cfg.seed)
         model = self.model.to(device.torch_device)
+        group.broadcast_module(model)
         model.train()
         optimizer = self._build_optimizer(model)
         scheduler = self.scheduler
@@ -204,6 +215,7 @@ class Trainer:
             scheduler = scheduler(optimizer)  # a factory: optimizer -> scheduler
         check_evaluation(cfg, scheduler, self.eval_data, self.eval_fn)
         sampler = self._sampler()
+        group.check_batches(sampler)
         _warn_if_batch_dependent(model, cfg)
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
@@ -227,6 +239,7 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             savers=savers,
             user_state=self.user_state,
+            group=group,
         )
         return _Run(
             device,
@@ -238,6 +251,7 @@ class Trainer:
             savers,
             runner,
             emit,
+            group,
             scheduler=scheduler,
         )
 
@@ -252,6 +266,7 @@ class Trainer:
         cfg = self.config
         settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
         settings |= order_identity(self.data, cfg)
+        settings["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
         if self.user_state:
             settings["user_state"] = sorted(self.user_state)
         self._notes = []
@@ -324,7 +339,9 @@ class Trainer:
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CpuContention.from_config(cfg, run.device, record),
-            CheckpointSaver(
+            None
+            if not run.group.is_main  # the ranks hold the same state: rank 0 writes it
+            else CheckpointSaver(
                 store,
                 capture,
                 cfg.save_every_steps,
@@ -349,7 +366,9 @@ class Trainer:
         return Loop(
             runner=run.runner,
             emit=run.emit,
-            batches=lambda epoch, start: self._batches(run.sampler, epoch, start, run.device),
+            batches=lambda epoch, start: self._batches(
+                run.sampler, epoch, start, run.device, run.group
+            ),
             time_every=cfg.log_every_steps,
             evaluation=make_evaluation(
                 cfg,
@@ -365,6 +384,7 @@ class Trainer:
                 "budget": run.device.budget,
                 "micro_batch_size": run.state.micro_batch_size,
                 "resumed_from": run.state.step if run.resumed else None,
+                "process_group": run.group.describe(),
                 "config": cfg.model_dump(mode="json"),
             },
         )
@@ -376,7 +396,7 @@ class Trainer:
         are put back, so the run's losses are those of a run started at the chosen size.
         Returns the `plan` and `estimate` events (what was chosen and why)."""
         cfg, state, savers, model = self.config, run.state, run.savers, run.model
-        batch = self._batch_at(run.sampler, 0, 0)
+        batch = self._batch_at(run.sampler, 0, 0, run.group)  # planned per rank, on its share
         analytic, _ = analytic_for(
             model,
             batch,
@@ -412,7 +432,7 @@ class Trainer:
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),
             )
-        state.micro_batch_size = chosen.micro_batch_size
+        state.micro_batch_size = run.group.smallest(chosen.micro_batch_size)  # one size for all
         savers.restore(
             Savers(
                 before.checkpointing or chosen.checkpointing,
@@ -443,9 +463,13 @@ class Trainer:
                 for buffer, saved in zip(run.model.buffers(), buffers, strict=True):
                     buffer.copy_(saved)
 
-    def _batch_at(self, sampler: OptimizerBatchSampler, epoch: int, position: int) -> Any:
-        """The collated optimizer batch at (`epoch`, `position`), as the loop will load it."""
+    def _batch_at(
+        self, sampler: OptimizerBatchSampler, epoch: int, position: int, group: Group | None = None
+    ) -> Any:
+        """The collated optimizer batch at (`epoch`, `position`), as the loop will load it
+        (with `group`: as its rank loads it, its share)."""
         indices = sampler.batch_at(epoch, position)
+        indices = group.share(indices) if group is not None else indices
         return self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -467,12 +491,12 @@ class Trainer:
         )
 
     def _batches(
-        self, sampler: OptimizerBatchSampler, epoch: int, start: int, device
+        self, sampler: OptimizerBatchSampler, epoch: int, start: int, device, group: Group
     ) -> DataLoader:
         sampler.set_position(epoch, start)
         return DataLoader(
             SeededFetch(self.dataset),
-            batch_sampler=sampler,
+            batch_sampler=group.shares(sampler),
             collate_fn=self.collate_fn,
             num_workers=self.workers,
             worker_init_fn=self.worker_init_fn,
@@ -529,6 +553,7 @@ class _Run:
     savers: MemorySavers
     runner: StepRunner
     emit: Dispatcher
+    group: Group
     scheduler: Any = None
     checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False

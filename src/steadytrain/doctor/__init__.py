@@ -34,6 +34,7 @@ from steadytrain.doctor.checks import (
 )
 from steadytrain.doctor.environment import check_environment
 from steadytrain.doctor.findings import Context, Finding
+from steadytrain.doctor.process_group import check_process_group
 from steadytrain.doctor.threads import check_threads
 
 
@@ -65,6 +66,7 @@ def diagnose(
         check_environment,
         check_autocast,
         check_threads,
+        check_process_group,
         check_disk,
     ]
     if selftest:

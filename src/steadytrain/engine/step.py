@@ -1,3 +1,4 @@
+# long-module: one optimizer step and its out-of-memory ladder, in one process and across ranks, read top to bottom
 """One optimizer step that survives out-of-memory.
 
 The collated batch is split into micro-batches of the size in force; each is moved to the device,
@@ -30,6 +31,7 @@ from steadytrain.device import (
     set_rng_state,
 )
 from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.engine.distributed import Group, RanksOutOfMemory
 from steadytrain.engine.precision import Precision
 from steadytrain.errors import (
     BadInputError,
@@ -68,6 +70,9 @@ class _Count:
             self.device = count if self.device is None else self.device + count
         else:
             self.host += int(count)
+
+    def sum(self) -> int | torch.Tensor:
+        return self.host if self.device is None else self.device + self.host
 
     def total(self) -> int | torch.Tensor:
         """At least 1, so an all-padding batch divides by 1 rather than 0."""
@@ -238,11 +243,14 @@ class StepRunner:
         max_grad_norm: float | None = None,
         savers: SaverLadder | None = None,
         user_state: dict[str, Any] | None = None,
+        group: Group | None = None,
     ):
-        """`savers`: what the ladder turns on at micro-batch 1 before giving up (None: none)."""
+        """`savers`: what the ladder turns on at micro-batch 1 before giving up (None: none).
+        `group`: the ranks that share each batch (engine/distributed.py; None: this process)."""
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.device, self.precision, self.state, self.emit = device, precision, state, emit
         self.scheduler, self.max_grad_norm, self.savers = scheduler, max_grad_norm, savers
+        self.group = group or Group()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.user_state = user_state or {}  # state the program carries (steadytrain.user_state)
         # BatchNorm's running statistics: a forward that runs out of memory may already have
@@ -280,7 +288,7 @@ class StepRunner:
         return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
     def _attempt(self, batch: Any, timed: bool) -> dict[str, Any]:
-        n = batch_len(batch)
+        n = self.group.total(batch_len(batch))  # the global batch: each rank holds a share
         micro = self.state.micro_batch_size
         pieces = split_batch(batch, micro)
         self.device.reset_peak()
@@ -288,7 +296,7 @@ class StepRunner:
         if marks is not None:
             marks.mark()
         start = time.perf_counter()
-        loss = self._forward_backward(pieces, n)
+        loss = self._accumulate(pieces, n)
         if marks is not None:
             marks.mark()
         compute_time = time.perf_counter() - start
@@ -313,6 +321,34 @@ class StepRunner:
             **timings,
             "skipped": skipped,
         }
+
+    def _accumulate(self, pieces: list[Any], n: int) -> _BatchLoss:
+        """This rank's passes, then the ranks' agreement and gradient sum (engine/distributed.py):
+        an out-of-memory on any rank makes every rank redo the step; none waits in a collective."""
+        if not self.group.active:
+            return self._forward_backward(pieces, n)
+        loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
+        phase, self._phase = self._phase, "agreement"
+        agreed = self.group.agree(
+            oom is not None,
+            self.params,
+            None if loss is None else loss.value,
+            None if loss is None or not loss.token_mode else loss.count.sum(),
+        )
+        if agreed.failed:
+            ranks = ", ".join(str(r) for r in agreed.failed)
+            self._phase = phase if oom is not None else f"rank {ranks}"
+            mine = f": {oom.error}" if oom is not None else ""
+            raise RanksOutOfMemory(
+                f"out of memory on rank {ranks} of {self.group.world_size}{mine}"
+            )
+        self._phase = "gradient sum"
+        self.group.sum_gradients(self.params, agreed.has_grad)
+        loss.value = agreed.loss
+        if agreed.count is not None:
+            loss.count = _Count()
+            loss.count.add(agreed.count)  # the global token count divides the summed gradients
+        return loss
 
     def _forward_backward(self, pieces: list[Any], n: int) -> _BatchLoss:
         """Every micro-batch forward and backward; the gradients sum in the parameters."""

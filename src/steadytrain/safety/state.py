@@ -340,8 +340,10 @@ def check_identity(
     saved: dict[str, Any], now: dict[str, Any], allowed: Collection[str], source: Any
 ) -> list[str]:
     """The differences `allowed` lets through (``resume_overrides``; ``model`` also allows a
-    changed ``frozen_base``). Any other difference is a `BadInputError` naming them."""
-    changed = differences(saved, now)
+    changed ``frozen_base``; a changed ``world_size`` always goes through: after a lost GPU
+    each rank's share changes, the global batch and the update do not). Any other difference
+    is a `BadInputError` naming them."""
+    changed = differences({"world_size": 1, **saved}, {"world_size": 1, **now})
 
     def field_of(difference: str) -> str:
         return difference.split(":", 1)[0]
@@ -349,7 +351,9 @@ def check_identity(
     overridden = [
         d
         for d in changed
-        if field_of(d) in allowed or (field_of(d) == "frozen_base" and "model" in allowed)
+        if field_of(d) in allowed
+        or field_of(d) == "world_size"
+        or (field_of(d) == "frozen_base" and "model" in allowed)
     ]
     refused = [d for d in changed if d not in overridden]
     if refused:

@@ -1,0 +1,232 @@
+"""Several processes through torchrun: the process group as the engine sees it.
+
+One process is the group of one, and then every method is free (no collective). Under
+``torchrun --nproc_per_node N`` each rank takes a contiguous share of every optimizer batch and
+accumulates its micro-batches' gradients locally, with no communication. Then the ranks agree in
+one small all-reduce: which rank ran out of memory, which parameters have gradients, the step's
+loss and token count. Only when no rank failed are the gradients summed across ranks (in place,
+one all-reduce per gradient, no extra buffer); otherwise every rank drops its partial gradients,
+shrinks to the same micro-batch and redoes the same global batch. So no rank is ever left in a
+collective that another rank will not reach.
+
+DDP's reducer is not used for the gradients: it communicates inside the last micro-batch's
+backward, where an out-of-memory on one rank would leave the others waiting in an all-reduce,
+and its buckets hold a second copy of the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from steadytrain import run_files
+from steadytrain.errors import BadInputError
+
+
+class RanksOutOfMemory(MemoryError):
+    """One or more ranks ran out of memory in this step: every rank redoes it, smaller."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed after their micro-batches (`Group.agree`)."""
+
+    failed: list[int]
+    """The ranks that ran out of memory (none: the step goes on to the gradient sum)."""
+    has_grad: list[bool]
+    """Per parameter: some rank has a gradient for it, so every rank takes part in its sum."""
+    loss: torch.Tensor | None
+    """The step's loss value summed over the ranks (each rank's is already weighted)."""
+    count: torch.Tensor | None
+    """The step's token count summed over the ranks (int64); None for mean losses."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks of this run; the default is the group of one."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    device: str = "cpu"
+    """Where the collectives' small tensors live (the training device: NCCL needs CUDA)."""
+    owned: bool = False
+    """This group was initialised here (not by the script), so `close` destroys it."""
+
+    @classmethod
+    def from_env(cls) -> Group:
+        """The process group torchrun describes in the environment (RANK, WORLD_SIZE, ...),
+        initialised here when the script did not do it; the group of one otherwise."""
+        if dist.is_available() and dist.is_initialized():
+            return cls._of_initialized()
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise BadInputError(
+                f"WORLD_SIZE: {os.environ['WORLD_SIZE']!r} is not a whole number; start several "
+                "processes with torchrun, which sets it"
+            ) from None
+        if world <= 1:
+            return cls()
+        if not dist.is_available():
+            raise BadInputError(
+                f"WORLD_SIZE={world}, but this torch build has no torch.distributed; "
+                "install a torch build with distributed support or run one process"
+            )
+        # No backend named: gloo for CPU tensors and, where CUDA is there, NCCL for CUDA ones.
+        dist.init_process_group()
+        return dataclasses.replace(cls._of_initialized(), owned=True)
+
+    def close(self) -> None:
+        """Destroy the process group if it was initialised here: a group left to interpreter
+        exit can abort the process (std::terminate in the backend's threads)."""
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @classmethod
+    def _of_initialized(cls) -> Group:
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            backend=str(dist.get_backend_config()),  # "cpu:gloo", "cpu:gloo,cuda:nccl"
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def on(self, device: torch.device) -> Group:
+        return dataclasses.replace(self, device=str(device))
+
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "backend": self.backend}
+
+    def own_dir(self, run_dir: Path) -> Path:
+        """Where this rank writes its metrics, events, lock and hang dumps: rank 0 owns RUN_DIR
+        (config, checkpoints, its metrics and events) as a single process does."""
+        return run_dir if self.is_main else run_dir / run_files.RANKS / f"rank-{self.rank}"
+
+    def device_name(self, configured: str) -> str:
+        """The configured device, made this rank's own GPU under torchrun (cuda:LOCAL_RANK)."""
+        if self.active and configured in ("auto", "cuda") and torch.cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return configured
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def share(self, indices: list) -> list:
+        """This rank's contiguous share of one optimizer batch's indices (sizes differ by at
+        most one); the batch's loading seed goes with it."""
+        base, extra = divmod(len(indices), self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        part = indices[start : start + base + (self.rank < extra)]
+        if hasattr(indices, "seed"):
+            part = type(indices)(part)
+            part.seed = indices.seed
+        return part
+
+    def shares(self, sampler: Any) -> _Shares:
+        """A batch sampler yielding this rank's share of each of `sampler`'s batches."""
+        return _Shares(sampler, self)
+
+    def check_batches(self, sampler: Any) -> None:
+        """Every rank must have at least one sample of every optimizer batch."""
+        size = sampler.batch_size
+        smallest = min(size, sampler.num_samples - (sampler.steps_per_epoch - 1) * size)
+        if smallest < self.world_size:
+            last = "" if smallest == size else " (the epoch's last batch)"
+            raise BadInputError(
+                f"effective_batch_size: an optimizer batch of {smallest} sample(s){last} cannot "
+                f"be shared by {self.world_size} ranks; raise effective_batch_size to at least "
+                f"{self.world_size}, or set drop_last: true"
+            )
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def broadcast_module(self, model: torch.nn.Module) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP's constructor does)."""
+        if not self.active:
+            return
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    def total(self, n: int) -> int:
+        """`n` summed over the ranks (the global batch's sample count)."""
+        if not self.active:
+            return n
+        value = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value)
+        return int(value.item())
+
+    def smallest(self, n: int) -> int:
+        """The smallest `n` of any rank (the micro-batch every rank can run)."""
+        if not self.active:
+            return n
+        value = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return int(value.item())
+
+    def agree(
+        self,
+        failed: bool,
+        params: Sequence[torch.Tensor],
+        loss: torch.Tensor | float | None,
+        count: torch.Tensor | int | None,
+    ) -> Agreement:
+        """One all-reduce after this rank's micro-batches: who failed, which parameters have
+        gradients anywhere, the loss and token count summed (float64: counts stay exact)."""
+        world, n_params = self.world_size, len(params)
+        local = torch.zeros(world + n_params + 2, dtype=torch.float64, device=self.device)
+        local[self.rank] = float(failed)
+        if not failed:
+            has = [p.grad is not None for p in params]
+            local[world : world + n_params] = torch.tensor(has, dtype=torch.float64)
+            local[-2] = torch.as_tensor(loss, dtype=torch.float64, device=self.device).reshape(())
+            if count is not None:
+                local[-1] = torch.as_tensor(count, dtype=torch.float64, device=self.device)
+        dist.all_reduce(local)
+        flags = local.tolist()
+        return Agreement(
+            failed=[r for r in range(world) if flags[r]],
+            has_grad=[bool(f) for f in flags[world : world + n_params]],
+            loss=local[-2].float(),
+            count=local[-1].to(torch.int64) if count is not None else None,
+        )
+
+    def sum_gradients(self, params: Sequence[torch.Tensor], has_grad: Sequence[bool]) -> None:
+        """Sum each gradient over the ranks, in place. A parameter some rank has no gradient for
+        takes part with zeros there; one no rank has a gradient for stays None everywhere."""
+        for param, has in zip(params, has_grad, strict=True):
+            if not has:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
+
+
+class _Shares:
+    """`OptimizerBatchSampler` as one rank loads it: its share of each batch."""
+
+    def __init__(self, sampler: Any, group: Group):
+        self.sampler, self.group = sampler, group
+
+    def __iter__(self) -> Iterator[list]:
+        for indices in self.sampler:
+            yield self.group.share(indices)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

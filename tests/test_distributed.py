@@ -1,0 +1,257 @@
+"""Several ranks through torchrun (gloo, CPU, 2 processes): the same script gives the same update
+as one process, and an out-of-memory on one rank makes every rank shrink and redo the step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MALLOC_ENV, WORKLOADS, run_workload
+
+from steadytrain.engine.distributed import Group, RanksOutOfMemory
+from steadytrain.engine.sampler import OptimizerBatchSampler
+from steadytrain.errors import BadInputError
+from steadytrain.telemetry.files import read_jsonl
+
+
+def torchrun_command(*args: str) -> list[str]:
+    """tests/workloads/ranks.py under `torchrun --nproc_per_node 2` on a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        str(WORKLOADS / "ranks.py"),
+        *args,
+    ]
+
+
+def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        torchrun_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "params.pt", weights_only=True)
+
+
+def relative_differences(a: Path, b: Path) -> dict[str, float]:
+    pa, pb = params(a), params(b)
+    return {k: float((pa[k] - pb[k]).norm() / pb[k].norm()) for k in pb}
+
+
+@pytest.mark.parametrize(
+    ("loss", "batch", "micro_one", "micro_two"),
+    [("mean", "16", "4", "4"), ("tokens", "12", "2", "4")],
+)
+def test_two_ranks_equal_one_process(tmp_path: Path, loss, batch, micro_one, micro_two):
+    """Acceptance 1: 10 AdamW steps, fp32; the token-weighted loss has padding and sequences of
+    uneven length, so it is exact only when divided by the global token count."""
+    common = ("--loss", loss, "--batch", batch, "--steps", "10")
+    one = run_workload("ranks.py", str(tmp_path / "one"), *common, "--micro", micro_one)
+    assert one.returncode == 0, one.stderr
+    two = torchrun(str(tmp_path / "two"), *common, "--micro", micro_two)
+    assert two.returncode == 0, two.stderr + two.stdout
+
+    differences = relative_differences(tmp_path / "two", tmp_path / "one")
+    assert max(differences.values()) <= 1e-6, differences
+    # The reported loss is the global batch's, on every rank.
+    losses_one = [m["loss"] for m in read_jsonl(tmp_path / "one" / "metrics.jsonl")]
+    for metrics in ("metrics.jsonl", "ranks/rank-1/metrics.jsonl"):
+        rows = read_jsonl(tmp_path / "two" / metrics)
+        assert [m["samples"] for m in rows] == [int(batch)] * 10
+        assert rows[-1]["loss"] == pytest.approx(losses_one[-1], rel=1e-5)
+    # Rank 0 owns the run directory; rank 1 writes only its own folder.
+    assert (tmp_path / "two" / "checkpoints" / "latest").exists()
+    assert not (tmp_path / "two" / "ranks" / "rank-1" / "checkpoints").exists()
+    assert not (tmp_path / "two" / "ranks" / "rank-1" / "config.json").exists()
+    start = next(
+        e for e in read_jsonl(tmp_path / "two" / "ranks/rank-1/events.jsonl") if "config" in e
+    )
+    assert start["process_group"] == {"rank": 1, "world_size": 2, "backend": "cpu:gloo"}
+
+
+def test_out_of_memory_on_one_rank_shrinks_every_rank(tmp_path: Path):
+    """Acceptance 2: rank 1's address space is capped (RLIMIT_AS) so that micro-batch 16 fails
+    there with the CPU allocator's own error; both ranks shrink to 8 together, the run finishes,
+    and its parameters equal those of a run started at micro-batch 8 (one process: acceptance 1 makes them equal)."""
+    common = ("--loss", "wide", "--batch", "32", "--steps", "4")
+    limited = torchrun(
+        str(tmp_path / "limited"), *common, "--micro", "16", "--limit-mib", "12", env=MALLOC_ENV
+    )
+    assert limited.returncode == 0, limited.stderr + limited.stdout
+    result = json.loads((tmp_path / "limited" / "result.json").read_text())
+    assert result["steps"] == 4 and result["micro_batch_size"] == 8
+
+    events_1 = read_jsonl(tmp_path / "limited" / "ranks/rank-1/events.jsonl")
+    events_0 = read_jsonl(tmp_path / "limited" / "events.jsonl")
+    oom_1 = [e for e in events_1 if e["event"] == "oom"]
+    oom_0 = [e for e in events_0 if e["event"] == "oom"]
+    assert oom_1 and "DefaultCPUAllocator" in oom_1[0]["error"]
+    assert "out of memory on rank 1 of 2" in oom_0[0]["error"]
+    assert oom_0[0]["phase"] == "rank 1"
+    for events in (events_0, events_1):
+        assert [(e["old"], e["new"]) for e in events if e["event"] == "shrink"] == [(16, 8)]
+    for metrics in ("metrics.jsonl", "ranks/rank-1/metrics.jsonl"):
+        rows = read_jsonl(tmp_path / "limited" / metrics)
+        assert [m["samples"] for m in rows] == [32] * 4  # the optimizer saw the whole batch
+
+    fixed = run_workload("ranks.py", str(tmp_path / "fixed"), *common, "--micro", "8")
+    assert fixed.returncode == 0, fixed.stderr + fixed.stdout
+    assert json.loads((tmp_path / "fixed" / "result.json").read_text())["oom_count"] == 0
+    differences = relative_differences(tmp_path / "limited", tmp_path / "fixed")
+    assert max(differences.values()) <= 1e-6, differences
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_rank_takes_a_contiguous_share_with_the_batch_seed(world: int):
+    sampler = OptimizerBatchSampler(num_samples=40, batch_size=10, seed=3)
+    batch = sampler.batch_at(1, 2)
+    shares = [Group(rank=r, world_size=world).share(batch) for r in range(world)]
+    assert [i for share in shares for i in share] == list(batch)
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert all(share.seed == batch.seed for share in shares)
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused_naming_the_field():
+    group = Group(rank=0, world_size=4)
+    group.check_batches(OptimizerBatchSampler(16, 4, seed=0))
+    with pytest.raises(BadInputError, match=r"effective_batch_size.*last batch.*drop_last"):
+        group.check_batches(OptimizerBatchSampler(18, 8, seed=0, drop_last=False))
+    with pytest.raises(BadInputError, match="raise effective_batch_size to at least 4"):
+        group.check_batches(OptimizerBatchSampler(16, 2, seed=0))
+
+
+def test_the_group_of_one_needs_no_process_group(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    group = Group.from_env()
+    assert (group.rank, group.world_size, group.active, group.owned) == (0, 1, False, False)
+    group.close()  # nothing to destroy
+    assert group.own_dir(tmp_path) == tmp_path
+    assert group.total(7) == 7 and group.smallest(3) == 3
+    assert Group(rank=2, world_size=3).own_dir(tmp_path) == tmp_path / "ranks" / "rank-2"
+    assert issubclass(RanksOutOfMemory, MemoryError)  # the out-of-memory ladder takes it
+
+
+def test_a_bad_world_size_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(BadInputError, match=r"WORLD_SIZE.*torchrun"):
+        Group.from_env()
+
+
+def test_resume_with_the_same_ranks_is_exact_and_with_one_says_what_changed(tmp_path: Path):
+    """Rank 0 writes the checkpoint; both ranks resume from it and end bitwise equal to the
+    uninterrupted 2-rank run. The same checkpoint resumed by one process (a GPU lost) finishes
+    at the same parameters up to reduction order, with the change recorded."""
+    common = ("--loss", "mean", "--batch", "16", "--micro", "4")
+    whole = torchrun(str(tmp_path / "whole"), *common, "--steps", "10")
+    assert whole.returncode == 0, whole.stderr + whole.stdout
+    first = torchrun(str(tmp_path / "split"), *common, "--steps", "5")
+    assert first.returncode == 0, first.stderr + first.stdout
+    shutil.copytree(tmp_path / "split", tmp_path / "one")
+    shutil.rmtree(tmp_path / "one" / "ranks")
+    second = torchrun(str(tmp_path / "split"), *common, "--steps", "10")
+    assert second.returncode == 0, second.stderr + second.stdout
+
+    resumed, uninterrupted = params(tmp_path / "split"), params(tmp_path / "whole")
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    for events in ("events.jsonl", "ranks/rank-1/events.jsonl"):
+        resumes = [e for e in read_jsonl(tmp_path / "split" / events) if e["event"] == "resume"]
+        assert [e["step"] for e in resumes] == [5]
+
+    alone = run_workload("ranks.py", str(tmp_path / "one"), *common, "--steps", "10")
+    assert alone.returncode == 0, alone.stderr
+    events = read_jsonl(tmp_path / "one" / "events.jsonl")
+    changes = [e["change"] for e in events if e["event"] == "resume_override"]
+    assert changes == ["world_size: 2 -> 1"]
+    assert max(relative_differences(tmp_path / "one", tmp_path / "whole").values()) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("environ", "status", "says"),
+    [
+        ({}, "info", "one process"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "localhost"}
+            | {"MASTER_PORT": "29500"},
+            "ok",
+            "rank 1 of 2 (local rank 1)",
+        ),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "fail", "MASTER_ADDR, MASTER_PORT not set"),
+        ({"WORLD_SIZE": "x"}, "fail", "not a whole number"),
+    ],
+)
+def test_doctor_reports_the_process_group(tmp_path: Path, environ, status, says):
+    from steadytrain.device import SystemProbe
+    from steadytrain.doctor.findings import Context
+    from steadytrain.doctor.process_group import check_process_group
+
+    (finding,) = check_process_group(Context(SystemProbe(), {}, environ, "cpu", tmp_path))
+    assert finding.check == "process group" and finding.status == status
+    assert says in finding.message
+    assert "gloo (CPU)" in finding.data["backends"]
+    if status == "fail":
+        assert "torchrun" in finding.fix
+
+
+def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp_path: Path):
+    """Acceptance 3: `steadytrain run -- torchrun ...`; rank 1 is SIGKILLed after step 5 (the
+    last checkpoint is step 3). torchrun ends the group, the supervisor restarts it, both ranks
+    resume from step 3, and the final parameters equal the uninterrupted run's bit for bit."""
+    common = (
+        "--loss",
+        "mean",
+        "--batch",
+        "16",
+        "--micro",
+        "4",
+        "--steps",
+        "8",
+        "--save-every",
+        "3",
+    )
+    whole = torchrun(str(tmp_path / "whole"), *common)
+    assert whole.returncode == 0, whole.stderr + whole.stdout
+    run_dir = tmp_path / "killed"
+    supervised = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadytrain.cli",
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--backoff-initial",
+            "0.1",
+            "--",
+            *torchrun_command(str(run_dir), *common, "--kill-rank", "1", "--kill-at", "5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert supervised.returncode == 0, supervised.stderr + supervised.stdout
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["event"] for e in events].count("restart") == 1
+    for folder in (run_dir, run_dir / "ranks" / "rank-1"):
+        resumes = [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "resume"]
+        assert [e["step"] for e in resumes] == [3]
+    killed, uninterrupted = params(run_dir), params(tmp_path / "whole")
+    assert all(torch.equal(killed[k], uninterrupted[k]) for k in uninterrupted)

@@ -1,0 +1,151 @@
+"""The same training script run as one process or under torchrun (gloo, CPU).
+
+    python ranks.py RUN_DIR [--loss mean|tokens|wide] [--micro N] [--steps S] [--batch B]
+                            [--limit-mib M --limit-rank R] [--save-every N]
+                            [--kill-rank R --kill-at S]
+    python -m torch.distributed.run --nproc_per_node 2 ranks.py RUN_DIR ...
+
+--loss mean: a sample-mean loss; tokens: a token-weighted loss over padded sequences of uneven
+length, returned as (loss_sum, count); wide: a wide MLP whose activations grow with the
+micro-batch (for the out-of-memory test). With --limit-mib, rank R's address space is capped at
+(current size + M MiB) after a warm-up pass and a warm-up collective. With --kill-at, rank R
+SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0).
+Rank 0 writes RUN_DIR/params.pt and RUN_DIR/result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch._dynamo  # AdamW's first step imports it: too big to load under a cap
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from steadytrain import TrainConfig, Trainer, entrypoint
+from steadytrain.events import Callback
+
+VOCAB, LENGTH = 23, 7
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "mean":
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        x, y = torch.randn(96, 6, generator=g), torch.randn(96, 3, generator=g)
+        return model, list(zip(x, y, strict=True)), mean_loss
+    if kind == "tokens":
+        model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 12), torch.nn.Linear(12, VOCAB))
+        ids = torch.randint(0, VOCAB, (96, LENGTH), generator=g)
+        lengths = torch.randint(1, LENGTH + 1, (96,), generator=g)
+        labels = torch.where(torch.arange(LENGTH) < lengths[:, None], ids, -100)
+        return model, list(zip(ids, labels, strict=True)), token_loss
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 32)
+    )
+    x, y = torch.randn(128, 64, 32, generator=g), torch.randn(128, 64, 32, generator=g)
+    return model, list(zip(x, y, strict=True)), mean_loss
+
+
+def mean_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def token_loss(model, batch):
+    ids, labels = batch
+    logits = model(ids)
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return loss_sum, (labels != -100).sum()
+
+
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def limit_memory(model, data, loss_fn, mib: int) -> None:
+    """Warm thread pools and allocator arenas first: started under a tight limit they abort the
+    process instead of raising."""
+    out = loss_fn(model, tuple(torch.stack([s[i] for s in data[:2]]) for i in range(2)))
+    (out[0] if isinstance(out, tuple) else out).backward()
+    model.zero_grad(set_to_none=True)
+    limit = vm_size() + mib * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+class KillAt(Callback):
+    """SIGKILL this rank at the end of step `step` of the first attempt."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state, control, info) -> None:
+        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
+        if first and state.step == self.step and dist.get_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@entrypoint
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--loss", default="mean", choices=["mean", "tokens", "wide"])
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--limit-mib", type=int)
+    parser.add_argument("--limit-rank", type=int, default=1)
+    parser.add_argument("--save-every", type=int)
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-at", type=int)
+    args = parser.parse_args()
+    model, data, loss_fn = build(args.loss)
+    if args.limit_mib:
+        dist.init_process_group("gloo")  # before the limit; the Trainer takes this group
+        dist.all_reduce(torch.zeros(4096))  # and the collectives' buffers
+        if dist.get_rank() == args.limit_rank:
+            limit_memory(model, data, loss_fn, args.limit_mib)
+    config = TrainConfig(
+        run_dir=args.run_dir,
+        effective_batch_size=args.batch,
+        micro_batch_size=args.micro,
+        max_steps=args.steps,
+        save_every_steps=args.save_every or args.steps,
+        device="cpu",
+        precision="fp32",
+        log_every_steps=1,
+    )
+    callbacks = [KillAt(args.kill_rank, args.kill_at)] if args.kill_at else []
+    optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
+    result = Trainer(model, optimizer, loss_fn, data, config, callbacks=callbacks).fit()
+    if dist.is_initialized():  # the script's own group (--limit-mib); the Trainer's is closed
+        dist.destroy_process_group()
+    if os.environ.get("RANK", "0") == "0":
+        run_dir = Path(args.run_dir)
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, run_dir / "params.pt"
+        )
+        summary = {
+            "steps": result.steps,
+            "micro_batch_size": result.micro_batch_size,
+            "final_loss": result.final_loss,
+            "oom_count": result.oom_count,
+        }
+        (run_dir / "result.json").write_text(json.dumps(summary))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

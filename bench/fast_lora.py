@@ -21,6 +21,8 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
   Kernel installed its chunked mode is the fused linear cross-entropy (memory/fused_loss.py).
 * steadytrain-auto[-compile]: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the
   planner chooses micro size, accumulation and savers (the fused loss among them).
+* steadytrain-cap-m4/m8-fused-compile: cap, the micro size set by hand, the fused loss, compiled,
+  no checkpointing: the hand-tuned runs the planner's choice is measured against.
 
 Per arm: tokens/s over the steady steps (after --warmup), peak allocated memory, the first step's
 loss (the same base weights and LoRA B = 0 give every arm the same value: a check that each arm
@@ -64,6 +66,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "steadytrain-fused-compile": {"cap": False, "micro": 8, "chunk": 1024, "compile": True},
     "steadytrain-auto": {"cap": True, "micro": "auto"},
     "steadytrain-auto-compile": {"cap": True, "micro": "auto", "compile": True},
+    "steadytrain-cap-m4-fused-compile": {"cap": True, "micro": 4, "chunk": 1024, "compile": True},
+    "steadytrain-cap-m8-fused-compile": {"cap": True, "micro": 8, "chunk": 1024, "compile": True},
 }
 SMOKE_ARMS = "plain,steadytrain,steadytrain-fused,steadytrain-auto"
 

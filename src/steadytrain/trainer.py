@@ -22,7 +22,7 @@ from steadytrain.config import TrainConfig
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import split_batch, to_device
-from steadytrain.engine.compiling import check_compiler, compile_blocks
+from steadytrain.engine.compiling import check_compiler, compile_blocks, compile_wanted
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
@@ -108,7 +108,8 @@ class Trainer:
         cfg = self.config
         run = self._set_up()
         tensorboard = TensorBoardLog.from_config(cfg, run_dir)  # refused before anything is written
-        if cfg.compile:
+        compiled = compile_wanted(cfg.compile, run.device.type)
+        if compiled:
             check_compiler(run.device.type)
         files = RunFiles(run_dir)
         try:
@@ -119,8 +120,8 @@ class Trainer:
             record = _recorder(files, console)
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
-                planned.events = self._plan(run)
-            if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
+                planned.events = self._plan(run, compiled)
+            if compiled:  # after the plan: its probe measures eager passes (compiling.py)
                 planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
             run.emit.callbacks[:] = self._callbacks(
                 run, store, record, expected_loss, [console, tensorboard, files, planned]
@@ -277,7 +278,7 @@ class Trainer:
             },
         )
 
-    def _plan(self, run: _Run) -> list[tuple]:
+    def _plan(self, run: _Run, compiled: bool = False) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
         in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
@@ -318,6 +319,13 @@ class Trainer:
                 cap=state.micro_batch_size,
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),
+                compiled=compiled,
+            )
+        method = getattr(self.loss_fn, "chunked_method", None)
+        if chosen.chunked_loss and callable(method) and method(model, run.device.type) == "fused":
+            chosen.reasons.append(
+                "the chunked loss is the fused linear cross-entropy here (Liger Kernel on CUDA, "
+                "memory/fused_loss.py): no logits held beyond one chunk, nothing recomputed"
             )
         state.micro_batch_size = chosen.micro_batch_size
         savers.restore(

@@ -6,6 +6,7 @@ with Liger Kernel itself)."""
 from __future__ import annotations
 
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def batch(seed: int = 1, rows: int = 3, seq: int = 24, device: str = "cpu") -> d
 
 def loss_and_grads(model, loss_fn, data) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    total, count = loss_fn(model, data)
+    total, _count = loss_fn(model, data)
     total.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return total.detach(), grads
@@ -63,7 +64,7 @@ class ReferenceKernel(torch.nn.Module):
     the Triton kernel where there is no GPU, so the wrapper's plumbing (argument order, dtypes,
     the softcap, the bias, the ignored labels) is checked on CPU. Records each call."""
 
-    calls: list[dict] = []
+    calls: ClassVar[list[dict]] = []
 
     def __init__(self, ignore_index, reduction, softcap):
         super().__init__()

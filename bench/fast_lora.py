@@ -16,11 +16,12 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * liger-cap: apply_liger_kernel_to_llama (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) and
   peft, a plain loop calling the model with labels, micro 8 × 8.
 * plain: a plain loop, the model's logits and an fp32 cross-entropy.
-* steadytrain[-compile]: Trainer, micro 8, CausalLMLoss() (the plain loss).
+* steadytrain[-compile]: Trainer, micro 8, CausalLMLoss() (the plain loss), compile false [true].
 * steadytrain-fused[-compile]: the same with CausalLMLoss(chunk_tokens=1024): on CUDA with Liger
   Kernel installed its chunked mode is the fused linear cross-entropy (memory/fused_loss.py).
-* steadytrain-auto[-compile]: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the
-  planner chooses micro size, accumulation and savers (the fused loss among them).
+* steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
+  chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
+  default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
 * steadytrain-cap-m4/m8-fused-compile: cap, the micro size set by hand, the fused loss, compiled,
   no checkpointing: the hand-tuned runs the planner's choice is measured against.
 
@@ -60,11 +61,12 @@ ARMS: dict[str, dict[str, Any]] = {
     "unsloth-cap": {"cap": True, "micro": 16, "checkpointing": "unsloth"},
     "liger-cap": {"cap": True, "micro": 8},
     "plain": {"cap": False, "micro": 8},
-    "steadytrain": {"cap": False, "micro": 8},
+    "steadytrain": {"cap": False, "micro": 8, "compile": False},
     "steadytrain-compile": {"cap": False, "micro": 8, "compile": True},
-    "steadytrain-fused": {"cap": False, "micro": 8, "chunk": 1024},
+    "steadytrain-fused": {"cap": False, "micro": 8, "chunk": 1024, "compile": False},
     "steadytrain-fused-compile": {"cap": False, "micro": 8, "chunk": 1024, "compile": True},
     "steadytrain-auto": {"cap": True, "micro": "auto"},
+    "steadytrain-auto-eager": {"cap": True, "micro": "auto", "compile": False},
     "steadytrain-auto-compile": {"cap": True, "micro": "auto", "compile": True},
     "steadytrain-cap-m4-fused-compile": {"cap": True, "micro": 4, "chunk": 1024, "compile": True},
     "steadytrain-cap-m8-fused-compile": {"cap": True, "micro": 8, "chunk": 1024, "compile": True},
@@ -150,7 +152,7 @@ def run_steadytrain(args, arm: dict, model, data, device, effective: int) -> dic
             seed=args.seed,
             progress="lines",
             log_every_steps=1,
-            compile=arm.get("compile", False),
+            **({"compile": arm["compile"]} if "compile" in arm else {}),
         )
         loss_fn = CausalLMLoss(chunk_tokens=arm.get("chunk"))
         result = Trainer(

@@ -168,3 +168,13 @@ def test_liger_kernel_on_cuda_equals_the_plain_loss():
     for name, grad in plain_grads.items():
         error = (fused_grads[name] - grad).norm() / grad.norm()
         assert error < 3e-2, (name, float(error))
+
+
+def test_the_planner_s_trial_runs_say_how_the_chunked_loss_is_computed(reference_kernel):
+    from steadytrain.memory.savers import MemorySavers
+
+    model = llama()
+    savers = MemorySavers(model, CausalLMLoss())
+    assert savers.trial_run(lambda size: None, None).method == "plain"
+    assert savers.trial_run(lambda size: None, 1024).method == "fused"
+    assert MemorySavers(model, CausalLMLoss(fused=False)).chunked_method() == "chunked"

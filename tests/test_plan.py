@@ -558,13 +558,15 @@ def test_a_compiled_run_is_planned_with_the_compiled_growth_and_timed_eagerly():
 
     def planned(compiled: bool):
         ran.clear()
+        fused = passes(True)
+        fused.method = "fused"  # as MemorySavers.trial_run marks a loss computed by the kernel
         return plan(
             passes(False),
             device,
             effective_batch_size=64,
             activation_checkpointing="auto",
             can_checkpoint=True,
-            chunked_run=passes(True),
+            chunked_run=fused,
             compiled=compiled,
         )
 
@@ -575,6 +577,7 @@ def test_a_compiled_run_is_planned_with_the_compiled_growth_and_timed_eagerly():
     assert (chosen.micro_batch_size, chosen.checkpointing, chosen.chunked_loss) == (8, False, True)
     assert (8, False, True) not in ran and (4, False, True) in ran
     assert any("compile:" in r and f"{COMPILED_GROWTH:.0%}" in r for r in chosen.reasons)
+    assert any("fused linear cross-entropy" in r for r in chosen.reasons), chosen.reasons
     assert chosen.predicted_peak == pytest.approx(
         (2.4 + 8 * 1.86 * COMPILED_GROWTH) * GiB, rel=0.02
     )

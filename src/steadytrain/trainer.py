@@ -321,12 +321,6 @@ class Trainer:
                 pending=first_step_bytes(run.optimizer),
                 compiled=compiled,
             )
-        method = getattr(self.loss_fn, "chunked_method", None)
-        if chosen.chunked_loss and callable(method) and method(model, run.device.type) == "fused":
-            chosen.reasons.append(
-                "the chunked loss is the fused linear cross-entropy here (Liger Kernel on CUDA, "
-                "memory/fused_loss.py): no logits held beyond one chunk, nothing recomputed"
-            )
         state.micro_batch_size = chosen.micro_batch_size
         savers.restore(
             Savers(

@@ -390,6 +390,11 @@ def _nothing_fits(job: _Job, reasons: list[str], found: dict[str, Any]) -> Plan:
 def _chosen_reasons(job: _Job, best: Candidate, fits: dict[Mode, Fit]) -> list[str]:
     """Accumulation, the checkpointing decision and the analytic cross-check of the choice."""
     reasons = [accumulation_reason(best.micro_batch_size, job.room.effective_batch_size)]
+    if best.mode.chunked_loss and getattr(job.chunked_run, "method", None) == "fused":
+        reasons.append(
+            "the chunked loss is the fused linear cross-entropy here (Liger Kernel on CUDA, "
+            "memory/fused_loss.py): no logits held beyond one chunk, nothing recomputed"
+        )
     if best.mode.checkpointing and not job.start.checkpointing:
         reasons.append("activation checkpointing: on (the faster way to the larger micro-batch)")
     elif not best.mode.checkpointing and Mode(True) in fits:

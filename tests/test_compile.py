@@ -45,7 +45,7 @@ def data():
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def train(run_dir: Path, compile: bool):
+def train(run_dir: Path, compile: bool | str):
     config = TrainConfig(
         run_dir=str(run_dir),
         effective_batch_size=4,
@@ -148,3 +148,34 @@ def test_a_compiled_run_resumes_to_the_bit(tmp_path: Path):
         m["loss"] for m in read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     ]
     assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+def test_auto_compiles_on_cuda_with_triton_and_nowhere_else(monkeypatch):
+    import importlib.util
+
+    from steadytrain.engine import compiling
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        compiling.importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "triton" else real(name, *a),
+    )
+    assert compiling.compile_wanted("auto", "cuda")
+    assert not compiling.compile_wanted("auto", "cpu")
+    assert not compiling.compile_wanted("auto", "mps")
+    assert compiling.compile_wanted(True, "cpu") and not compiling.compile_wanted(False, "cuda")
+    monkeypatch.setattr(
+        compiling.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else real(name, *a),
+    )
+    assert not compiling.compile_wanted("auto", "cuda")  # no Triton: eager, not refused
+
+
+def test_the_default_auto_leaves_a_cpu_run_eager(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    result, model = train(run_dir, compile="auto")
+    assert result.exit_code == 0
+    assert not [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "compile"]
+    assert all(m._compiled_call_impl is None for m in model.modules())

@@ -52,7 +52,7 @@ def test_defaults():
         "shuffle": True,
         "num_workers": 0,
         "activation_checkpointing": "auto",
-        "compile": False,
+        "compile": "auto",
         "log_every_steps": 10,
         "async_save": "auto",
         "evaluate_every_steps": None,

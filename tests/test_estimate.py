@@ -263,9 +263,17 @@ def test_adam8bit_keeps_small_tensors_in_fp32():
     assert result.row("optimizer states") == int(2 * (1 + 4 / 256) * big) + 8 * small
 
 
-def test_unknown_family_counts_params_and_says_activations_are_unknown():
+def test_unknown_family_counts_params_and_says_activations_are_unknown(monkeypatch):
+    """A family without a formula whose forward cannot run on the meta device either (forced
+    here: GPT-2 does run there, tests/test_estimate_families.py) says unknown, not a guess."""
     from transformers import GPT2LMHeadModel
 
+    from steadytrain.memory import measured
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+
+    monkeypatch.setattr(measured, "measured_activations", cannot)
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64)
     result = estimate(config, Settings(seq=16))
     assert result.params == sum(p.numel() for p in GPT2LMHeadModel(config).parameters())

@@ -549,3 +549,61 @@ def test_first_step_bytes_and_the_plan_commands_optimizer_names_share_one_table(
         assert first_step_bytes(optimizer) == expected[name]
     for name, want in expected.items():
         assert _pending_bytes(Settings(optimizer=name), params) == want
+
+
+def test_a_compiled_run_is_planned_with_the_compiled_growth_and_timed_eagerly():
+    """The issue-17 shape on the CUDA double: 2.4 GiB of weights; per sample 3.25 GiB plain,
+    1.54 checkpointed, 1.86 with the chunked (fused) loss, 0.25 with both; a 13.2 GiB limit.
+    Eager, the fused loss fits micro 4 (micro 8 would need 17.3 GiB); compiled, its growth is
+    counted at COMPILED_GROWTH (1.32 GiB a sample), so micro 8 fits. The plan's passes stay
+    eager, so micro 8 is never run: it is timed at micro 4 and that rate carries over."""
+    from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
+    from steadytrain.memory.plan import COMPILED_GROWTH
+
+    cuda = FakeCUDABackend([("GPU", 16 * GiB)])
+    device = resolve_device(
+        "cuda", backends={"mps": FakeMPSBackend(), "cuda": cuda}, system=FakeMPSBackend().system
+    )
+    cuda.allocate(int(2.4 * GiB))
+    ran = []
+    growth = {(False, False): 3.25, (True, False): 1.54, (False, True): 1.86, (True, True): 0.25}
+    per_sample_s = {(False, False): 0.012, (True, False): 0.016, (False, True): 0.01}
+
+    def passes(chunked: bool):
+        def run(size: int, checkpointing: bool) -> None:
+            need = int(size * growth[checkpointing, chunked] * GiB)
+            cuda.allocate(need)
+            time.sleep(max(0.04, size * per_sample_s.get((checkpointing, chunked), 0.013)))
+            cuda.free(need)
+            cuda.empty_cache()
+            ran.append((size, checkpointing, chunked))
+
+        return run
+
+    def planned(compiled: bool):
+        ran.clear()
+        fused = passes(True)
+        fused.method = "fused"  # as MemorySavers.trial_run marks a loss computed by the kernel
+        return plan(
+            passes(False),
+            device,
+            effective_batch_size=64,
+            activation_checkpointing="auto",
+            can_checkpoint=True,
+            chunked_run=fused,
+            compiled=compiled,
+        )
+
+    eager = planned(False)
+    assert (eager.micro_batch_size, eager.checkpointing, eager.chunked_loss) == (4, False, True)
+    assert not any("compile:" in r for r in eager.reasons)
+    chosen = planned(True)
+    assert (chosen.micro_batch_size, chosen.checkpointing, chosen.chunked_loss) == (8, False, True)
+    assert (8, False, True) not in ran and (4, False, True) in ran
+    assert any("compile:" in r and f"{COMPILED_GROWTH:.0%}" in r for r in chosen.reasons)
+    assert any("fused linear cross-entropy" in r for r in chosen.reasons), chosen.reasons
+    assert chosen.predicted_peak == pytest.approx(
+        (2.4 + 8 * 1.86 * COMPILED_GROWTH) * GiB, rel=0.02
+    )
+    plain = next(c for c in chosen.candidates if c.micro == 2 and c.mode == Mode())
+    assert plain.peak == pytest.approx((2.4 + 2 * 3.25) * GiB, rel=0.02)  # no credit: plain loss

@@ -21,7 +21,7 @@ from steadytrain.config import TrainConfig
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.compiling import check_compiler, compile_blocks
+from steadytrain.engine.compiling import check_compiler, compile_blocks, compile_wanted
 from steadytrain.engine.distributed import Group
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
@@ -156,7 +156,8 @@ class Trainer:
         cfg = self.config
         run = self._set_up(group)
         tensorboard = TensorBoardLog.from_config(cfg, run_dir) if group.is_main else None
-        if cfg.compile:
+        compiled = compile_wanted(cfg.compile, run.device.type)
+        if compiled:
             check_compiler(run.device.type)
         files = RunFiles(group.own_dir(run_dir))
         console = console_callback(cfg)
@@ -178,8 +179,8 @@ class Trainer:
             planned = RecordAtStart(record)
             if not run.resumed and cfg.micro_batch_size == "auto":
                 with startup_phase("plan"):
-                    planned.events = self._plan(run)
-            if cfg.compile:  # after the plan: its probe measures eager passes (compiling.py)
+                    planned.events = self._plan(run, compiled)
+            if compiled:  # after the plan: its probe measures eager passes (compiling.py)
                 with startup_phase("compile"):
                     planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
             notes = [*self._notes, dropout_note(run.model, cfg)]
@@ -389,7 +390,7 @@ class Trainer:
             },
         )
 
-    def _plan(self, run: _Run) -> list[tuple]:
+    def _plan(self, run: _Run, compiled: bool = False) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
         in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
@@ -431,6 +432,7 @@ class Trainer:
                 cap=state.micro_batch_size,
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),
+                compiled=compiled,
             )
         state.micro_batch_size = run.group.smallest(chosen.micro_batch_size)  # one size for all
         savers.restore(

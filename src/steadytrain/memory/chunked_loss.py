@@ -11,16 +11,18 @@ are freed as soon as its loss is known, and backward recomputes them one chunk a
 no moment do more than N tokens' logits exist. The cost is one more output-layer matmul per chunk
 in backward (docs/chunked-loss.md measures it).
 
-Why checkpointing rather than a hand-written fused gradient (Liger's and Apple's cut-cross-entropy
-approach, which computes the gradient w.r.t. the hidden states and the output weight in forward):
-the chunk calls the model's own output module, so whatever that module is (a plain Linear, a peft
-LoRA-wrapped `lm_head`, a tied embedding weight, a quantized layer) and whatever autocast does to
-it, the values are those of the plain loss, and autograd accumulates a tied weight's gradient from
-both of its uses. A fused gradient has to be rederived for each of those, and keeps an fp32 copy
-of the output weight's gradient from forward to backward in a full fine-tune. torchtune's
-`CEWithChunkedOutputLoss` and litgpt's `chunked_cross_entropy` loop over chunks without
-checkpointing: they avoid the whole-batch fp32 copy, but every chunk's fp32 log-probabilities
-stay saved for backward (4 B × tokens × vocab), so they save less.
+Why checkpointing rather than only a hand-written fused gradient (Liger's and Apple's
+cut-cross-entropy approach, which computes the gradient w.r.t. the hidden states and the output
+weight in forward): the chunk calls the model's own output module, so whatever that module is (a
+plain Linear, a peft LoRA-wrapped `lm_head`, a tied embedding weight, a quantized layer) and
+whatever autocast does to it, the values are those of the plain loss, and autograd accumulates a
+tied weight's gradient from both of its uses. A fused gradient has to be rederived for each of
+those. So the fused kernel (fused_loss.py) serves the common case it reproduces exactly, a plain
+Linear head on CUDA, where it saves the recomputed matmul and holds fewer logits, and the
+checkpointed chunks serve every other head and device. torchtune's `CEWithChunkedOutputLoss` and
+litgpt's `chunked_cross_entropy` loop over chunks without checkpointing: they avoid the
+whole-batch fp32 copy, but every chunk's fp32 log-probabilities stay saved for backward
+(4 B × tokens × vocab), so they save less.
 
 Both modes return `(loss_sum, count)`, steadytrain's token-weighted form (engine/step.py): the sum
 of the per-token losses over label tokens (labels of -100 are ignored, and position t predicts
@@ -40,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from steadytrain.errors import BadInputError
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
+from steadytrain.memory.fused_loss import fused_available, fused_loss_sum, supported_head
 
 IGNORE_INDEX = -100
 
@@ -64,7 +67,11 @@ computing a loss that might silently differ from the model's own."""
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, batch: Mapping[str, Any], *, chunk_tokens: int | None = None
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    chunk_tokens: int | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over label tokens and their count, `(loss_sum, count)`.
 
@@ -72,7 +79,9 @@ def causal_lm_loss(
     prompt or padding) and optionally `attention_mask` and `position_ids`. `model` is a Hugging
     Face causal LM or a peft `PeftModel` wrapping one. `chunk_tokens=None` is the plain loss
     (works for any causal LM); an int computes the output layer and the loss that many tokens at
-    a time (see the module docstring), for the families in `CHUNKED_FAMILIES`.
+    a time (see the module docstring), for the families in `CHUNKED_FAMILIES`. `fused=True`
+    lets the chunked mode use the fused linear cross-entropy kernel where it runs
+    (memory/fused_loss.py: CUDA with Liger Kernel, a plain Linear head), with the same values.
     """
     input_ids, labels, extra = _unpack(batch)
     targets = _shifted(labels)
@@ -87,6 +96,10 @@ def causal_lm_loss(
     transform = _logit_transform(lm.config)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
+    if fused:
+        total = fused_loss_sum(flat_hidden, flat_targets, head, lm.config)
+        if total is not None:
+            return total, count
     differentiable = torch.is_grad_enabled()
     total = None
     for h, t in zip(flat_hidden.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True):
@@ -110,17 +123,30 @@ class CausalLMLoss:
     faster micro-batch fit, and the out-of-memory ladder at micro-batch 1 calls
     `enable_chunking()` and redoes the step, with the same loss and gradients in less memory.
     The engine finds these methods by name (`can_chunk`, `set_chunking`, `enable_chunking`,
-    `chunk_tokens`); any loss object that has them takes part."""
+    `chunk_tokens`); any loss object that has them takes part.
 
-    def __init__(self, chunk_tokens: int | None = None) -> None:
+    `fused=True` (the default) computes the chunked mode with the fused linear cross-entropy
+    kernel wherever it runs (fused_loss.py); `chunked_method` says which one a model gets."""
+
+    def __init__(self, chunk_tokens: int | None = None, fused: bool = True) -> None:
         if chunk_tokens is not None:
             _check_chunk_tokens(chunk_tokens)
         self.chunk_tokens = chunk_tokens
+        self.fused = fused
 
     def __call__(
         self, model: torch.nn.Module, batch: Mapping[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens)
+        return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens, fused=self.fused)
+
+    def chunked_method(self, model: torch.nn.Module, device: torch.device | str) -> str | None:
+        """How the chunked mode computes `model`'s loss on `device`: "fused" (the fused kernel),
+        "chunked" (checkpointed chunks), or None (no chunked mode for this model)."""
+        if not self.can_chunk(model):
+            return None
+        lm = _causal_lm(model)
+        fusable = supported_head(lm.get_output_embeddings(), lm.config) is None
+        return "fused" if self.fused and fusable and fused_available(device) else "chunked"
 
     def can_chunk(self, model: torch.nn.Module) -> bool:
         """Whether the chunked mode supports `model` (a family in `CHUNKED_FAMILIES`, not DDP,
@@ -148,7 +174,7 @@ class CausalLMLoss:
         return True
 
     def __repr__(self) -> str:
-        return f"CausalLMLoss(chunk_tokens={self.chunk_tokens!r})"
+        return f"CausalLMLoss(chunk_tokens={self.chunk_tokens!r}, fused={self.fused!r})"
 
 
 def _check_chunk_tokens(chunk_tokens: Any) -> None:

@@ -4,8 +4,9 @@ The model is built on the meta device (shapes, no storage), so a 70B config cost
 estimate. Parameters, gradients and optimizer states are exact counts times bytes. Activations
 are analytic for Llama-style decoder-only families (`KNOWN_FAMILIES`): the bytes each op saves
 for backward, summed per token, per layer, as PyTorch and Hugging Face code keep them under the
-settings given (see docs/estimate.md for the derivation). For any other family the activation
-row says "unknown" and only a probe (a measured peak on the device) can tell.
+settings given (see docs/estimate.md for the derivation). For any other family they are measured:
+its own forward runs on the meta device and the bytes autograd saves are counted (measured.py);
+only a family whose code cannot run there says "unknown", and a probe on the device tells.
 
 The peak is not the sum of every row: the gradients are produced while the activations are
 released, layer by layer, so
@@ -29,6 +30,7 @@ from typing import Any
 from steadytrain._units import format_bytes
 from steadytrain.memory.activations import (
     KNOWN_FAMILIES,
+    Activations,
     activations_of,
     attention_kernel,
     logits_and_loss,
@@ -171,8 +173,9 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
     notes: list[str] = []
     costs = _fixed_costs(counts, s, notes)
     known = shape.family in KNOWN_FAMILIES and shape.intermediate is not None
-    if known:
-        peak, phase, peak_formula, extra = _peak(shape, counts, s, costs, notes)
+    measured = None if known else _measured(config, shape, s, notes)
+    if known or measured is not None:
+        peak, phase, peak_formula, extra = _peak(shape, counts, s, costs, notes, measured)
         overhead = int(_overhead_fraction(s) * peak) + OVERHEAD_FIXED
         total = peak + overhead
     else:
@@ -196,7 +199,7 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
         total=total,
         phase=phase,
         peak_formula=peak_formula,
-        activations_known=known,
+        activations_known=known or measured is not None,
         notes=notes,
     )
 
@@ -256,11 +259,17 @@ def _weights(counts: ParamCounts, s: Settings, notes: list[str]) -> tuple[int, s
 
 
 def _peak(
-    shape: Shape, counts: ParamCounts, s: Settings, costs: _Costs, notes: list[str]
+    shape: Shape,
+    counts: ParamCounts,
+    s: Settings,
+    costs: _Costs,
+    notes: list[str],
+    measured: Activations | None = None,
 ) -> tuple[int, str, str, list[Row]]:
-    """(peak, the phase that sets it, its formula, the activation rows) for a known family."""
+    """(peak, the phase that sets it, its formula, the activation rows): the activations of a
+    known family from its formula, of another as `measured` on the meta device."""
     tokens = s.micro_batch_size * s.seq
-    act = activations_of(shape, s, tokens)
+    act = measured or activations_of(shape, s, tokens)
     copies, layer_copy, head_copy, copies_formula = weight_copies(shape, counts, s)
     loss = logits_and_loss(shape, s, tokens, head_copy)
     logits = loss.total
@@ -298,6 +307,24 @@ def _peak(
             f"{DEFAULT_CHUNK_TOKENS} tokens at a time) or a shorter sequence shrinks it"
         )
     return peak, phase, formula, rows
+
+
+def _measured(config, shape: Shape, s: Settings, notes: list[str]) -> Activations | None:
+    """The activations of a family without a formula, measured on the meta device
+    (`measured.py`); None (the rows say unknown) when transformers cannot run it there."""
+    from steadytrain.memory.measured import measured_activations
+
+    try:
+        act = measured_activations(config, shape, s, s.micro_batch_size * s.seq)
+    except Exception as exc:  # noqa: BLE001  any failure of a family's code on meta: say unknown
+        notes.append(f"activations could not be measured on the meta device: {exc}"[:300])
+        return None
+    notes.append(
+        f"activations measured: family {shape.family!r} has no formula (known: "
+        f"{', '.join(KNOWN_FAMILIES)}), so its own forward ran on the meta device and the bytes "
+        "autograd saves were counted"
+    )
+    return act
 
 
 def _unknown_rows(shape: Shape, notes: list[str]) -> list[Row]:

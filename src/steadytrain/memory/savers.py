@@ -180,13 +180,23 @@ class MemorySavers:
         self, one_pass: Callable[[int], None], chunked_loss: int | None
     ) -> Callable[[int, bool], None]:
         """The planner's ``run(size, checkpointing)`` (`memory.probe.RunPass`): switch to that
-        mode with the loss chunked by `chunked_loss`, then `one_pass(size)`."""
+        mode with the loss chunked by `chunked_loss`, then `one_pass(size)`. Its `method` says
+        how the loss is computed in that mode ("plain", "chunked", "fused"), for the plan's
+        reasons."""
 
         def run(size: int, checkpointing: bool) -> None:
             self.restore(Savers(checkpointing, chunked_loss))
             one_pass(size)
 
+        run.method = "plain" if chunked_loss is None else self.chunked_method()
         return run
+
+    def chunked_method(self) -> str:
+        """How the loss's chunked mode computes: "fused" (the fused linear cross-entropy kernel,
+        memory/fused_loss.py) or "chunked" (checkpointed chunks, any loss without the method)."""
+        method = getattr(self.loss_fn, "chunked_method", None)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return (method(self.model, device) if callable(method) else None) or "chunked"
 
 
 def trial_pass(

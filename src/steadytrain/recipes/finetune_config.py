@@ -276,11 +276,12 @@ class FinetuneConfig(BaseModel):
         "start, false never, 'auto' (default, not Hugging Face's false) only when one sample "
         "does not fit otherwise, so the out-of-memory ladder keeps this step.",
     )
-    torch_compile: bool = Field(
-        False,
+    torch_compile: Literal["auto"] | bool = Field(
+        "auto",
         description="Compile the model's decoder layers with torch.compile (the engine's "
-        "compile): faster steps on CUDA after a compile in the first step; needs Triton on "
-        "CUDA, a C++ compiler on CPU; eager on MPS.",
+        "compile): faster steps on CUDA after a compile in the first step. 'auto' compiles on "
+        "CUDA where Triton is installed and nowhere else; true needs Triton on CUDA, a C++ "
+        "compiler on CPU; eager on MPS.",
     )
     # -- checkpoints, logging, run -----------------------------------------------------------
     save_steps: int = Field(

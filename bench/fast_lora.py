@@ -1,0 +1,414 @@
+#!/usr/bin/env python
+"""Lean and fast LoRA: steadytrain against the anchors users pick for speed (Unsloth, Liger Kernel)
+and a plain loop, on the issue-17 workload, at full memory and under a 16 GiB cap, in one call.
+
+Workload (bench/_common.py): the Llama-3.2-1B shape with random init (hidden 2048, intermediate
+8192, 16 layers, 32/8 heads, vocab 128256, tied embeddings), bf16 base, LoRA r16 / alpha 32 /
+dropout 0 on the 7 projections of every layer, sequence 1024, AdamW (fused) lr 2e-4, clip 1.0,
+token-weighted loss, the same synthetic data in the same order for every arm.
+
+Arms (each in its own process; "cap" arms under torch.cuda.set_per_process_memory_fraction so
+that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulation 4 = 32):
+
+* unsloth: FastLanguageModel (bf16, no quantization) and its get_peft_model, no checkpointing,
+  a plain loop calling the model with labels (its fused loss). unsloth-cap: micro 16 × 4 with its
+  offloaded checkpointing (use_gradient_checkpointing="unsloth").
+* liger-cap: apply_liger_kernel_to_llama (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) and
+  peft, a plain loop calling the model with labels, micro 8 × 8.
+* plain: a plain loop, the model's logits and an fp32 cross-entropy.
+* steadytrain[-compile]: Trainer, micro 8, CausalLMLoss() (the plain loss), compile false [true].
+* steadytrain-fused[-compile]: the same with CausalLMLoss(chunk_tokens=1024): on CUDA with Liger
+  Kernel installed its chunked mode is the fused linear cross-entropy (memory/fused_loss.py).
+* steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
+  chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
+  default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
+* steadytrain-cap-m4/m8-fused-compile: cap, the micro size set by hand, the fused loss, compiled,
+  no checkpointing: the hand-tuned runs the planner's choice is measured against.
+
+Per arm: tokens/s over the steady steps (after --warmup), peak allocated memory, the first step's
+loss (the same base weights and LoRA B = 0 give every arm the same value: a check that each arm
+computes the same function), seconds from the process start to the end of the first optimizer
+step and to the first million trained tokens, out-of-memory events, the batch each step used.
+
+    python bench/fast_lora.py --smoke                         # CPU, tiny model, plain + steadytrain
+    python bench/fast_lora.py --arms unsloth,plain,steadytrain-fused --out $OUT/fast_lora.json
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()  # before any heavy import: Unsloth's patching counts
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import _common as C  # noqa: E402  (torch only: transformers is not imported before Unsloth)
+import torch  # noqa: E402
+
+GiB = 2**30
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARMS: dict[str, dict[str, Any]] = {
+    "unsloth": {"cap": False, "micro": 8},
+    "unsloth-cap": {"cap": True, "micro": 16, "checkpointing": "unsloth"},
+    "liger-cap": {"cap": True, "micro": 8},
+    "plain": {"cap": False, "micro": 8},
+    "steadytrain": {"cap": False, "micro": 8, "compile": False},
+    "steadytrain-compile": {"cap": False, "micro": 8, "compile": True},
+    "steadytrain-fused": {"cap": False, "micro": 8, "chunk": 1024, "compile": False},
+    "steadytrain-fused-compile": {"cap": False, "micro": 8, "chunk": 1024, "compile": True},
+    "steadytrain-auto": {"cap": True, "micro": "auto"},
+    "steadytrain-auto-eager": {"cap": True, "micro": "auto", "compile": False},
+    "steadytrain-auto-compile": {"cap": True, "micro": "auto", "compile": True},
+    "steadytrain-cap-m4-fused-compile": {"cap": True, "micro": 4, "chunk": 1024, "compile": True},
+    "steadytrain-cap-m8-fused-compile": {"cap": True, "micro": 8, "chunk": 1024, "compile": True},
+}
+SMOKE_ARMS = "plain,steadytrain,steadytrain-fused,steadytrain-auto"
+
+
+def anchor_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("unsloth", "unsloth_zoo", "liger_kernel", "peft", "transformers", "triton"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+# -- the loops -------------------------------------------------------------------------------
+
+
+def batches(args, data, effective: int):
+    """Each optimizer step's (input_ids, labels), pinned, in steadytrain's sampler order."""
+
+    order = C.data_order(len(data), args.seed)
+    for step in range(args.steps):
+        rows = [data[i] for i in order[step * effective : (step + 1) * effective]]
+        ids = torch.stack([r["input_ids"] for r in rows])
+        labels = torch.stack([r["labels"] for r in rows])
+        if torch.cuda.is_available() and args.device.startswith("cuda"):
+            ids, labels = ids.pin_memory(), labels.pin_memory()
+        yield ids, labels
+
+
+def loop(args, model, data, device, effective: int, micro: int, with_labels: bool):
+    """The plain loop every non-steadytrain arm runs: token-weighted loss per micro-batch,
+    backward, clip, fused AdamW. `with_labels`: the model computes its own (mean) loss from
+    labels, as Unsloth's and Liger's fused losses do; else the logits' fp32 cross-entropy."""
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    marks, losses = [], []
+    for ids, labels in batches(args, data, effective):
+        count = C.label_tokens(labels).to(device)
+        total = torch.zeros((), device=device)
+        for start in range(0, effective, micro):
+            piece = {
+                "input_ids": ids[start : start + micro].to(device, non_blocking=True),
+                "labels": labels[start : start + micro].to(device, non_blocking=True),
+            }
+            with C.autocast(device, precision):
+                if with_labels:
+                    mean = model(**piece, use_cache=False).loss
+                    loss = mean * C.label_tokens(piece["labels"]) / count
+                else:
+                    loss = C.lm_loss_sum(model, piece) / count
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total))  # a host sync: the step's end
+        marks.append(time.perf_counter())
+    return {"marks": marks, "losses": losses, "micro": micro, "accumulation": effective // micro}
+
+
+def run_steadytrain(args, arm: dict, model, data, device, effective: int) -> dict[str, Any]:
+    from steadytrain import TrainConfig, Trainer
+    from steadytrain.memory.chunked_loss import CausalLMLoss
+
+    with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
+        run_dir = Path(work) / "run"
+        config = TrainConfig(
+            run_dir=str(run_dir),
+            effective_batch_size=effective,
+            micro_batch_size=arm["micro"],
+            precision="bf16" if device.type == "cuda" else "fp32",
+            device=str(device),
+            max_steps=args.steps,
+            save_every_steps=args.steps,
+            seed=args.seed,
+            progress="lines",
+            log_every_steps=1,
+            **({"compile": arm["compile"]} if "compile" in arm else {}),
+        )
+        loss_fn = CausalLMLoss(chunk_tokens=arm.get("chunk"))
+        result = Trainer(
+            model,
+            lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda"),
+            loss_fn,
+            data,
+            config=config,
+        ).fit()
+        metrics = C.read_jsonl(run_dir / "metrics.jsonl")
+        events = C.read_jsonl(run_dir / "events.jsonl")
+    offset = time.perf_counter() - time.time()
+    plan = next((e for e in events if e["event"] == "plan"), None)
+    return {
+        "marks": [m["time"] + offset for m in metrics],
+        "losses": [m["loss"] for m in metrics],
+        "micro": metrics[-1]["micro_batch_size"] if metrics else None,
+        "accumulation": metrics[-1]["micro_steps"] if metrics else None,
+        "samples_per_step": sorted({m["samples"] for m in metrics}),
+        "oom_count": result.oom_count,
+        "loss_method": loss_fn.chunked_method(model, device) if loss_fn.chunk_tokens else "plain",
+        "plan": plan,
+        "events": [e for e in events if e["event"] in ("oom", "shrink", "memory_saver", "compile")],
+    }
+
+
+# -- the anchors' models ------------------------------------------------------------------------
+
+
+def save_model_folder(spec, folder: Path, seed: int) -> None:
+    """The random tied Llama of `spec` (the same weights `lora_llama` builds) in bf16, and a
+    word-level tokenizer of its vocabulary built offline: what Unsloth's from_pretrained reads."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(C.llama_config(spec, tied=True)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    vocab = {f"t{i}": i for i in range(spec.vocab)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+        unk_token="t0",
+        bos_token="t1",
+        eos_token="t2",
+        pad_token="t3",
+    )
+    tokenizer.model_max_length = spec.seq
+    tokenizer.save_pretrained(folder)
+
+
+def unsloth_model(args, spec, arm: dict, work: Path):
+    from unsloth import FastLanguageModel  # first: it patches transformers and peft
+
+    folder = work / "model"
+    save_model_folder(spec, folder, args.seed)
+    torch.cuda.empty_cache()
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=str(folder),
+        max_seq_length=spec.seq,
+        dtype=torch.bfloat16,
+        load_in_4bit=False,
+        use_gradient_checkpointing=arm.get("checkpointing", False),
+        local_files_only=True,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=PROJECTIONS,
+        bias="none",
+        use_gradient_checkpointing=arm.get("checkpointing", False),
+        random_state=args.seed,
+    )
+    model.train()
+    return model
+
+
+def liger_model(args, spec, device):
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+    )
+    return C.lora_llama(spec, device, torch.bfloat16, args.seed)
+
+
+# -- one arm in this process --------------------------------------------------------------------
+
+
+def child(args) -> None:
+    name, arm = args.arm, ARMS[args.arm]
+    if name.startswith("unsloth"):
+        import unsloth  # noqa: F401  before transformers, as Unsloth requires
+
+    device = C.resolve(args.device)
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
+    cap = None
+    if arm["cap"] and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
+        cap = int(args.cap_gib * GiB)
+    effective = args.effective_cap if arm["cap"] else args.effective
+    data = C.synthetic_tokens(effective * args.steps, spec.seq, spec.vocab, args.seed + 1)
+    with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
+        if name.startswith("unsloth"):
+            model = unsloth_model(args, spec, arm, Path(work))
+        elif name.startswith("liger"):
+            model = liger_model(args, spec, device)
+        else:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            model = C.lora_llama(spec, device, dtype, args.seed)
+        C.synchronize(device)
+        C.reset_peak(device)
+        loaded = time.perf_counter()
+        if name.startswith("steadytrain"):
+            result = run_steadytrain(args, arm, model, data, device, effective)
+        else:
+            micro = arm["micro"] if not args.smoke else min(arm["micro"], 4)
+            labels = name != "plain"
+            result = loop(args, model, data, device, effective, micro, labels)
+    result.update(summary(args, spec, result.pop("marks"), effective, loaded))
+    result.update(
+        arm=name,
+        cap_bytes=cap,
+        effective_batch_size=effective,
+        peak_allocated=C.peak_allocated(device),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        versions=anchor_versions(),
+        environment=C.environment(device),
+    )
+    Path(args.result).write_text(json.dumps(result, default=str))
+
+
+def summary(args, spec, marks: list[float], effective: int, loaded: float) -> dict[str, Any]:
+    """Speed over the steady steps, and the start-up: seconds from the process start (imports,
+    patching and model load included) to the first optimizer step's end and to the end of the
+    step that completes the first million trained tokens."""
+    steady = marks[args.warmup :]
+    tokens = effective * spec.seq
+    rate = tokens * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None
+    million = next((t for i, t in enumerate(marks) if (i + 1) * tokens >= 1_000_000), None)
+    return {
+        "steps": len(marks),
+        "timed_steps": max(len(steady) - 1, 0),
+        "tokens_per_s": rate,
+        "load_s": loaded - STARTED,
+        "first_step_s": marks[0] - STARTED if marks else None,
+        "first_step_after_load_s": marks[0] - loaded if marks else None,
+        "million_tokens_s": million - STARTED if million else None,
+    }
+
+
+# -- the parent: every arm, then the table --------------------------------------------------------
+
+
+def run_arms(args) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in args.arms.split(","):
+        if name not in ARMS:
+            sys.exit(f"--arms: unknown arm {name!r}; choose from {', '.join(ARMS)}")
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        cmd = [sys.executable, __file__, "--arm", name, "--result", path, "--device", args.device]
+        cmd += ["--effective", str(args.effective), "--effective-cap", str(args.effective_cap)]
+        cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--seed", str(args.seed), "--cap-gib", str(args.cap_gib)]
+        cmd += ["--smoke"] if args.smoke else []
+        print(f"running arm {name}", file=sys.stderr, flush=True)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "UNSLOTH_DISABLE_STATISTICS": "1",
+        }
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=args.arm_timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        text = Path(path).read_text() if code == 0 else ""
+        results[name] = json.loads(text) if text else {"arm": name, "error": f"exit {code}"}
+        Path(path).unlink(missing_ok=True)
+        print(json.dumps(row_of(results[name])), file=sys.stderr, flush=True)
+    return results
+
+
+def row_of(r: dict[str, Any]) -> dict[str, Any]:
+    """One arm's figures as the table shows them."""
+
+    def num(key, form):
+        return "-" if r.get(key) is None else form(r[key])
+
+    steps = r.get("samples_per_step")
+    return {
+        "arm": r.get("arm"),
+        "micro x accum": "-" if r.get("micro") is None else f"{r['micro']} x {r['accumulation']}",
+        "batch": ",".join(map(str, steps)) if steps else num("effective_batch_size", str),
+        "tokens/s": num("tokens_per_s", lambda v: f"{v:,.0f}"),
+        "peak": num("peak_allocated", lambda v: f"{v / GiB:.2f} GiB"),
+        "loss 1": f"{r['losses'][0]:.4f}" if r.get("losses") else "-",
+        "1st step s": num("first_step_s", lambda v: f"{v:.1f}"),
+        "1M tok s": num("million_tokens_s", lambda v: f"{v:.1f}"),
+        "oom": num("oom_count", str),
+        "loss mode": r.get("loss_method") or r.get("error") or "-",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few steps")
+    ap.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
+    ap.add_argument("--arms", default=None, help=f"default: all ({len(ARMS)}); smoke: a CPU few")
+    ap.add_argument("--cap-gib", type=float, default=16.0)
+    ap.add_argument("--effective", type=int, default=32, help="full-memory arms' batch")
+    ap.add_argument("--effective-cap", type=int, default=64, help="capped arms' batch")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (16; smoke 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out (5; smoke 1)")
+    ap.add_argument("--arm-timeout", type=float, default=420.0, help="seconds per arm")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.arms = args.arms or (SMOKE_ARMS if args.smoke else ",".join(ARMS))
+    args.steps = args.steps or (3 if args.smoke else 16)
+    args.warmup = args.warmup or (1 if args.smoke else 5)
+    if args.arm:
+        child(args)
+        return
+
+    C.require_steadytrain()
+    results = run_arms(args)
+    rows = [row_of(r) for r in results.values()]
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
+    title = (
+        f"{spec.name}, LoRA r16 7 projections, bf16, seq {spec.seq}; full memory: batch "
+        f"{args.effective}; cap arms: {args.cap_gib:g} GiB, batch {args.effective_cap}; "
+        f"{args.steps} steps, tokens/s after {args.warmup}"
+    )
+    text = C.table(list(rows[0]), [list(r.values()) for r in rows], title)
+    out = args.out or C.default_out("fast_lora", args.smoke)
+    C.write_json(
+        out,
+        {"benchmark": "fast_lora", "settings": vars(args), "results": results, "table": text},
+    )
+    print(f"\nresults: {out}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

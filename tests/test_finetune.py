@@ -266,10 +266,8 @@ def test_every_config_problem_is_reported_at_once_with_the_field_named():
         FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", save_steps=9, max_steps=5)
     with pytest.raises(ConfigError, match="push_to_hub"):
         FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", push_to_hub=True)
-    quiet = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", evaluation_strategy="no")
-    assert quiet.notes == [
-        "evaluation_strategy: ignored (the eval loss is computed once, after training)"
-    ]
+    quiet = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", run_name="x")
+    assert quiet.notes == ["run_name: ignored (the run is named by output_dir)"]
 
 
 def test_4bit_is_refused_on_cpu_naming_the_field_and_the_fallback_loads_unquantized(
@@ -344,3 +342,36 @@ def test_the_command_line_chain_after_a_finetune(workspace, finished, tmp_path):
 
     refused = steadytrain_cli("merge", final, "--out", str(merged))
     assert refused.returncode == 2 and "--force" in refused.stderr
+
+
+def test_evaluation_each_epoch_and_every_n_steps_reaches_metrics_and_the_console(workspace, capfd):
+    """The seed shows Eval Loss each epoch: with eval data, `evaluation_strategy: epoch` (the
+    default) evaluates at each epoch's end, `steps` every eval_steps steps; rows of kind "eval"
+    in metrics.jsonl and a line on the console; `no` evaluates only after training."""
+    text = SEED_CONFIG.replace(
+        '"output_dir": "OUT",', '"output_dir": "OUT",\n  "eval_split": 0.25,'
+    ).replace('"num_train_epochs": 3,', '"num_train_epochs": 2,\n  "evaluation_strategy": "epoch",')
+    job = FinetuneJob.from_file(write_config(workspace, "eval-epoch.json", "run-eval", text))
+    assert job.train_config.evaluate_every_epochs == 1
+    result = job.run()
+    assert result.exit_code == 0
+    rows = read_jsonl(Path(result.run_dir) / "metrics.jsonl")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert len(evals) == 2 and all(r["eval_loss"] > 0 for r in evals)
+    assert "eval" in capfd.readouterr().err.lower()
+
+    steps = FinetuneConfig(
+        model_name_or_path="m",
+        train_file="t.jsonl",
+        eval_split=0.1,
+        eval_strategy="steps",
+        eval_steps=3,
+    ).to_train_config()
+    assert (steps.evaluate_every_steps, steps.evaluate_every_epochs) == (3, None)
+    never = FinetuneConfig(
+        model_name_or_path="m", train_file="t.jsonl", eval_split=0.1, evaluation_strategy="no"
+    )
+    assert not never.evaluates_during_training()
+    assert never.to_train_config().evaluate_every_epochs is None
+    no_data = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl").to_train_config()
+    assert no_data.evaluate_every_epochs is None

@@ -135,6 +135,7 @@ class FinetuneJob:
             self.train_config,
             scheduler=scheduler_factory(cfg.lr_scheduler_type, warmup, total),
             collate_fn=Collator(pad_token_id(self.tokenizer)),
+            eval_data=self.eval_data if cfg.evaluates_during_training() else None,
         )
         if int(os.environ.get("RANK", "0")) == 0:
             record_config(cfg, Path(self.train_config.run_dir))

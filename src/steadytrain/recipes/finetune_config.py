@@ -70,6 +70,7 @@ DATA_ALIASES = {
     "eval_data": "eval_file",
     "eval_path": "eval_file",
     "validation_file": "eval_file",
+    "evaluation_strategy": "eval_strategy",
 }
 """Other names scripts use for the data files (run_clm uses train_file / validation_file)."""
 
@@ -88,9 +89,6 @@ IGNORED = {
     "logging_strategy": "progress is logged every logging_steps steps",
     "logging_first_step": "progress is logged every logging_steps steps",
     "save_strategy": "checkpoints are written every save_steps steps, at the end and on a signal",
-    "evaluation_strategy": "the eval loss is computed once, after training",
-    "eval_strategy": "the eval loss is computed once, after training",
-    "eval_steps": "the eval loss is computed once, after training",
     "per_device_eval_batch_size": "evaluation uses per_device_train_batch_size",
     "remove_unused_columns": "the data loader reads only the fields of its format",
     "group_by_length": "each optimizer batch is already sorted by length before it is split",
@@ -186,13 +184,22 @@ class FinetuneConfig(BaseModel):
     eval_file: str | None = Field(
         None,
         description="Eval data in the same formats; also read as eval_data, eval_path, "
-        "validation_file. Its loss is computed after training.",
+        "validation_file. Its loss is computed during training (eval_strategy) and after it.",
     )
     eval_split: float | None = Field(
         None,
         gt=0,
         lt=1,
         description="Instead of eval_file: this share of the training records, chosen with seed.",
+    )
+    eval_strategy: Literal["no", "steps", "epoch"] = Field(
+        "epoch",
+        description="Given eval data, when its loss is computed during training: at each epoch's "
+        "end (epoch), every eval_steps optimizer steps (steps), or only after training (no). "
+        "Also read as evaluation_strategy. The loss after training is always reported.",
+    )
+    eval_steps: int | None = Field(
+        None, ge=1, description="With eval_strategy steps: every this many steps (logging_steps)."
     )
     max_seq_length: int = Field(
         1024, ge=2, description="Samples are cut to this many tokens (the stats say how many)."
@@ -398,9 +405,21 @@ class FinetuneConfig(BaseModel):
             **self._engine,
             "precision": self.precision,
         }
+        values |= self._evaluation()
         if "save_steps" not in self._given and values["max_steps"] is not None:
             values["save_every_steps"] = min(values["save_every_steps"], values["max_steps"])
         return TrainConfig(**values)
+
+    def evaluates_during_training(self) -> bool:
+        return self.eval_strategy != "no" and (self.eval_file or self.eval_split) is not None
+
+    def _evaluation(self) -> dict[str, Any]:
+        """The engine's evaluation cadence (docs/finetune.md): eval data and a strategy."""
+        if not self.evaluates_during_training():
+            return {}
+        if self.eval_strategy == "steps":
+            return {"evaluate_every_steps": self.eval_steps or self.logging_steps}
+        return {"evaluate_every_epochs": 1}
 
     def schedule(self, steps_per_epoch: int) -> tuple[int, int]:
         """(optimizer steps in the run, warmup steps) for `steps_per_epoch` batches an epoch."""

@@ -71,7 +71,7 @@ def test_good_file_prints_the_resolved_config(runs):
     assert resolved["micro_batch_size"] == 8
     assert resolved["seed"] == 3
     assert resolved["save_every_steps"] == 250  # defaults filled in
-    assert resolved["max_grad_norm"] == 1.0
+    assert resolved["max_grad_norm"] is None  # no clipping unless asked (docs/config.md)
 
 
 def test_bad_file_exits_2_naming_every_field(runs):

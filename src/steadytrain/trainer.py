@@ -142,10 +142,9 @@ class Trainer:
     def _fit(self) -> FitResult:
         run_dir = Path(self.config.run_dir)
         announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
-        # RunLock creates run_dir or says why it cannot; a full disk anywhere is exit 6
+        # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
         group = Group.from_env()
         own_dir = group.own_dir(run_dir)  # rank 0 holds RUN_DIR; rank N its own folder
-        own_dir.mkdir(parents=True, exist_ok=True)
         try:
             with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(own_dir):
                 return self._fit_locked(run_dir, group)

@@ -53,7 +53,7 @@ BIG = {  # cheap to compute, heavy in activations
         "samples": 8192 * 6,
         "val_samples": 8192,
         "batch_size": 8192,
-        "hidden": 128,
+        "hidden": 256,
         "epochs": 1,
     },
 }

@@ -82,6 +82,19 @@ def fill_disk(path: Path) -> None:
             pass
 
 
+def wait_for_commit(run_dir: Path, step: int, timeout: float = 120.0) -> None:
+    """Poll until the background save of `step` is committed (checkpoints/latest names it): the
+    disk must fill after that save and before the next one, however slowly a busy machine writes."""
+    if step == 0:
+        return
+    pointer, want = run_dir / "checkpoints" / "latest", f"step-{step:08d}"
+    deadline = time.monotonic() + timeout
+    while not (pointer.exists() and pointer.read_text().strip() == want):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{want} was not committed in {timeout:.0f} s")
+        time.sleep(0.02)
+
+
 class Faults(Callback):
     def __init__(self, args):
         self.args = args
@@ -98,6 +111,9 @@ class Faults(Callback):
         if state.step == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if state.step == self.args.fill_disk_at:
+            wait_for_commit(
+                Path(self.args.run_dir), state.step // self.args.save_every * self.args.save_every
+            )
             filler = Path(self.args.run_dir).parent / "filler"
             fill_disk(filler)
             if self.args.fill_disk_leave:  # room for a few lines, not for a checkpoint

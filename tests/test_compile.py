@@ -64,6 +64,7 @@ def train(run_dir: Path, compile: bool | str):
     return result, model
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_as_the_eager_ones(tmp_path: Path):
     _, eager_model = train(tmp_path / "eager", compile=False)
     compiled, model = train(tmp_path / "compiled", compile=True)

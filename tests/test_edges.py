@@ -446,8 +446,8 @@ def test_row7_disk_full_during_a_save_in_fit_keeps_the_last_checkpoint_then_resu
     "fault,resumed",
     [
         ("mid-write:2", 3),
-        ("before-manifest:2", 3),
-        ("after-manifest:2", 3),
+        pytest.param("before-manifest:2", 3, marks=pytest.mark.slow),
+        pytest.param("after-manifest:2", 3, marks=pytest.mark.slow),
         ("after-publish:2", 6),  # published: it counts, though 'latest' still names step 3
         ("during-retention:1", 9),  # the step-9 save deletes step 3 after its commit
     ],

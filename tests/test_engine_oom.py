@@ -82,7 +82,7 @@ def test_one_sample_that_does_not_fit_exits_3_with_numbers(tmp_path: Path):
     assert not (tmp_path / "run" / "result.json").exists()
 
 
-@pytest.mark.parametrize("limit", ["160", "300"])
+@pytest.mark.parametrize("limit", [pytest.param("160", marks=pytest.mark.slow), "300"])
 def test_surviving_leaves_no_growing_memory(tmp_path: Path, limit: str):
     """After recovery the process holds no more than before the failed attempt (nothing leaks
     through the exception's frames), so later steps at the smaller size keep fitting."""

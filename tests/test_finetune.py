@@ -316,6 +316,7 @@ def steadytrain_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_the_command_line_chain_after_a_finetune(workspace, finished, tmp_path):
     """What the fine-tune prints as next steps, through the `steadytrain` command itself:
     generate, evaluate (base vs adapter), merge, then evaluate the merged model."""

@@ -68,6 +68,7 @@ def test_oom_keeps_the_effective_batch_and_matches_a_clean_run(tmp_path: Path):
     assert f"{len(ooms)} out-of-memory, {len(shrinks)} shrink(s)" in out
 
 
+@pytest.mark.slow
 def test_a_step_blocked_in_user_code_exits_75_and_the_restart_finishes(tmp_path: Path, reference):
     run_dir = tmp_path / "hang"
     proc = start_supervised(
@@ -104,6 +105,7 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert "1 restart(s)" in report(run_dir).stdout
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_manifest_is_never_resumed_from(tmp_path: Path, reference):
     run_dir = tmp_path / "cut"
     proc = run_plain(SCRIPT, run_dir, "--steps", "6")
@@ -122,6 +124,7 @@ def test_a_checkpoint_without_its_manifest_is_never_resumed_from(tmp_path: Path,
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_through_hugging_face_exits_143_and_resumes_exactly(
     tmp_path: Path, reference
 ):

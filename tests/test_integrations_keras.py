@@ -43,6 +43,7 @@ def reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_oom_is_redone_in_pieces_of_the_same_batch_and_matches_a_clean_run(tmp_path: Path):
     limited = tmp_path / "limited"
     args = ("--batch", "64", "--samples", "128", "--epochs", "2")
@@ -72,6 +73,7 @@ def test_oom_is_redone_in_pieces_of_the_same_batch_and_matches_a_clean_run(tmp_p
     assert f"{len(ooms)} out-of-memory, {len(shrinks)} shrink(s)" in out
 
 
+@pytest.mark.slow
 def test_a_step_blocked_in_user_code_exits_75_and_the_restart_finishes(tmp_path: Path, reference):
     run_dir = tmp_path / "hang"
     args = ("--hang-at", "6", "--hang-timeout", "10")
@@ -88,6 +90,7 @@ def test_a_step_blocked_in_user_code_exits_75_and_the_restart_finishes(tmp_path:
     report(run_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     tmp_path: Path, reference
 ):

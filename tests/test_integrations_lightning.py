@@ -62,6 +62,7 @@ def test_oom_restarts_at_half_the_batch_and_matches_a_clean_run(tmp_path: Path):
     assert "1 out-of-memory" in out and "1 restart(s)" in out
 
 
+@pytest.mark.slow
 def test_a_step_blocked_in_user_code_exits_75_and_the_restart_finishes(tmp_path: Path, reference):
     run_dir = tmp_path / "hang"
     proc = start_supervised(SCRIPT, run_dir, "--hang-at", "6", "--hang-timeout", "8")
@@ -78,6 +79,7 @@ def test_a_step_blocked_in_user_code_exits_75_and_the_restart_finishes(tmp_path:
     report(run_dir)
 
 
+@pytest.mark.slow
 def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     tmp_path: Path, reference
 ):
@@ -94,6 +96,7 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert "1 restart(s)" in report(run_dir).stdout
 
 
+@pytest.mark.slow
 def test_sigterm_saves_through_lightning_exits_143_and_the_next_start_finishes(tmp_path: Path):
     """Mid-epoch, Lightning restarts a plain DataLoader's epoch from its first batch, so the
     resumed run is not the uninterrupted one's (docs/integrations.md); it finishes the fit."""

@@ -62,6 +62,7 @@ def test_a_blocked_step_exits_75_and_the_restart_finishes(tmp_path: Path, refere
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_143_and_the_next_start_resumes_exactly(tmp_path: Path, reference):
     run_dir = tmp_path / "stopped"
     stopped_at = stop_with_sigterm(start_plain(SCRIPT, run_dir, "--slow", "0.3"), run_dir)

@@ -389,6 +389,7 @@ def plan_event(run_dir: Path) -> dict:
     return chosen
 
 
+@pytest.mark.slow
 def test_the_plan_offers_the_chunked_loss_and_measures_what_it_saves(tmp_path: Path):
     """A tiny Llama whose fp32 logits are most of each sample's memory, with `CausalLMLoss`:
     the chunked mode is probed beside the plain one, its measured growth per sample is a
@@ -409,6 +410,7 @@ def test_the_plan_offers_the_chunked_loss_and_measures_what_it_saves(tmp_path: P
     assert any("chunked loss" in r for r in chosen["reasons"])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_computes_its_loss_as_the_run_it_resumes(tmp_path: Path):
     """Stopped while its loss was chunked, resumed with a loss object that starts plain: the
     trainer switches the chunking back on from the checkpoint, and the run is the
@@ -468,6 +470,7 @@ def test_on_cuda_each_mode_is_timed_at_its_own_largest_size():
     assert best.samples_per_second == pytest.approx(100, rel=0.3)
 
 
+@pytest.mark.slow
 def test_the_ladder_turns_the_chunked_loss_on_at_micro_batch_one(tmp_path: Path):
     """A real out-of-memory (RLIMIT_AS) at micro-batch 1 with 4,096-token sequences, whose plain
     loss holds all the fp32 logits: without activation checkpointing to turn on, the ladder's
@@ -501,6 +504,7 @@ def test_the_ladder_turns_the_chunked_loss_on_at_micro_batch_one(tmp_path: Path)
     assert "does not fit" in tight.stderr and "the loss chunked by 1024 tokens" in tight.stderr
 
 
+@pytest.mark.slow
 def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, capsys):
     """`steadytrain plan --probe` on this CPU: a random Llama built from the config, real passes
     of steadytrain's causal-LM loss, plain and chunked, with and without checkpointing."""

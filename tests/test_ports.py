@@ -61,7 +61,13 @@ def test_the_port_trains_exactly_as_the_programs_own_loop(tmp_path, program):
     assert same_parameters(mine, port)
 
 
-@pytest.mark.parametrize("program", sorted(CAP_MIB))
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p == "word_language_model" else p
+        for p in sorted(CAP_MIB)
+    ],
+)
 def test_the_port_survives_a_real_out_of_memory_and_two_sigkills(tmp_path, program):
     run_dir, markers = tmp_path / "run", tmp_path / "markers"
     markers.mkdir()

@@ -55,14 +55,17 @@ def test_workers_do_not_change_the_run(golden):
     assert golden[0][0] == golden[2][0]
 
 
+SLOW = pytest.mark.slow  # `make test-all`: the same path as a neighbouring case
+
+
 @pytest.mark.parametrize(
     ("kill", "workers"),
     [
         (("--kill-at", "1"), 0),  # the first step, before any checkpoint
-        (("--kill-at", "7"), 0),  # mid-epoch
+        pytest.param(("--kill-at", "7"), 0, marks=SLOW),  # mid-epoch
         (("--kill-at", "10"), 0),  # an epoch boundary
-        (("--kill-mid-step", "8"), 0),  # inside the accumulation window of step 8
-        (("--kill-at", "15"), 0),  # the last step
+        pytest.param(("--kill-mid-step", "8"), 0, marks=SLOW),  # inside step 8's accumulation
+        pytest.param(("--kill-at", "15"), 0, marks=SLOW),  # the last step
         (("--kill-at", "7"), 2),
         (("--kill-mid-step", "11"), 2),
     ],

@@ -98,6 +98,7 @@ def steadytrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_a_misspelt_target_module_is_refused_naming_it_and_the_closest_names(workspace):
     config = seed_config(workspace, "typo", '  "lora": {"target_modules": ["q_proj", "v_porj"]},\n')
     done = steadytrain("finetune", "--config", str(config), *SHORT)
@@ -175,6 +176,7 @@ def test_the_seed_night_under_run_without_run_dir_resumes_bitwise(workspace):
         assert torch.equal(ours[name], tensor), name
 
 
+@pytest.mark.slow
 def test_a_mid_run_checkpoint_exports_to_a_peft_adapter_that_generate_takes(workspace):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -280,6 +282,7 @@ def test_resume_goes_on_when_the_effective_batch_is_kept_and_names_the_field_whe
     assert [e["step"] for e in events if e["event"] == "fit_end"] == [6]
 
 
+@pytest.mark.slow
 def test_fp16_skipped_steps_are_counted_shown_and_reported_without_a_foreign_warning(workspace):
     config = seed_config(workspace, "half")
     done = steadytrain("finetune", "--config", str(config), "--set", "fp16=true",
@@ -301,6 +304,7 @@ def test_fp16_skipped_steps_are_counted_shown_and_reported_without_a_foreign_war
     assert "fp16 skipped steps" in (workspace / "half" / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_config_dry_run_and_estimate_read_the_commented_seed_config(workspace):
     config = seed_config(workspace, "dry")
     for args in (("config", str(config)), ("finetune", "--dry-run", "--config", str(config))):

@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""One GPU, launched two ways: `python train.py` and `torchrun --nproc_per_node 1 train.py`.
+
+The same steadytrain fine-tune (the issue-17 LoRA workload of bench/_common.py: the Llama-3.2-1B
+shape, random init, bf16 base, LoRA r16 / alpha 32 on the 7 projections, sequence 1024, micro 8 ×
+accumulation 4, fused AdamW, CausalLMLoss) runs in its own process per arm and round:
+
+* plain: `python bench/torchrun_one_gpu.py --child`: the group of one, no process group.
+* torchrun: `python -m torch.distributed.run --nproc_per_node 1 ... --child`: the script
+  initialises the process group torchrun describes (NCCL for CUDA tensors, as
+  `init_process_group()` picks) before the Trainer starts, and the Trainer takes that group;
+  its `fit_start` event records the backend. With one rank the per-step agreement and
+  gradient sum are skipped (a group of one has nothing to agree on), so what this measures is
+  the launch path: torchrun's environment, `cuda:LOCAL_RANK`, the NCCL group.
+
+The arms alternate (plain, torchrun, plain, torchrun, ...) so drift hits both alike. Per arm:
+tokens/s over the steady steps (after --warmup) from metrics.jsonl, median over rounds; peak
+allocated memory; the backend the run recorded.
+
+    python bench/torchrun_one_gpu.py --smoke                    # CPU, tiny model, gloo
+    python bench/torchrun_one_gpu.py --out $OUT/torchrun_one_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import _common as C
+import torch
+
+ARMS = ("plain", "torchrun")
+
+
+def child(args) -> None:
+    """One run of the workload in this process; writes a JSON line to --result."""
+    import torch.distributed as dist
+
+    from steadytrain import TrainConfig, Trainer
+    from steadytrain.memory.chunked_loss import CausalLMLoss
+
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the script's own group, as users write it
+        dist.init_process_group()
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if not args.smoke else "cpu")
+    spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
+    model = C.lora_llama(spec, device, torch.float32 if args.smoke else torch.bfloat16, seed=0)
+    data = C.synthetic_tokens(args.micro * args.accumulation * args.steps, spec.seq, spec.vocab, 1)
+    run_dir = Path(args.work) / "run"
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=args.micro * args.accumulation,
+        micro_batch_size=args.micro,
+        precision="fp32" if args.smoke else "bf16",
+        device=str(device),
+        max_steps=args.steps,
+        save_every_steps=args.steps,
+        seed=0,
+        progress="off",
+        log_every_steps=1,
+        compile=args.compile,
+    )
+    C.reset_peak(device)
+    optimizer = lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")  # noqa: E731
+    result = Trainer(model, optimizer, CausalLMLoss(), data, config=config).fit()
+    metrics = C.read_jsonl(run_dir / "metrics.jsonl")
+    start = next(e for e in C.read_jsonl(run_dir / "events.jsonl") if e["event"] == "fit_start")
+    steady = metrics[args.warmup - 1 :]
+    tokens = sum(m["samples"] * spec.seq for m in steady[1:])  # every position, as elsewhere
+    seconds = steady[-1]["time"] - steady[0]["time"]
+    Path(args.result).write_text(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / seconds,
+                "steps": result.steps,
+                "peak_allocated": C.peak_allocated(device),
+                "process_group": start.get("process_group"),
+                "final_loss": result.final_loss,
+            }
+        )
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_arm(arm: str, args, work: Path) -> dict[str, Any]:
+    result = work / f"{arm}.json"
+    script = [
+        str(Path(__file__).resolve()),
+        "--child",
+        "--work",
+        str(work),
+        "--result",
+        str(result),
+    ]
+    script += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro)]
+    script += ["--accumulation", str(args.accumulation), "--compile", str(args.compile).lower()]
+    script += ["--smoke"] if args.smoke else []
+    launcher = [sys.executable]
+    if arm == "torchrun":
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone"]
+    done = subprocess.run([*launcher, *script], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{arm} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo: seconds")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--accumulation", type=int, default=4)
+    p.add_argument("--compile", default="false", choices=["true", "false", "auto"])
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    args.compile = {"true": True, "false": False}.get(args.compile, args.compile)
+    if args.child:
+        return child(args)
+    if args.smoke:
+        args.steps, args.warmup, args.micro, args.accumulation, args.rounds = 4, 2, 2, 2, 1
+    C.require_steadytrain()
+    rounds: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    for i in range(args.rounds):
+        for arm in ARMS:
+            with tempfile.TemporaryDirectory() as work:
+                rounds[arm].append(run_arm(arm, args, Path(work)))
+                print(f"round {i + 1} {arm}: {rounds[arm][-1]['tokens_per_s']:,.0f} tokens/s")
+    summary = {
+        arm: {
+            "tokens_per_s": C.median([r["tokens_per_s"] for r in rs]),
+            "peak_allocated": max((r["peak_allocated"] or 0) for r in rs),
+            "process_group": rs[-1]["process_group"],
+        }
+        for arm, rs in rounds.items()
+    }
+    ratio = summary["torchrun"]["tokens_per_s"] / summary["plain"]["tokens_per_s"]
+    rows = [
+        [arm, f"{s['tokens_per_s']:,.0f}", C.gib(s["peak_allocated"]), str(s["process_group"])]
+        for arm, s in summary.items()
+    ]
+    print(C.table(["arm", "tokens/s", "peak allocated", "process group"], rows))
+    print(f"torchrun / plain: {ratio:.3f}")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    out = args.out or C.default_out("torchrun_one_gpu", args.smoke)
+    C.write_json(
+        out,
+        {
+            "environment": C.environment(device),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+            "rounds": rounds,
+            "summary": summary,
+            "torchrun_over_plain": ratio,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

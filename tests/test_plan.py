@@ -532,6 +532,41 @@ def test_plan_command_with_a_probe_measures_every_mode_here(tmp_path: Path, caps
     probed = {(s["checkpointing"], s["chunked_loss"]) for s in event["probe"]["samples"]}
     assert probed == {(False, False), (True, False), (False, True), (True, True)}, event["reasons"]
     assert event["micro_batch_size"] * event["accumulation"] == 8
+    assert not any(r.startswith("compile:") for r in event["reasons"])  # eager on CPU by default
+
+
+def test_plan_command_plans_for_compiled_layers_when_asked(tmp_path: Path, capsys):
+    """`steadytrain plan --probe --compile` credits the compiled layers' smaller growth as a
+    run with `compile: true` does, and says so (on CPU the default is eager: the test above)."""
+    from transformers import LlamaConfig
+
+    from steadytrain.cli.memory_commands import plan_command
+
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=512,
+    ).save_pretrained(tmp_path)
+    # Room for a few samples above what this process holds: the whole batch does not fit.
+    memory = f"{psutil.Process().memory_info().rss // MiB + 300}MiB"
+    done = plan_command(
+        str(tmp_path),
+        16,
+        memory=memory,
+        probe=True,
+        compiled=True,
+        json_output=True,
+        seq=512,
+        device_type="cpu",
+    )
+    assert done == 0
+    event = json.loads(capsys.readouterr().out)
+    said = [r for r in event["reasons"] if r.startswith("compile: the layers are compiled")]
+    assert said, event["reasons"]
 
 
 def test_first_step_bytes_and_the_plan_commands_optimizer_names_share_one_table():

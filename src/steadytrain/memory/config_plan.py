@@ -3,6 +3,8 @@ or from real passes of the model built with random weights on this device."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
 from steadytrain.device import resolve_device
 from steadytrain.errors import BadInputError
@@ -154,7 +156,16 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
         micro_batch_sizes=settings.micro_batch_sizes,
         analytic=analytic,
         pending=_pending_bytes(settings, params),
+        compiled=_compiled(settings, device.type),
     )
+
+
+def _compiled(settings: Settings, device_type: str) -> bool:
+    """--compile/--no-compile, or what a run's `compile: auto` does on this device: compiled on
+    CUDA where Triton is installed (engine/compiling.py decides the same for the run)."""
+    if settings.compiled is not None:
+        return settings.compiled
+    return device_type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _random_model(config, settings, dtype, torch_device):

@@ -117,6 +117,14 @@ class Settings:
         flag="--probe/--no-probe",
         commands=("plan",),
     )
+    compiled: bool | None = option(
+        None,
+        "Plan for compiled layers (default: as a run's `compile: auto`, compiled on CUDA where "
+        "Triton is installed); the probe measures eager passes and credits the compiled "
+        "layers' smaller growth per sample.",
+        flag="--compile/--no-compile",
+        commands=("plan",),
+    )
     micro_batch_sizes: str = option(
         "powers_of_two",
         "powers_of_two (divisors of the effective batch that are powers of two) or divisors.",

@@ -147,6 +147,18 @@ def test_malformed_file_exits_2(capsys, tmp_path):
     assert "not valid JSON" in err
 
 
+def test_a_long_path_in_an_error_is_printed_whole(capsys, tmp_path):
+    """Off a terminal the message is not folded at 80 columns: the path can be copied."""
+    folder = tmp_path / ("a" * 40) / ("b" * 40)
+    folder.mkdir(parents=True)
+    path = folder / "broken.json"
+    path.write_text('{"effective_batch_size": 64,')
+    with pytest.raises(SystemExit) as info:
+        main(["config", str(path)])
+    assert info.value.code == 2
+    assert str(path) in capsys.readouterr().err
+
+
 def test_no_file_exits_2_with_usage(capsys):
     code, out, err = run_main(capsys)
     assert (code, out) == (2, "")

@@ -54,7 +54,7 @@ app = typer.Typer(
     cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # a path in a message stays whole
 
 
 def _version(value: bool) -> None:

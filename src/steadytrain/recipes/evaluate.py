@@ -297,7 +297,7 @@ def evaluate_command(
     from rich.console import Console
 
     console = console or Console(highlight=False)
-    err_console = err_console or Console(stderr=True, highlight=False)
+    err_console = err_console or Console(stderr=True, highlight=False, soft_wrap=True)
     check_settings(max_seq_length, batch_size)
     if not Path(eval_file).expanduser().is_file():
         raise BadInputError(f"EVAL_FILE: {eval_file} does not exist or is not a file")

@@ -213,7 +213,7 @@ def generate_command(
     from rich.console import Console
 
     console = console or Console(highlight=False)
-    err_console = err_console or Console(stderr=True, highlight=False)
+    err_console = err_console or Console(stderr=True, highlight=False, soft_wrap=True)
     if (prompt is None) == (prompts_file is None):
         raise BadInputError(
             "PROMPT and --prompts-file: give exactly one, a prompt (steadytrain generate MODEL "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
+from steadytrain.events import Callback
+
 ARMS = ("plain", "torchrun")
 
 
 def child(args) -> None:
-    """One run of the workload in this process; writes a JSON line to --result."""
+    """One run of the workload in this process (one rank of it under torchrun); rank 0 writes
+    its figures to --result as JSON."""
     import torch.distributed as dist
 
     from steadytrain import TrainConfig, Trainer
@@ -49,19 +53,24 @@ def child(args) -> None:
 
     if "WORLD_SIZE" in os.environ:  # under torchrun: the script's own group, as users write it
         dist.init_process_group()
+    rank = int(os.environ.get("RANK", "0"))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if not args.smoke else "cpu")
+    if args.cap_gib and rank == args.cap_rank and device.type == "cuda":  # a real CUDA OOM there
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
     spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
     model = C.lora_llama(spec, device, torch.float32 if args.smoke else torch.bfloat16, seed=0)
-    data = C.synthetic_tokens(args.micro * args.accumulation * args.steps, spec.seq, spec.vocab, 1)
-    run_dir = Path(args.work) / "run"
+    effective = args.effective or args.micro * args.accumulation
+    data = C.synthetic_tokens(effective * args.steps, spec.seq, spec.vocab, 1)
+    run_dir = Path(args.run_dir or Path(args.work) / "run")
     config = TrainConfig(
         run_dir=str(run_dir),
-        effective_batch_size=args.micro * args.accumulation,
+        effective_batch_size=effective,
         micro_batch_size=args.micro,
         precision="fp32" if args.smoke else "bf16",
         device=str(device),
         max_steps=args.steps,
-        save_every_steps=args.steps,
+        save_every_steps=args.save_every or args.steps,
         seed=0,
         progress="off",
         log_every_steps=1,
@@ -69,44 +78,100 @@ def child(args) -> None:
     )
     C.reset_peak(device)
     optimizer = lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")  # noqa: E731
-    result = Trainer(model, optimizer, CausalLMLoss(), data, config=config).fit()
+    callbacks = [KillOnce(args.kill_rank, args.kill_at)] if args.kill_at else []
+    result = Trainer(model, optimizer, CausalLMLoss(), data, config, callbacks=callbacks).fit()
+    if rank == 0:
+        write_result(args, run_dir, spec, device, result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def write_result(args, run_dir: Path, spec, device, result) -> None:
     metrics = C.read_jsonl(run_dir / "metrics.jsonl")
     start = next(e for e in C.read_jsonl(run_dir / "events.jsonl") if e["event"] == "fit_start")
     steady = metrics[args.warmup - 1 :]
     tokens = sum(m["samples"] * spec.seq for m in steady[1:])  # every position, as elsewhere
     seconds = steady[-1]["time"] - steady[0]["time"]
-    Path(args.result).write_text(
-        json.dumps(
-            {
-                "tokens_per_s": tokens / seconds,
-                "steps": result.steps,
-                "peak_allocated": C.peak_allocated(device),
-                "process_group": start.get("process_group"),
-                "final_loss": result.final_loss,
-            }
-        )
-    )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    figures = {
+        "tokens_per_s": tokens / seconds,
+        "steps": result.steps,
+        "peak_allocated": C.peak_allocated(device),
+        "process_group": start.get("process_group"),
+        "final_loss": result.final_loss,
+        "losses": [m["loss"] for m in metrics],
+        "samples": [m["samples"] for m in metrics],
+        "micro_batch_size": result.micro_batch_size,
+        "oom_count": result.oom_count,
+    }
+    Path(args.result).write_text(json.dumps(figures))
+
+
+class KillOnce(Callback):
+    """SIGKILL rank `rank` at the end of step `step` of the first attempt (a rank lost)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state, control, info) -> None:
+        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
+        if first and state.step == self.step and int(os.environ.get("RANK", "0")) == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def add_child_options(p: argparse.ArgumentParser) -> None:
+    """The options of one run (`--child`), shared with bench/two_gpus.py."""
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo: seconds")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--accumulation", type=int, default=4)
+    p.add_argument("--effective", type=int, help="the global batch (default micro × accumulation)")
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--compile", default="false", choices=["true", "false", "auto"])
+    p.add_argument("--cap-gib", type=float, help="cap rank --cap-rank's GPU memory (a real OOM)")
+    p.add_argument("--cap-rank", type=int, default=1)
+    p.add_argument("--kill-at", type=int, help="SIGKILL rank --kill-rank after this step, once")
+    p.add_argument("--kill-rank", type=int, default=1)
+
+
+def child_command(args, work: Path, result: Path, **extra: Any) -> list[str]:
+    """This script as one `--child` run with `args`' settings and `extra` options."""
+    out = [str(Path(__file__).resolve()), "--child", "--work", str(work), "--result", str(result)]
+    settings = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "micro": args.micro,
+        "accumulation": args.accumulation,
+        "compile": str(args.compile).lower(),
+        **extra,
+    }
+    for name, value in settings.items():
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out + (["--smoke"] if args.smoke else [])
+
+
+def torchrun(ranks: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--standalone",
+    ]
 
 
 def run_arm(arm: str, args, work: Path) -> dict[str, Any]:
     result = work / f"{arm}.json"
-    script = [
-        str(Path(__file__).resolve()),
-        "--child",
-        "--work",
-        str(work),
-        "--result",
-        str(result),
-    ]
-    script += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro)]
-    script += ["--accumulation", str(args.accumulation), "--compile", str(args.compile).lower()]
-    script += ["--smoke"] if args.smoke else []
-    launcher = [sys.executable]
-    if arm == "torchrun":
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--standalone"]
-    done = subprocess.run([*launcher, *script], capture_output=True, text=True)
+    launcher = torchrun(1) if arm == "torchrun" else [sys.executable]
+    done = subprocess.run(
+        [*launcher, *child_command(args, work, result)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise SystemExit(f"{arm} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(result.read_text())
@@ -114,16 +179,8 @@ def run_arm(arm: str, args, work: Path) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--work", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, gloo: seconds")
+    add_child_options(p)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=6)
-    p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--accumulation", type=int, default=4)
-    p.add_argument("--compile", default="false", choices=["true", "false", "auto"])
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     args.compile = {"true": True, "false": False}.get(args.compile, args.compile)

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Two GPUs of one host through torchrun (NCCL): scaling, an out-of-memory on one rank, a rank
+killed under the supervisor. The workload is bench/torchrun_one_gpu.py's (the 1B LoRA shape,
+bf16 base, sequence 1024, micro-batch 8, CausalLMLoss), effective batch 64.
+
+Scenarios (each run in its own processes, each with a time limit so a hang is a failure):
+
+* scale: one process (micro 8 × accumulation 8) against 2 ranks (each micro 8 × 4 of its
+  32-sample share): tokens/s of the global batch, and the per-step losses of the two runs.
+* oom: 2 ranks starting at micro 16, rank 1's GPU capped (`set_per_process_memory_fraction`)
+  so that 16 runs out of memory there and 8 fits: both ranks shrink together, no hang, every
+  step has the 64 samples asked for.
+* kill: `steadytrain run -- torchrun --nproc_per_node 2 ...`, rank 1 SIGKILLed after step 3 of
+  the first attempt (checkpoints every 2 steps): the group restarts, resumes, finishes.
+
+    python bench/two_gpus.py --smoke                     # CPU, gloo, tiny model
+    python bench/two_gpus.py --out $OUT/two_gpus.json    # two GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+import torch
+import torchrun_one_gpu as one
+
+EFFECTIVE = 64
+
+
+def launch(command: list[str], limit: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        raise SystemExit(f"no end after {limit:.0f} s (a hang?): {' '.join(command)}") from exc
+
+
+def checked(done: subprocess.CompletedProcess, what: str) -> None:
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+
+
+def scale(args, work: Path) -> dict[str, Any]:
+    runs = {}
+    for name, ranks in (("1 rank", 1), ("2 ranks", 2)):
+        result = work / f"scale-{ranks}.json"
+        accumulation = EFFECTIVE // ranks // args.micro
+        command = one.child_command(args, work / f"scale-{ranks}", result, effective=EFFECTIVE)
+        command[command.index("--accumulation") + 1] = str(accumulation)
+        launcher = [sys.executable] if ranks == 1 else one.torchrun(ranks)
+        checked(launch([*launcher, *command], args.limit), f"scale, {name}")
+        runs[name] = json.loads(result.read_text())
+    a, b = runs["1 rank"]["losses"], runs["2 ranks"]["losses"]
+    return {
+        "runs": runs,
+        "speedup": runs["2 ranks"]["tokens_per_s"] / runs["1 rank"]["tokens_per_s"],
+        "largest_loss_difference": max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)),
+    }
+
+
+def oom(args, work: Path) -> dict[str, Any]:
+    result = work / "oom.json"
+    command = one.child_command(
+        args, work / "oom", result, effective=EFFECTIVE, cap_gib=args.oom_cap_gib
+    )
+    command[command.index("--micro") + 1] = str(args.micro * 2)
+    checked(launch([*one.torchrun(2), *command], args.limit), "oom")
+    figures = json.loads(result.read_text())
+    run_dir = work / "oom" / "run"
+    events = {
+        rank: [e for e in C.read_jsonl(path) if e["event"] in ("oom", "shrink")]
+        for rank, path in (
+            (0, run_dir / "events.jsonl"),
+            (1, run_dir / "ranks" / "rank-1" / "events.jsonl"),
+        )
+    }
+    return {"result": figures, "events": events}
+
+
+def kill(args, work: Path) -> dict[str, Any]:
+    run_dir, result = work / "kill-run", work / "kill.json"
+    command = one.child_command(
+        args,
+        work / "kill",
+        result,
+        effective=EFFECTIVE,
+        run_dir=run_dir,
+        save_every=2,
+        kill_at=3,
+    )
+    supervisor = [sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)]
+    done = launch(
+        [*supervisor, "--backoff-initial", "1", "--", *one.torchrun(2), *command], 2 * args.limit
+    )
+    checked(done, "kill")
+    events = C.read_jsonl(run_dir / "events.jsonl")
+    return {
+        "result": json.loads(result.read_text()),
+        "restarts": [e for e in events if e["event"] == "restart"],
+        "resumed_from": [e["step"] for e in events if e["event"] == "resume"],
+        "supervisor_says": done.stderr[-1500:],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    one.add_child_options(p)
+    p.add_argument("--scenarios", default="scale,oom,kill")
+    p.add_argument("--oom-cap-gib", type=float, default=40.0, help="rank 1's cap in 'oom'")
+    p.add_argument("--limit", type=float, default=240.0, help="seconds a run may take")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    args.compile = {"true": True, "false": False}.get(args.compile, args.compile)
+    if args.smoke:
+        args.steps, args.warmup, args.micro, args.oom_cap_gib = 4, 2, 8, 0
+    else:
+        args.steps, args.warmup = min(args.steps, 12), min(args.warmup, 4)
+    C.require_steadytrain()
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.scenarios.split(","):
+            figures[name] = {"scale": scale, "oom": oom, "kill": kill}[name](args, Path(work))
+            print(f"{name}: {json.dumps(summary_of(name, figures[name]))}", flush=True)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    out = args.out or C.default_out("two_gpus", args.smoke)
+    C.write_json(out, {"environment": C.environment(device), "settings": vars(args), **figures})
+
+
+def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
+    if name == "scale":
+        return {
+            "tokens/s 1 rank": round(f["runs"]["1 rank"]["tokens_per_s"]),
+            "tokens/s 2 ranks": round(f["runs"]["2 ranks"]["tokens_per_s"]),
+            "speedup": round(f["speedup"], 3),
+            "largest relative loss difference": f["largest_loss_difference"],
+        }
+    r = f["result"]
+    out = {k: r[k] for k in ("steps", "micro_batch_size", "oom_count", "samples")}
+    if name == "kill":
+        out |= {"restarts": len(f["restarts"]), "resumed_from": f["resumed_from"]}
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

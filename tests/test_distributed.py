@@ -256,8 +256,102 @@ def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp
     assert supervised.returncode == 0, supervised.stderr + supervised.stdout
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events].count("restart") == 1
+    # The supervisor names the rank that died: it wrote no exit record (a SIGKILL), while rank
+    # 0's collective broke waiting for it (or torchrun stopped it).
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert (restart["failed_rank"], restart["rank_exit"]) == (1, None), restart
+    assert "rank 1 of 2 failed first" in restart["reason"]
+    assert "rank 1 of 2 failed first: it ended without an exit record" in supervised.stderr
     for folder in (run_dir, run_dir / "ranks" / "rank-1"):
         resumes = [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "resume"]
         assert [e["step"] for e in resumes] == [3]
     killed, uninterrupted = params(run_dir), params(tmp_path / "whole")
     assert all(torch.equal(killed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def supervised_torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadytrain.cli",
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--backoff-initial",
+            "0.1",
+            "--",
+            *torchrun_command(str(run_dir), *args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_a_blocked_rank_is_caught_named_and_the_group_restarted(tmp_path: Path):
+    """Acceptance 4: rank 1 sleeps forever in step 4 of the first attempt, hang_timeout 5 s
+    (the first step and the start-up phases keep their own 600 s allowance, so the stall comes
+    after step 1). Rank 1's watchdog writes a dump naming the rank and exits 75; rank 0, waiting
+    for it in the step's agreement, names that collective (or breaks in it, or is stopped by
+    torchrun). torchrun exits 1; the supervisor reads the ranks' events, names rank 1's hang,
+    restarts the group as after a hang, and the run ends at the uninterrupted run's parameters."""
+    common = ("--loss", "mean", "--batch", "16", "--micro", "8", "--steps", "6")
+    common += ("--save-every", "2", "--hang-timeout", "5")
+    whole = torchrun(str(tmp_path / "whole"), *common)
+    assert whole.returncode == 0, whole.stderr + whole.stdout
+    run_dir = tmp_path / "blocked"
+    supervised = supervised_torchrun(run_dir, *common, "--block-rank", "1", "--block-at", "4")
+    assert supervised.returncode == 0, supervised.stderr + supervised.stdout
+
+    rank_1 = read_jsonl(run_dir / "ranks/rank-1/events.jsonl")
+    (hang,) = [e for e in rank_1 if e["event"] == "hang"]
+    assert (hang["rank"], hang["world_size"], hang["step"]) == (1, 2, 3)
+    assert (hang["exit_code"], hang["limit_s"], hang["collective"]) == (75, 5.0, None)
+    assert hang["stalled_s"] < 5.0 + 2 * 5.0 / 8 + 0.5  # within the limit and two polls
+    dump = (run_dir / "ranks/rank-1" / hang["file"]).read_text()
+    assert "rank: 1 of 2" in dump and "in on_micro_step_end" in dump  # BlockAt's frame
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert (restart["failed_rank"], restart["rank_exit"], restart["exit_code"]) == (1, 75, 1)
+    assert restart["reason"].startswith("hang detected by the watchdog (exit 75); rank 1 of 2")
+    assert "stacks in ranks/rank-1/hangs/" in restart["reason"]
+    assert "after a hang (exit 75)" in supervised.stderr
+    first = [e for e in events if e["time"] < restart["time"]]
+    rank_0 = [e for e in first if e["event"] in ("hang", "exit", "fit_end")]
+    for record in rank_0:  # waiting for rank 1, or stopped by torchrun: never a failure of its own
+        assert record.get("collective") == "all-reduce (agreement)" or record["exit_code"] == 143
+    for record in (e for e in rank_0 if e["event"] == "hang"):
+        assert record["phase"] == "all-reduce (agreement) in step" and record["rank"] == 0
+        assert "waiting in: all-reduce (agreement)" in (run_dir / record["file"]).read_text()
+
+    for folder in (run_dir, run_dir / "ranks" / "rank-1"):
+        resumes = [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "resume"]
+        assert [e["step"] for e in resumes] == [2]
+    blocked, uninterrupted = params(run_dir), params(tmp_path / "whole")
+    assert all(torch.equal(blocked[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_rank_0_alone_prints_progress_and_the_report_shows_every_rank(tmp_path: Path):
+    """Both ranks write their own metrics; only rank 0 prints the run's lines; the report reads
+    ranks/rank-1/ too and gives each rank's peak memory, and draws each rank's line."""
+    from steadytrain.telemetry.report import write_report
+    from steadytrain.telemetry.run_reading import load_run, summary_rows
+
+    run = torchrun(str(tmp_path / "two"), "--steps", "3")
+    assert run.returncode == 0, run.stderr + run.stdout
+    console = run.stderr + run.stdout
+    assert console.count("steadytrain: 3 steps of 16 samples") == 1, console
+    assert console.count("step 3/3") == 1, console
+    assert console.count("finished at step 3") == 1, console
+
+    loaded = load_run(tmp_path / "two")
+    assert list(loaded.ranks) == [1] and len(loaded.ranks[1]) == 3
+    rows = dict(summary_rows(loaded))
+    for rank in (0, 1):
+        assert "GiB resident set (RSS)" in rows[f"peak memory, rank {rank}"]
+    report = write_report(tmp_path / "two")
+    page = report.html.read_text()
+    assert "peak memory, rank 0" in page and "peak memory, rank 1" in page

@@ -5,7 +5,8 @@ Every child is CHILD below, a tiny Python script that follows a plan of one acti
 attempt (the last one repeats): `exit:N`, `kill:SIGNAME` (itself), `ckpt:STEP` (commit a
 checkpoint pointer), `handle` (SIGINT/SIGTERM write a marker and exit 128 + N), `ignore`
 (SIGTERM), `spawn` (a grandchild that sleeps), `probe` (is that grandchild still running?),
-`ready` (a marker file), `sleep:S`, `error:X` (the trainer's error event for error X, exit 5);
+`ready` (a marker file), `sleep:S`, `error:X` (the trainer's error event for error X, exit 5),
+`ranks` (the ranks' events of a torchrun group, from state/ranks.json);
 joined by `+`. It records the environment each attempt saw. Logic tests run the `Supervisor` in this process;
 signal tests run `python -m steadytrain.cli run` and signal it.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from steadytrain.errors import BadInputError
+from steadytrain.safety.failures import RankEnd, failed_rank, rank_ends
 from steadytrain.safety.supervisor import (
     ChildExit,
     Supervisor,
@@ -96,6 +98,13 @@ for action in plan[min(k, len(plan) - 1)].split("+"):
         with open(run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
         sys.exit(5)
+    elif verb == "ranks":  # the events of a torchrun group's ranks (state/ranks.json), stamped now
+        for rank, events in json.loads((state / "ranks.json").read_text()).items():
+            folder = run_dir if rank == "0" else run_dir / "ranks" / f"rank-{rank}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "events.jsonl", "a") as f:
+                for event in events:
+                    f.write(json.dumps({"time": time.time(), **event}) + "\n")
 """
 
 
@@ -298,6 +307,85 @@ def test_exit_76_restarts_at_half_the_micro_batch_of_the_childs_oom_event(job):
     restart = job.events("restart")[0]
     assert restart["reason"] == "out of memory; the child asks for a smaller micro-batch (exit 76)"
     assert "STEADYTRAIN_MAX_MICRO_BATCH=32" in out
+
+
+GROUP = {"process_group": {"rank": 0, "world_size": 2, "backend": "cpu:gloo"}}
+BROKEN = {"event": "exit", "step": 3, "exit_code": 1, "collective": "all-reduce (agreement)"}
+
+
+def test_a_ranks_exit_76_under_torchrun_is_a_smaller_restart(job):
+    """torchrun exits 1 whichever rank failed: the supervisor reads the ranks' events. Rank 1 ran
+    out of memory where the ranks could not agree and exited 76; rank 0's collective broke
+    (waiting for rank 1). The group is restarted as for a child's exit 76: half the micro-batch
+    of rank 1's oom event."""
+    ranks = {
+        "0": [{"event": "fit_start", **GROUP}, {**BROKEN, "reason": "RuntimeError: peer gone"}],
+        "1": [
+            {"event": "fit_start", "process_group": {**GROUP["process_group"], "rank": 1}},
+            {"event": "oom", "step": 3, "micro_batch_size": 16, "error": "CUDA out of memory"},
+            {"event": "exit", "step": 3, "exit_code": 76, "reason": "OutOfMemory", "rank": 1},
+        ],
+    }
+    (job.state / "ranks.json").write_text(json.dumps(ranks))
+    code, out = supervise(job, "ranks+exit:1", "exit:0", oom_kill_count=lambda: 0)
+    assert code == 0
+    assert [a["STEADYTRAIN_MAX_MICRO_BATCH"] for a in job.attempts()] == [None, "8"]
+    restart = job.events("restart")[0]
+    assert (restart["failed_rank"], restart["rank_exit"], restart["exit_code"]) == (1, 76, 1)
+    assert "rank 1 of 2 failed first: exit 76" in restart["reason"]
+    assert "the launcher (torchrun) exited 1" in restart["reason"]
+    assert "STEADYTRAIN_MAX_MICRO_BATCH=8" in out and "rank 1 of 2 failed first" in out
+
+
+def test_a_ranks_bad_input_under_torchrun_is_not_restarted(job):
+    ranks = {
+        "0": [{"event": "fit_start", **GROUP}, {**BROKEN, "reason": "RuntimeError: peer gone"}],
+        "1": [{"event": "exit", "step": 0, "exit_code": 2, "reason": "BadInputError: x"}],
+    }
+    (job.state / "ranks.json").write_text(json.dumps(ranks))
+    code, out = supervise(job, "ranks+exit:1", "exit:0")
+    assert code == 2 and len(job.attempts()) == 1
+    assert "child exited 2: bad input; rank 1 of 2 failed first" in out
+
+
+def rank_end(rank, record, started=True, folder=Path("run")):
+    return RankEnd(rank, 3, folder, record, started)
+
+
+def test_the_rank_that_failed_first_is_the_one_not_waiting_for_another():
+    """A hang or error of a rank's own comes before the ranks that broke waiting for it in a
+    collective or were stopped by torchrun's SIGTERM; a started rank with no end record (a
+    SIGKILL) comes before those; among the waiting ones, the earliest."""
+    waiting = rank_end(0, {"event": "hang", "time": 1.0, "collective": "all-reduce (agreement)"})
+    own_hang = rank_end(1, {"event": "hang", "time": 2.0, "exit_code": 75, "phase": "step"})
+    stopped = rank_end(2, {"event": "fit_end", "time": 0.5, "exit_code": 143})
+    silent = rank_end(2, None)
+    finished = rank_end(2, {"event": "fit_end", "time": 0.1, "exit_code": 0})
+    assert failed_rank([waiting, own_hang, stopped]) is own_hang
+    assert failed_rank([waiting, silent, stopped]) is silent
+    assert failed_rank([waiting, stopped, finished]) is stopped
+    assert failed_rank([finished, rank_end(0, None, started=False)]) is None
+    assert own_hang.exit_code == 75 and "hang in step" in own_hang.describe()
+    assert rank_end(1, {"event": "oom", "time": 1.0}).exit_code == 76  # not recovered from
+    assert "without an exit record" in silent.describe()
+
+
+def test_rank_ends_read_each_ranks_folder_since_the_attempt_started(tmp_path):
+    run = tmp_path / "run"
+    (run / "ranks" / "rank-1").mkdir(parents=True)
+    old = {"time": 1.0, "event": "exit", "exit_code": 5}
+    (run / "events.jsonl").write_text(json.dumps({"time": 5.0, "event": "fit_start", **GROUP}))
+    (run / "ranks/rank-1/events.jsonl").write_text(
+        json.dumps(old) + "\n" + json.dumps({"time": 6.0, "event": "fit_start"}) + "\n"
+    )
+    ends = rank_ends(run, since=4.0)
+    assert [(e.rank, e.world_size, e.record, e.started) for e in ends] == [
+        (0, 2, None, True),
+        (1, 2, None, True),
+    ]
+    assert ends[1].folder == run / "ranks" / "rank-1"
+    assert rank_ends(run, since=10.0) == []  # nothing of that attempt: one process, or none
+    assert rank_ends(None, since=0.0) == []
 
 
 def test_hang_exit_75_is_restarted(job):

@@ -22,7 +22,7 @@ from steadytrain.device import Device, get_rng_state, resolve_device, seed_every
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import check_compiler, compile_blocks, compile_wanted
-from steadytrain.engine.distributed import Group
+from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
@@ -34,7 +34,7 @@ from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.child import announce_run_dir, micro_cap_from_supervisor
 from steadytrain.safety.continuity import ContinuityCheck
-from steadytrain.safety.failure_record import record_failure
+from steadytrain.safety.failure_record import record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver, copy_room, full_disk_ends_the_run
@@ -46,7 +46,7 @@ from steadytrain.safety.state import (
     model_tensors_names,
     run_identity,
 )
-from steadytrain.safety.watchdog import HangWatchdog, startup_phase
+from steadytrain.safety.watchdog import HangWatchdog, startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.files import RunFiles
@@ -127,29 +127,32 @@ class Trainer:
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
         run_dir = Path(self.config.run_dir)
-        try:
-            return self._fit()
-        except (SteadytrainError, KeyboardInterrupt) as exc:
-            if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
-                record_failure(run_dir, exc)
-            raise
-        except Exception as exc:
-            theirs = record_failure(run_dir, exc)  # theirs before the loop: planning, a batch
-            if theirs is None:
-                raise
-            raise theirs from exc
-
-    def _fit(self) -> FitResult:
-        run_dir = Path(self.config.run_dir)
         announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
-        # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
         group = Group.from_env()
         own_dir = group.own_dir(run_dir)  # rank 0 holds RUN_DIR; rank N its own folder
         try:
-            with full_disk_ends_the_run(run_dir, self.config.keep_last), RunLock(own_dir):
-                return self._fit_locked(run_dir, group)
+            return self._fit(run_dir, group)
+        except (SteadytrainError, KeyboardInterrupt) as exc:
+            if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
+                record_failure(own_dir, exc)
+            record_exit(own_dir, exc, group.describe())
+            raise
+        except Exception as exc:
+            theirs = record_failure(own_dir, exc)  # theirs before the loop: planning, a batch
+            record_exit(own_dir, theirs or exc, group.describe())
+            if theirs is None:
+                raise
+            raise theirs from exc
         finally:
             group.close()
+
+    def _fit(self, run_dir: Path, group: Group) -> FitResult:
+        # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
+        with (
+            full_disk_ends_the_run(run_dir, self.config.keep_last),
+            RunLock(group.own_dir(run_dir)),
+        ):
+            return self._fit_locked(run_dir, group)
 
     def _fit_locked(self, run_dir: Path, group: Group) -> FitResult:
         cfg = self.config
@@ -159,10 +162,14 @@ class Trainer:
         if compiled:
             check_compiler(run.device.type)
         files = RunFiles(group.own_dir(run_dir))
-        console = console_callback(cfg)
+        console = console_callback(cfg, errors_only=not group.is_main)  # one progress display
         record = _recorder(files, console)
-        # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S
-        watchdog = HangWatchdog.from_config(cfg, group.own_dir(run_dir), run.device, record)
+        # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S;
+        # a rank's report names it and the collective it waits in (name_waits)
+        watchdog = HangWatchdog.from_config(
+            cfg, group.own_dir(run_dir), run.device, record, group.rank, group.world_size
+        )
+        name_waits(waiting_in)
         watchdog.start(run.state, "data fingerprint")
         try:
             run.checkpoint = self._run_state(run)

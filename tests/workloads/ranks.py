@@ -2,7 +2,8 @@
 
     python ranks.py RUN_DIR [--loss mean|tokens|wide] [--micro N] [--steps S] [--batch B]
                             [--limit-mib M --limit-rank R] [--save-every N]
-                            [--kill-rank R --kill-at S]
+                            [--kill-rank R --kill-at S] [--block-rank R --block-at S]
+                            [--hang-timeout T]
     python -m torch.distributed.run --nproc_per_node 2 ranks.py RUN_DIR ...
 
 --loss mean: a sample-mean loss; tokens: a token-weighted loss over padded sequences of uneven
@@ -10,6 +11,9 @@ length, returned as (loss_sum, count); wide: a wide MLP whose activations grow w
 micro-batch (for the out-of-memory test). With --limit-mib, rank R's address space is capped at
 (current size + M MiB) after a warm-up pass and a warm-up collective. With --kill-at, rank R
 SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0).
+With --block-at, rank R sleeps forever after its first micro-batch of step S of the first
+attempt (the other ranks then wait for it in the step's agreement); --hang-timeout sets the
+watchdog's limit (seconds).
 Rank 0 writes RUN_DIR/params.pt and RUN_DIR/result.json.
 """
 
@@ -21,6 +25,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -97,6 +102,19 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class BlockAt(Callback):
+    """Sleep forever after the first micro-batch of step `step` of the first attempt, on `rank`."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_micro_step_end(self, state, control, info) -> None:
+        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
+        if first and state.step + 1 == self.step and dist.get_rank() == self.rank:
+            while True:
+                time.sleep(3600)
+
+
 @entrypoint
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -110,6 +128,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int)
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--block-rank", type=int, default=1)
+    parser.add_argument("--block-at", type=int)
+    parser.add_argument("--hang-timeout", type=float)
     args = parser.parse_args()
     model, data, loss_fn = build(args.loss)
     if args.limit_mib:
@@ -126,8 +147,11 @@ def main() -> None:
         device="cpu",
         precision="fp32",
         log_every_steps=1,
+        **({"hang_timeout": args.hang_timeout} if args.hang_timeout else {}),
     )
     callbacks = [KillAt(args.kill_rank, args.kill_at)] if args.kill_at else []
+    if args.block_at:
+        callbacks.append(BlockAt(args.block_rank, args.block_at))
     optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
     result = Trainer(model, optimizer, loss_fn, data, config, callbacks=callbacks).fit()
     if dist.is_initialized():  # the script's own group (--limit-mib); the Trainer's is closed

@@ -16,9 +16,10 @@ and its buckets hold a second copy of the gradients.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,21 @@ import torch.distributed as dist
 
 from steadytrain import run_files
 from steadytrain.errors import BadInputError
+
+
+def _unwatched(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+_waiting_in: Callable[[str], contextlib.AbstractContextManager] = _unwatched
+
+
+def name_waits(hook: Callable[[str], contextlib.AbstractContextManager]) -> None:
+    """Tell a watcher which collective this rank is waiting in: `hook(name)` is entered around
+    each collective ("all-reduce (agreement)", ...). The trainer gives the hang watchdog's
+    `waiting_in`, so a hang report names the collective (another rank never reached it)."""
+    global _waiting_in
+    _waiting_in = hook
 
 
 class RanksOutOfMemory(MemoryError):
@@ -160,7 +176,7 @@ class Group:
         """Every rank starts from rank 0's parameters and buffers (as DDP's constructor does)."""
         if not self.active:
             return
-        with torch.no_grad():
+        with torch.no_grad(), _waiting_in("broadcast (parameters)"):
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
 
@@ -169,7 +185,8 @@ class Group:
         if not self.active:
             return n
         value = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.all_reduce(value)
+        with _waiting_in("all-reduce (sample count)"):
+            dist.all_reduce(value)
         return int(value.item())
 
     def smallest(self, n: int) -> int:
@@ -177,7 +194,8 @@ class Group:
         if not self.active:
             return n
         value = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        with _waiting_in("all-reduce (micro-batch)"):
+            dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value.item())
 
     def agree(
@@ -198,7 +216,8 @@ class Group:
             local[-2] = torch.as_tensor(loss, dtype=torch.float64, device=self.device).reshape(())
             if count is not None:
                 local[-1] = torch.as_tensor(count, dtype=torch.float64, device=self.device)
-        dist.all_reduce(local)
+        with _waiting_in("all-reduce (agreement)"):
+            dist.all_reduce(local)
         flags = local.tolist()
         return Agreement(
             failed=[r for r in range(world) if flags[r]],
@@ -210,12 +229,13 @@ class Group:
     def sum_gradients(self, params: Sequence[torch.Tensor], has_grad: Sequence[bool]) -> None:
         """Sum each gradient over the ranks, in place. A parameter some rank has no gradient for
         takes part with zeros there; one no rank has a gradient for stays None everywhere."""
-        for param, has in zip(params, has_grad, strict=True):
-            if not has:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad)
+        with _waiting_in("all-reduce (gradient sum)"):
+            for param, has in zip(params, has_grad, strict=True):
+                if not has:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad)
 
 
 class _Shares:

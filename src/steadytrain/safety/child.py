@@ -23,11 +23,14 @@ from steadytrain.errors import (
     USER_CODE_EXIT,
     BadInputError,
 )
-from steadytrain.safety.failures import MemoryAtKill
+from steadytrain.safety.failures import MemoryAtKill, RankEnd
 
 HANG = RESTARTABLE_EXIT
 SHRINK = SHRINK_EXIT
 STOPPED = (130, 143)
+# A torchrun group's failed rank's exit code that decides the restart as the child's would
+# (torchrun itself exits 1 whichever rank failed and however).
+RANK_CODES = (2, 3, USER_CODE_EXIT, DISK_FULL_EXIT, HANG, SHRINK)
 NOT_RESTARTABLE = {
     2: "bad input",
     3: "does not fit even at micro-batch 1",
@@ -168,11 +171,32 @@ def _oom_kill_field(path: Path) -> int | None:
 class ChildExit:
     """A child's end as `Popen.returncode` gives it (negative: killed by that signal), how
     much the cgroup's oom_kill counter rose meanwhile (None: not readable), and the memory
-    reading of its last step (None: no metrics line to tell)."""
+    reading of its last step (None: no metrics line to tell).
+
+    Under torchrun, `rank` is the rank that failed first (`failures.failed_rank`) and
+    `launcher_code` what torchrun exited with (1 for any worker's failure); `returncode` is then
+    the rank's own code where it says one that matters (`RANK_CODES`), so a rank's hang is
+    restarted as a hang and its exit 76 as a smaller restart."""
 
     returncode: int
     oom_kill_delta: int | None = None
     memory: MemoryAtKill | None = None
+    rank: RankEnd | None = None
+    launcher_code: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        returncode: int,
+        oom_kill_delta: int | None,
+        memory: MemoryAtKill | None,
+        rank: RankEnd | None,
+    ) -> ChildExit:
+        """The child's end, read through the rank that failed first when there is one."""
+        if rank is None:
+            return cls(returncode, oom_kill_delta, memory)
+        code = rank.exit_code if rank.exit_code in RANK_CODES else returncode
+        return cls(code, oom_kill_delta, memory, rank, returncode)
 
     @property
     def killed_by(self) -> signal.Signals | None:
@@ -244,6 +268,10 @@ class ChildExit:
             text = self._describe_signal(sig)
         if self.oom_kill_delta:
             text += f"; cgroup oom_kill count +{self.oom_kill_delta}"
+        if self.rank is not None:
+            text += f"; {self.rank.describe()}"
+            if self.launcher_code != self.returncode:
+                text += f"; the launcher (torchrun) exited {self.launcher_code}"
         return text
 
     def _describe_signal(self, sig: signal.Signals) -> str:

@@ -32,6 +32,40 @@ def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
     return None
 
 
+EXIT_EVENT = "exit"
+
+
+def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = None) -> None:
+    """One "exit" event when fit() ends by an error: the exit code and reason, the step, and
+    under torchrun the rank and the collective it was in (a peer that died ends the others'
+    collectives with an error: `steadytrain run` reads this to tell the rank that failed first
+    from the ranks that failed because of it)."""
+    cause = exc.__cause__
+    collective = getattr(exc, "steadytrain_collective", None) or getattr(
+        cause, "steadytrain_collective", None
+    )
+    code = 130 if isinstance(exc, KeyboardInterrupt) else getattr(exc, "exit_code", 1)
+    text = str(exc).strip().splitlines()
+    step = getattr(exc, "step", None)
+    if step is None:
+        step = getattr(exc, "steadytrain_step", getattr(cause, "steadytrain_step", None))
+    record = {
+        "time": time.time(),
+        "event": EXIT_EVENT,
+        "step": step,
+        "exit_code": code if isinstance(code, int) else 1,
+        "reason": f"{type(exc).__name__}: {text[0] if text else ''}"[:500],
+        "collective": collective,
+        **(
+            {"rank": process_group["rank"], "world_size": process_group["world_size"]}
+            if process_group and process_group.get("world_size", 1) > 1
+            else {}
+        ),
+    }
+    with contextlib.suppress(Exception):  # a full disk must not hide the error itself
+        append_event(run_dir, record)
+
+
 def keep_traceback(run_dir: Path, exc: BaseException) -> None:
     """The whole traceback (the chain included) in RUN_DIR/errors/, for the report and for
     whoever fixes it; the message on the console shows the user's frames only."""

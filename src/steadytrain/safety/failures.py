@@ -130,3 +130,127 @@ def same_failure(error: dict[str, Any] | None, before: dict[str, Any] | None) ->
     return error.get("signature") == before.get("signature") and error.get("step") == before.get(
         "step"
     )
+
+
+# ---- which rank of a torchrun group failed -------------------------------------------------
+
+ENDS = ("oom", "hang", "error", "exit", "fit_end")
+"""The records that say how a rank's attempt ended (the last one of the attempt counts)."""
+STOPPED_CODES = (130, 143)  # torchrun stops the other ranks with SIGTERM when one fails
+SHRINK_CODE = 76  # errors.SHRINK_EXIT: out of memory, restart with a smaller micro-batch
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of a torchrun group ended an attempt, from its own events."""
+
+    rank: int
+    world_size: int
+    folder: Path
+    """Where its events, metrics and hang dumps are (RUN_DIR, or RUN_DIR/ranks/rank-N)."""
+    record: dict[str, Any] | None
+    """Its last oom / hang / error / exit / fit_end event of the attempt; None: it wrote none
+    (killed by a signal, or it never started)."""
+    started: bool
+
+    @property
+    def exit_code(self) -> int | None:
+        """The code the rank ended with, where its record says it (an `oom` it did not recover
+        from counts as 76: out of memory, restart smaller); None when unknown."""
+        if self.record is None:
+            return None
+        if self.record.get("event") == "oom":
+            return SHRINK_CODE
+        code = self.record.get("exit_code")
+        return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+    @property
+    def failed(self) -> bool:
+        return self.record is None or self.exit_code != 0
+
+    @property
+    def waiting(self) -> bool:
+        """It failed because another rank did: stalled or broken in a collective (a peer that
+        hung or died), or stopped by the signal torchrun sends the others."""
+        record = self.record or {}
+        return bool(record.get("collective")) or self.exit_code in STOPPED_CODES
+
+    def describe(self) -> str:
+        """How it ended, in words, for the supervisor's line."""
+        who = f"rank {self.rank} of {self.world_size} failed first"
+        record = self.record
+        if record is None:
+            return (
+                f"{who}: it ended without an exit record in its events (killed by a signal: "
+                "SIGKILL, the OS out-of-memory killer, or a crash in native code)"
+            )
+        name, step = record.get("event"), record.get("step")
+        at = f" after step {step}" if step is not None else ""
+        if name == "hang":
+            where = record.get("collective") or record.get("phase")
+            dump = record.get("file")
+            stacks = f", stacks in {self._relative(dump)}" if dump else ""
+            return f"{who}: hang in {where}{at} (exit {self.exit_code}){stacks}"
+        if name == "oom":
+            return f"{who}: out of memory{at} ({record.get('error') or 'no message'})"
+        reason = record.get("reason") or record.get("error") or name
+        waited = f" in {record['collective']}" if record.get("collective") else ""
+        return f"{who}: exit {self.exit_code}{waited}{at}: {reason}"
+
+    def _relative(self, file: str) -> str:
+        """A dump's path from RUN_DIR (the rank's folder holds it)."""
+        if self.rank == 0:
+            return file
+        return f"{run_files.RANKS}/rank-{self.rank}/{file}"
+
+
+def rank_ends(run_dir: Path | None, since: float) -> list[RankEnd]:
+    """Each rank's end of the attempt started at `since` (seconds since the epoch), when that
+    attempt ran several ranks (its fit_start events say so, or a rank folder has records of
+    it); empty otherwise."""
+    if run_dir is None:
+        return []
+    folders = {0: Path(run_dir)}
+    for folder in (Path(run_dir) / run_files.RANKS).glob("rank-*"):
+        suffix = folder.name.removeprefix("rank-")
+        if suffix.isdigit():
+            folders[int(suffix)] = folder
+    records = {
+        rank: [r for r in tail_lines(folder / run_files.EVENTS) if _since(r, since)]
+        for rank, folder in folders.items()
+    }
+    world = max((rank + 1 for rank, found in records.items() if found), default=1)
+    for found in records.values():
+        for start in (r for r in found if r.get("event") == "fit_start"):
+            group = start.get("process_group")
+            if isinstance(group, dict) and isinstance(group.get("world_size"), int):
+                world = max(world, group["world_size"])
+    if world <= 1:
+        return []
+    ends = []
+    for rank in range(world):
+        found = records.get(rank, [])
+        last = next((r for r in reversed(found) if r.get("event") in ENDS), None)
+        folder = folders.get(rank, Path(run_dir) / run_files.RANKS / f"rank-{rank}")
+        ends.append(RankEnd(rank, world, folder, last, bool(found)))
+    return ends
+
+
+def failed_rank(ends: list[RankEnd]) -> RankEnd | None:
+    """The rank that failed first: the earliest failure of a rank that was not waiting for
+    another (a hang in its own code, an error, an out-of-memory); else a started rank that wrote
+    no end (killed: its peers' collectives then break); else the earliest of those that failed
+    waiting. None when no rank says it failed."""
+    failed = [e for e in ends if e.failed and (e.record is not None or e.started)]
+    own = [e for e in failed if e.record is not None and not e.waiting]
+    if own:
+        return min(own, key=lambda e: e.record.get("time") or 0.0)
+    silent = [e for e in failed if e.record is None]
+    if silent:
+        return silent[0]
+    return min(failed, key=lambda e: e.record.get("time") or 0.0) if failed else None
+
+
+def _since(record: dict[str, Any], since: float) -> bool:
+    stamp = record.get("time")
+    return isinstance(stamp, (int, float)) and stamp >= since

@@ -64,7 +64,13 @@ from steadytrain.safety.child import (
     last_micro_batch_size,
     read_oom_kill_count,
 )
-from steadytrain.safety.failures import last_error, memory_at_kill, same_failure
+from steadytrain.safety.failures import (
+    failed_rank,
+    last_error,
+    memory_at_kill,
+    rank_ends,
+    same_failure,
+)
 from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
 
 GAVE_UP = 4
@@ -202,9 +208,12 @@ class Supervisor:
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
-            death = self._death(returncode, oom_before)
+            death = self._death(returncode, oom_before, started_wall)
             step = checkpoint_step(self.options.run_dir)
-            error = last_error(self.options.run_dir, started_wall)  # what this attempt recorded
+            # what this attempt recorded (under torchrun: the rank that failed first)
+            error = last_error(
+                death.rank.folder if death.rank else self.options.run_dir, started_wall
+            )
             final = self._final_code(death, step, error, error_before)
             if final is not None:
                 return final
@@ -217,7 +226,7 @@ class Supervisor:
             if no_progress > self.options.max_restarts:
                 return self._give_up(death, step)
             if death.memory_kill_suspected:
-                max_micro = self._smaller_micro_batch(max_micro, death.returncode == SHRINK)
+                max_micro = self._smaller_micro_batch(max_micro, death)
             self._kill_leftovers()
 
             self.restarts += 1
@@ -233,6 +242,11 @@ class Supervisor:
                 max_micro_batch=max_micro,
                 progressed=progressed,
                 restarts_without_progress=no_progress,
+                **(
+                    {"failed_rank": death.rank.rank, "rank_exit": death.rank.exit_code}
+                    if death.rank is not None
+                    else {}
+                ),
             )
             self._say(death.describe())
             self._say(
@@ -248,12 +262,16 @@ class Supervisor:
                 )
             delay = min(delay * 2, self.options.backoff_max)
 
-    def _death(self, returncode: int, oom_before: int | None) -> ChildExit:
+    def _death(self, returncode: int, oom_before: int | None, since: float) -> ChildExit:
         """How the child ended: its code, the OOM killer's count since it started, and the
-        memory reading of its last step."""
+        memory reading of its last step. A torchrun group that failed (torchrun exits 1 for any
+        rank's failure) is read through its ranks' events since `since`: the rank that failed
+        first, its code, and its own last memory reading."""
         oom_after = self._oom_kill_count()
         delta = None if None in (oom_before, oom_after) else oom_after - oom_before
-        return ChildExit(returncode, delta, memory_at_kill(self.options.run_dir))
+        rank = failed_rank(rank_ends(self.options.run_dir, since)) if returncode > 0 else None
+        folder = rank.folder if rank is not None else self.options.run_dir
+        return ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
 
     def _final_code(
         self,
@@ -539,14 +557,15 @@ class Supervisor:
 
     # -- decisions and records --
 
-    def _smaller_micro_batch(self, cap: int | None, asked: bool = False) -> int | None:
+    def _smaller_micro_batch(self, cap: int | None, death: ChildExit | None = None) -> int | None:
         """Half the micro-batch in force when the child was killed: the last one metrics.jsonl
-        shows (`asked`: the child exited 76, its last oom event's), no more than the cap already
-        set; None (no cap) when none is known."""
+        shows (the child, or the rank that failed, exited 76: its last oom event's), no more
+        than the cap already set; None (no cap) when none is known."""
         run_dir = self.options.run_dir
         known = [last_micro_batch_size(run_dir), cap]
-        if asked:
-            known.append(last_micro_batch_size(run_dir, run_files.EVENTS, "oom"))
+        if death is not None and death.returncode == SHRINK:
+            folder = death.rank.folder if death.rank is not None else run_dir
+            known.append(last_micro_batch_size(folder, run_files.EVENTS, "oom"))
         known = [v for v in known if v is not None]
         return max(1, min(known) // 2) if known else None
 

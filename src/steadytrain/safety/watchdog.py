@@ -37,6 +37,11 @@ The limit of a phase (`HangWatchdog.limit`):
 * a checkpoint save (`allowance`, entered by `CheckpointSaver.on_step_end`): at least 300 s, and
   at least 4 times the longest save so far.
 
+Under torchrun each rank runs its own watchdog, writing to its own folder; the report, the event
+and the heartbeat name the rank, and, while the rank waits in a collective of the process group
+(`waiting_in`, entered by `engine.distributed`), that collective: a rank stalled there is waiting
+for another rank, which the other rank's own report explains.
+
 This module imports neither torch nor the loop: the supervisor reads the heartbeat with it.
 """
 
@@ -121,6 +126,8 @@ class HangWatchdog(Callback):
         action: str,
         device: Any,
         record: Callable[[str, dict], None],
+        rank: int = 0,
+        world_size: int = 1,
     ):
         if action not in ("exit", "report"):
             raise ValueError(f"hang_action: expected 'exit' or 'report', got {action!r}")
@@ -131,12 +138,14 @@ class HangWatchdog(Callback):
         self.action = action
         self.device = device
         self.record = record
+        self.rank, self.world_size = rank, world_size
         self.beats = 0
         self.steps_done = 0
         self.step_times: list[float] = [0.0] * STEP_WINDOW
         self._step_started = 0.0
         self._saving: str | None = None
         self._startup: str | None = None  # the start-up phase of fit() running, if any
+        self._waiting: str | None = None  # the collective this rank waits in, if any
         self._longest_save = 0.0
         self._save_started = 0.0
         self._state: TrainState | None = None
@@ -150,9 +159,20 @@ class HangWatchdog(Callback):
 
     @classmethod
     def from_config(
-        cls, cfg, run_dir: Path, device, record: Callable[[str, dict], None]
+        cls,
+        cfg,
+        run_dir: Path,
+        device,
+        record: Callable[[str, dict], None],
+        rank: int = 0,
+        world_size: int = 1,
     ) -> HangWatchdog:
-        return cls(run_dir, cfg.hang_timeout, cfg.hang_action, device, record)
+        return cls(run_dir, cfg.hang_timeout, cfg.hang_action, device, record, rank, world_size)
+
+    @property
+    def rank_text(self) -> str | None:
+        """ "rank 1 of 2" under torchrun; None for a single process."""
+        return f"rank {self.rank} of {self.world_size}" if self.world_size > 1 else None
 
     # -- the limit ---------------------------------------------------------------------------
 
@@ -175,15 +195,22 @@ class HangWatchdog(Callback):
         return max(FLOOR_S, MEDIAN_FACTOR * statistics.median(self.step_times[:measured]))
 
     def limit(self) -> tuple[float, str]:
-        """(seconds, phase) for where the run is now."""
+        """(seconds, phase) for where the run is now; in a collective, the phase names it
+        ("all-reduce (agreement) in step") under the limit of the phase it is part of."""
         steady = self.steady_limit()
         if self._saving is not None:
-            return max(steady, SAVE_FLOOR_S, SAVE_FACTOR * self._longest_save), self._saving
-        if self._startup is not None:
-            return max(steady, STARTUP_S), self._startup
-        if self.steps_done == 0:
-            return max(steady, FIRST_STEP_S), "first step"
-        return steady, "step"
+            seconds, phase = (
+                max(steady, SAVE_FLOOR_S, SAVE_FACTOR * self._longest_save),
+                self._saving,
+            )
+        elif self._startup is not None:
+            seconds, phase = max(steady, STARTUP_S), self._startup
+        elif self.steps_done == 0:
+            seconds, phase = max(steady, FIRST_STEP_S), "first step"
+        else:
+            seconds, phase = steady, "step"
+        waiting = self._waiting
+        return seconds, phase if waiting is None else f"{waiting} in {phase}"
 
     # -- heartbeats: the hot path ------------------------------------------------------------
 
@@ -220,6 +247,24 @@ class HangWatchdog(Callback):
             self._saving = None
             self.beats += 1
             self._arm_backstop(self.limit()[0])
+
+    # -- collectives -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def waiting(self, collective: str) -> Iterator[None]:
+        """This rank is in a collective of the process group: a stall here is named after it.
+        An error raised in it (a peer that died) carries its name out (`steadytrain_collective`),
+        for the rank's exit event."""
+        self._waiting = collective
+        try:
+            yield
+        except BaseException as exc:
+            with contextlib.suppress(AttributeError):
+                if getattr(exc, "steadytrain_collective", None) is None:
+                    exc.steadytrain_collective = collective  # type: ignore[attr-defined]
+            raise
+        finally:
+            self._waiting = None
 
     # -- start-up phases ---------------------------------------------------------------------
 
@@ -402,15 +447,19 @@ class HangWatchdog(Callback):
             with small_stacks():
                 faulthandler.dump_traceback_later(budget, exit=True, file=self._backstop)
         step = self._state.step if self._state is not None else None
-        path, memory = self._write_report(stalled, limit, phase, step, budget)
+        waiting = self._waiting
+        path, memory = self._write_report(stalled, limit, phase, step, budget, waiting)
         info = {
             "step": step,
             "phase": phase,
+            **({"rank": self.rank, "world_size": self.world_size} if self.world_size > 1 else {}),
+            "collective": waiting,
             "stalled_s": round(stalled, 2),
             "limit_s": limit,
             "action": self.action,
             "file": str(path.relative_to(self.run_dir)) if path is not None else None,
             "detected_by": "watchdog",
+            "exit_code": HANG_EXIT if exiting else None,
             "memory": memory.to_dict() if memory is not None else None,
         }
         with contextlib.suppress(Exception):
@@ -419,7 +468,13 @@ class HangWatchdog(Callback):
             self._exit(stalled, phase, step, path)
 
     def _write_report(
-        self, stalled: float, limit: float, phase: str, step: int | None, budget: float
+        self,
+        stalled: float,
+        limit: float,
+        phase: str,
+        step: int | None,
+        budget: float,
+        waiting: str | None = None,
     ) -> tuple[Path | None, Any]:
         """hangs/<time>.txt: the stacks first (they matter most and cannot block), then the
         events, then the memory reading (which can block on a stuck device, so it is last and
@@ -428,17 +483,7 @@ class HangWatchdog(Callback):
         try:
             path = _new_hang_file(self.run_dir / run_files.HANGS)
             with open(path, "w") as out:
-                out.write(
-                    "steadytrain hang report\n"
-                    f"time: {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n"
-                    f"pid: {os.getpid()}\n"
-                    f"steps done: {step} (stuck in step {None if step is None else step + 1})\n"
-                    f"phase: {phase}\n"
-                    f"no progress for {stalled:.1f} s (limit {limit:.1f} s)\n"
-                    f"action: {self.action}"
-                    + (f" (exit {HANG_EXIT})" if self.action == "exit" else " (the run goes on)")
-                    + "\n\nEvery thread's stack, most recent call first:\n"
-                )
+                out.write(self._report_header(stalled, limit, phase, step, waiting))
                 out.flush()
                 faulthandler.dump_traceback(out, all_threads=True)
                 out.write("\nLast events (events.jsonl):\n")
@@ -454,13 +499,38 @@ class HangWatchdog(Callback):
             return None, memory
         return path, memory
 
+    def _report_header(
+        self, stalled: float, limit: float, phase: str, step: int | None, waiting: str | None
+    ) -> str:
+        lines = [
+            "steadytrain hang report",
+            f"time: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+            f"pid: {os.getpid()}",
+            *([f"rank: {self.rank} of {self.world_size}"] if self.rank_text else []),
+            f"steps done: {step} (stuck in step {None if step is None else step + 1})",
+            f"phase: {phase}",
+            *(
+                [
+                    f"waiting in: {waiting}, a collective of the process group: another rank "
+                    "has not reached it (that rank's own hang report says where it is)"
+                ]
+                if waiting
+                else []
+            ),
+            f"no progress for {stalled:.1f} s (limit {limit:.1f} s)",
+            f"action: {self.action}"
+            + (f" (exit {HANG_EXIT})" if self.action == "exit" else " (the run goes on)"),
+        ]
+        return "\n".join(lines) + "\n\nEvery thread's stack, most recent call first:\n"
+
     def _exit(self, stalled: float, phase: str, step: int | None, path: Path | None) -> None:
         for child in multiprocessing.active_children():  # a stuck data worker must not outlive us
             with contextlib.suppress(Exception):
                 child.kill()
         with contextlib.suppress(Exception):
             sys.stderr.write(
-                f"steadytrain: hang: no progress for {stalled:.0f} s in {phase} after step "
+                f"steadytrain: hang{f' ({self.rank_text})' if self.rank_text else ''}: no "
+                f"progress for {stalled:.0f} s in {phase} after step "
                 f"{step}; stacks in {path}; exiting {HANG_EXIT} (steadytrain run restarts it)\n"
             )
             sys.stderr.flush()
@@ -483,6 +553,18 @@ def startup_phase(phase: str) -> Iterator[None]:
         yield
         return
     with watchdog.startup(phase):
+        yield
+
+
+@contextlib.contextmanager
+def waiting_in(collective: str) -> Iterator[None]:
+    """This rank waits in a collective of the process group (`HangWatchdog.waiting`); a no-op
+    when no watchdog runs. Given to `engine.distributed.name_waits` by the trainer."""
+    watchdog = _active
+    if watchdog is None:
+        yield
+        return
+    with watchdog.waiting(collective):
         yield
 
 

@@ -26,9 +26,12 @@ LOSS_SMOOTHING = 0.9  # EMA weight of the past: about the last ten steps' losses
 GIB = 1024**3
 
 
-def console_callback(cfg, console: Console | None = None) -> ConsoleLog:
-    """The progress display the config asks for (``progress``: auto, bar, lines or off)."""
+def console_callback(cfg, console: Console | None = None, errors_only: bool = False) -> ConsoleLog:
+    """The progress display the config asks for (``progress``: auto, bar, lines or off).
+    `errors_only`: a rank other than 0 under torchrun, whose lines would repeat rank 0's."""
     console = console or Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    if errors_only:
+        return ErrorsOnly(cfg.log_every_steps, console)
     mode = cfg.progress
     if mode == "auto":
         mode = "bar" if console.is_interactive else "lines"
@@ -137,6 +140,39 @@ class ConsoleLog(Callback):
         if only_resolved and not metrics.resolved:
             return
         self.console.print(step_line(step, max_steps, epoch, metrics.resolve()), markup=False)
+
+
+class ErrorsOnly(ConsoleLog):
+    """The console of a rank other than 0 under torchrun: rank 0 prints the progress (the ranks
+    train in lockstep on the same global batch, so their lines would be the same), this rank
+    prints only what is its own: a hang it detected. Its exceptions reach stderr as usual."""
+
+    SHOWN = ("hang",)
+
+    def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
+        self._loop_thread = threading.current_thread()
+
+    def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
+        pass  # rank 0 prints every rank's out-of-memory (the ranks agree on it)
+
+    def on_shrink(self, state: TrainState, control: Control, info: dict) -> None:
+        pass
+
+    def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None:
+        pass
+
+    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+        pass
+
+    def note(self, name: str, info: dict) -> None:
+        if name in self.SHOWN:
+            super().note(name, info)
+
+    def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
+        pass
+
+    def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
+        pass
 
 
 class ProgressBar(ConsoleLog):

@@ -211,6 +211,10 @@ def plot_step_time(run: Run):
     return fig
 
 
+RANK_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
+"""Ranks 1, 2, ... under torchrun, dashed beside rank 0's lines."""
+
+
 # long: one figure drawn top to bottom: memory lines, the budget, then the event marks
 def plot_memory_events(run: Run):
     """Memory over wall-clock time, every line kept (a resumed stretch shows twice, as it ran),
@@ -230,12 +234,14 @@ def plot_memory_events(run: Run):
         x for e in run.events if e["event"] == "fit_start" and (x := x_of(e)) is not None
     )
 
-    def series(key: str, keep_zero: bool = True) -> tuple[list[float], list[float]]:
-        """(x, GiB) of every line holding `key`, broken (NaN) where a new attempt started, so
-        the line does not bridge the time a killed run was dead."""
+    def series(
+        key: str, keep_zero: bool = True, lines: list[dict] | None = None
+    ) -> tuple[list[float], list[float]]:
+        """(x, GiB) of every line holding `key` (rank 0's, or `lines`), broken (NaN) where a
+        new attempt started, so the line does not bridge the time a killed run was dead."""
         xs: list[float] = []
         ys: list[float] = []
-        for record in run.lines:
+        for record in run.lines if lines is None else lines:
             x, value = x_of(record), as_number(record.get(key))
             if x is None or value is None or (value == 0 and not keep_zero):
                 continue
@@ -249,7 +255,19 @@ def plot_memory_events(run: Run):
     counters = memory_counters(run)
     for (key, label), color in zip(counters, MEMORY_COLORS, strict=False):
         marker = "." if len(run.lines) <= 200 else None
-        mem_ax.plot(*series(key), color=color, lw=2, label=label, marker=marker)
+        named = f"rank 0: {label}" if run.ranks else label
+        mem_ax.plot(*series(key), color=color, lw=2, label=named, marker=marker)
+    for rank, lines in run.ranks.items():  # under torchrun: each rank's main counter
+        if counters:
+            key, label = counters[0]
+            color = RANK_COLORS[(rank - 1) % len(RANK_COLORS)]
+            mem_ax.plot(
+                *series(key, lines=lines),
+                color=color,
+                lw=1.5,
+                ls="--",
+                label=f"rank {rank}: {label}",
+            )
     swap = series("mem_swap_used", keep_zero=False)
     if swap[0]:
         mem_ax.plot(*swap, color=SWAP_COLOR, lw=1.5, ls=":", label="swap used")

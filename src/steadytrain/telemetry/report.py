@@ -21,6 +21,9 @@ What the reading rules are, and why:
   the last step it recorded.
 * the memory counter plotted is the one that matters on the run's device: allocated, peak and
   reserved on CUDA; driver (reserved) memory on MPS; resident set size on CPU.
+* under torchrun, rank N > 0 writes its own metrics under ranks/rank-N/: the summary gives each
+  rank's peak and the memory plot draws each rank's main counter (dashed); everything else is
+  rank 0's, as the ranks train in lockstep on the same global batch.
 * the memory estimate (from the planner) is compared with the measured peak only when the run
   directory holds one: an `estimate` event or an `estimate.json` file, each with `peak` in bytes
   (see `find_estimate`).
@@ -185,6 +188,9 @@ resumed by hand shows a <code>resume</code> without a restart, and the attempt b
 <code>killed</code> when it ended without <code>fit_end</code>.</li>
 <li><b>peak memory</b>: the highest reading of the device's main counter in metrics.jsonl
 (CUDA peak allocated, MPS driver memory, CPU resident set); the budget is <code>mem_budget</code>.</li>
+<li><b>peak memory, rank N</b> (under torchrun): the same counter in each rank's own
+metrics (rank N &gt; 0 writes <code>ranks/rank-N/metrics.jsonl</code>); the memory plot draws
+each rank's line.</li>
 </ul>
 </body>
 </html>

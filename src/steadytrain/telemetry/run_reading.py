@@ -54,6 +54,9 @@ class Run:
     counts: Counter = field(default_factory=Counter)
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The last evaluation line of each step (``kind: "eval"`` in metrics.jsonl), by step."""
+    ranks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Under torchrun: every metrics line of rank N > 0 (RUN_DIR/ranks/rank-N/metrics.jsonl),
+    in file order; `lines` are rank 0's. Empty for a single process."""
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:
@@ -93,9 +96,23 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         lost_steps=len(lines) - len(last),
         counts=Counter(e["event"] for e in events),
         evals=[evals[s] for s in sorted(evals)],
+        ranks=_other_ranks(path),
     )
     run.status = _status(events)
     return run
+
+
+def _other_ranks(path: Path) -> dict[int, list[dict[str, Any]]]:
+    """The step lines of each rank N > 0 that wrote metrics under RUN_DIR/ranks/rank-N/."""
+    ranks = {}
+    for folder in (path / run_files.RANKS).glob("rank-*"):
+        suffix = folder.name.removeprefix("rank-")
+        if suffix.isdigit() and int(suffix) > 0:
+            records = _records(folder / run_files.METRICS)
+            lines = [r for r in records if is_int(r.get("step")) and r.get("kind") != "eval"]
+            if lines:
+                ranks[int(suffix)] = lines
+    return dict(sorted(ranks.items()))
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -227,13 +244,24 @@ def memory_counters(run: Run) -> list[tuple[str, str]]:
     ]
 
 
-def peak_memory(run: Run) -> tuple[float, str] | None:
-    """The highest reading of the device's main counter, and its label."""
+def peak_memory(run: Run, lines: list[dict[str, Any]] | None = None) -> tuple[float, str] | None:
+    """The highest reading of the device's main counter, and its label (of rank 0's lines, or
+    of `lines`)."""
     for key, label in memory_counters(run):
-        values = [v for r in run.lines if (v := as_number(r.get(key))) is not None]
+        found = run.lines if lines is None else lines
+        values = [v for r in found if (v := as_number(r.get(key))) is not None]
         if values:
             return max(values), label
     return None
+
+
+def rank_peaks(run: Run) -> list[tuple[int, tuple[float, str]]]:
+    """Under torchrun: (rank, its peak and label) for every rank with a reading, rank 0 first;
+    empty for a single process."""
+    if not run.ranks:
+        return []
+    every = [(0, run.lines), *run.ranks.items()]
+    return [(rank, peak) for rank, lines in every if (peak := peak_memory(run, lines))]
 
 
 def budget(run: Run) -> float | None:
@@ -286,6 +314,9 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         rows.append(("peak memory", f"{gib(peak[0])} {peak[1]}{share}"))
     elif limit is not None:
         rows.append(("memory budget", gib(limit)))
+    for rank, (value, label) in rank_peaks(run):
+        share = f" ({value / limit:.0%} of the {gib(limit)} budget)" if limit else ""
+        rows.append((f"peak memory, rank {rank}", f"{gib(value)} {label}{share}"))
     if run.estimate is not None:
         rows.append(_estimate_row(run.estimate, run.device, peak))
     micro = last.get("micro_batch_size") if last else None

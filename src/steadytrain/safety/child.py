@@ -199,6 +199,14 @@ class ChildExit:
         return cls(code, oom_kill_delta, memory, rank, returncode)
 
     @property
+    def rank_fields(self) -> dict[str, Any]:
+        """For the restart event under torchrun: the rank that failed first and its own code
+        (None: it wrote none, killed)."""
+        if self.rank is None:
+            return {}
+        return {"failed_rank": self.rank.rank, "rank_exit": self.rank.exit_code}
+
+    @property
     def killed_by(self) -> signal.Signals | None:
         """The signal that killed the child, directly or as reported by a shell (128 + N)."""
         if self.returncode < 0:

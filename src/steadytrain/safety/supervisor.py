@@ -210,10 +210,7 @@ class Supervisor:
                 returncode = self._record_frozen_child(returncode)
             death = self._death(returncode, oom_before, started_wall)
             step = checkpoint_step(self.options.run_dir)
-            # what this attempt recorded (under torchrun: the rank that failed first)
-            error = last_error(
-                death.rank.folder if death.rank else self.options.run_dir, started_wall
-            )
+            error = self._recorded_error(death, started_wall)
             final = self._final_code(death, step, error, error_before)
             if final is not None:
                 return final
@@ -242,11 +239,7 @@ class Supervisor:
                 max_micro_batch=max_micro,
                 progressed=progressed,
                 restarts_without_progress=no_progress,
-                **(
-                    {"failed_rank": death.rank.rank, "rank_exit": death.rank.exit_code}
-                    if death.rank is not None
-                    else {}
-                ),
+                **death.rank_fields,
             )
             self._say(death.describe())
             self._say(
@@ -272,6 +265,11 @@ class Supervisor:
         rank = failed_rank(rank_ends(self.options.run_dir, since)) if returncode > 0 else None
         folder = rank.folder if rank is not None else self.options.run_dir
         return ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
+
+    def _recorded_error(self, death: ChildExit, since: float) -> dict[str, Any] | None:
+        """The error event the attempt started at `since` recorded (under torchrun: the one of
+        the rank that failed first, in its own folder)."""
+        return last_error(death.rank.folder if death.rank else self.options.run_dir, since)
 
     def _final_code(
         self,

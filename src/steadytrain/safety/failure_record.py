@@ -36,10 +36,14 @@ EXIT_EVENT = "exit"
 
 
 def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = None) -> None:
-    """One "exit" event when fit() ends by an error: the exit code and reason, the step, and
-    under torchrun the rank and the collective it was in (a peer that died ends the others'
-    collectives with an error: `steadytrain run` reads this to tell the rank that failed first
-    from the ranks that failed because of it)."""
+    """Under torchrun, one "exit" event in the rank's own folder when its fit() ends by an
+    error: the exit code and reason, the step, the rank, and the collective it was in (a peer
+    that died ends the others' collectives with an error). `steadytrain run` reads these to tell
+    the rank that failed first from the ranks that failed because of it. A single process
+    writes none: its exit code reaches the supervisor itself (and fit_end / error say the
+    rest)."""
+    if not process_group or process_group.get("world_size", 1) <= 1:
+        return
     cause = exc.__cause__
     collective = getattr(exc, "steadytrain_collective", None) or getattr(
         cause, "steadytrain_collective", None
@@ -56,11 +60,8 @@ def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = 
         "exit_code": code if isinstance(code, int) else 1,
         "reason": f"{type(exc).__name__}: {text[0] if text else ''}"[:500],
         "collective": collective,
-        **(
-            {"rank": process_group["rank"], "world_size": process_group["world_size"]}
-            if process_group and process_group.get("world_size", 1) > 1
-            else {}
-        ),
+        "rank": process_group.get("rank"),
+        "world_size": process_group["world_size"],
     }
     with contextlib.suppress(Exception):  # a full disk must not hide the error itself
         append_event(run_dir, record)

@@ -27,6 +27,9 @@ must outlive whatever kills the trainer. One pass of its loop::
                                  without progress, exit 4;
                                  else SIGKILL what is left of the child's group, append a
                                  "restart" event, sleep the backoff, go again
+      a torchrun group (exit 1 whichever rank failed): read through the rank that failed
+      first (its events under RUN_DIR/ranks/rank-N/, failures.failed_rank): named in the line
+      and the restart event, and its own code (75, 76, 2, ...) decides as the child's would
 
 The child resumes from its checkpoint by itself; the supervisor only restarts it.
 """

@@ -262,6 +262,8 @@ def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp
     assert (restart["failed_rank"], restart["rank_exit"]) == (1, None), restart
     assert "rank 1 of 2 failed first" in restart["reason"]
     assert "rank 1 of 2 failed first: it ended without an exit record" in supervised.stderr
+    for record in (e for e in events if e["event"] == "exit" and e["time"] < restart["time"]):
+        assert record["rank"] == 0 and (record["collective"] or record["exit_code"] == 143)
     for folder in (run_dir, run_dir / "ranks" / "rank-1"):
         resumes = [e for e in read_jsonl(folder / "events.jsonl") if e["event"] == "resume"]
         assert [e["step"] for e in resumes] == [3]

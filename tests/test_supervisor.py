@@ -388,6 +388,32 @@ def test_rank_ends_read_each_ranks_folder_since_the_attempt_started(tmp_path):
     assert rank_ends(None, since=0.0) == []
 
 
+def test_a_rank_records_its_exit_with_the_collective_it_broke_in(tmp_path):
+    """Each rank of a torchrun group whose fit() ends by an error writes an exit event in its
+    own folder, with the collective the error came out of (also through `raise ... from`); a
+    single process writes none (its exit code reaches the supervisor itself)."""
+    from steadytrain.errors import UserCodeError
+    from steadytrain.safety.failure_record import record_exit
+
+    broken = RuntimeError("Connection reset by peer")
+    broken.steadytrain_collective = "all-reduce (sample count)"
+    broken.steadytrain_step = 6
+    record_exit(tmp_path, broken, {"rank": 1, "world_size": 2})
+    theirs = UserCodeError("boom", where="loss_fn", step=2)
+    theirs.__cause__ = broken
+    record_exit(tmp_path, theirs, {"rank": 1, "world_size": 2})
+    record_exit(tmp_path, broken, {"rank": 0, "world_size": 1})
+    first, second = read_jsonl(tmp_path / "events.jsonl")
+    assert (first["event"], first["exit_code"], first["step"], first["rank"]) == ("exit", 1, 6, 1)
+    assert first["collective"] == "all-reduce (sample count)"
+    assert first["reason"] == "RuntimeError: Connection reset by peer"
+    assert (second["exit_code"], second["step"], second["collective"]) == (
+        5,
+        2,
+        "all-reduce (sample count)",
+    )
+
+
 def test_hang_exit_75_is_restarted(job):
     code, out = supervise(job, "exit:75", "exit:0")
     assert code == 0

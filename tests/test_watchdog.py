@@ -231,6 +231,26 @@ def test_limits_auto_median_first_step_and_saves(tmp_path):
         make(tmp_path, -1)
 
 
+def test_a_rank_in_a_collective_names_it_and_the_error_that_comes_out_of_it(tmp_path):
+    """Under torchrun the phase says which collective the rank waits in (under the step's
+    limit), the report names the rank, and an error raised in a collective (a peer that died)
+    carries its name out for the rank's exit event."""
+    dog = HangWatchdog(tmp_path, 5, "exit", FakeDevice(), lambda n, i: None, 1, 2)
+    dog.steps_done = 3
+    with dog.waiting("all-reduce (agreement)"):
+        assert dog.limit() == (5.0, "all-reduce (agreement) in step")
+        header = dog._report_header(5.1, 5.0, "x", 3, "all-reduce (agreement)")
+    assert dog.limit() == (5.0, "step")
+    assert "rank: 1 of 2\n" in header and "waiting in: all-reduce (agreement)" in header
+    with pytest.raises(RuntimeError) as info, dog.waiting("all-reduce (gradient sum)"):
+        raise RuntimeError("Connection reset by peer")
+    assert info.value.steadytrain_collective == "all-reduce (gradient sum)"
+    with wd.waiting_in("all-reduce (agreement)"):  # no fit is running: a no-op
+        assert dog.limit()[1] == "step"
+    single, _ = make(tmp_path, 5)
+    assert single.rank_text is None and "rank:" not in single._report_header(1, 5, "step", 0, None)
+
+
 def test_report_mode_records_once_per_stall_and_nothing_after_fit_end(tmp_path):
     dog, recorded = make(tmp_path, 0.2, "report")
     state, control = TrainState(), Control()

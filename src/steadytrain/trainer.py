@@ -128,7 +128,13 @@ class Trainer:
         """Train to the end (or a stop request) and return what happened."""
         run_dir = Path(self.config.run_dir)
         announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
-        group = Group.from_env()
+        try:
+            group = Group.from_env()
+        except SteadytrainError:
+            raise
+        except Exception as exc:  # the process group's rendezvous failed (torch's own error)
+            record_failure(run_dir, exc)
+            raise
         own_dir = group.own_dir(run_dir)  # rank 0 holds RUN_DIR; rank N its own folder
         try:
             return self._fit(run_dir, group)

@@ -367,6 +367,7 @@ def test_the_rank_that_failed_first_is_the_one_not_waiting_for_another():
     assert failed_rank([finished, rank_end(0, None, started=False)]) is None
     assert own_hang.exit_code == 75 and "hang in step" in own_hang.describe()
     assert rank_end(1, {"event": "oom", "time": 1.0}).exit_code == 76  # not recovered from
+    assert rank_end(0, {"event": "oom", "time": 1.0, "phase": "rank 1"}).waiting  # rank 1's oom
     assert "without an exit record" in silent.describe()
 
 
@@ -374,7 +375,10 @@ def test_rank_ends_read_each_ranks_folder_since_the_attempt_started(tmp_path):
     run = tmp_path / "run"
     (run / "ranks" / "rank-1").mkdir(parents=True)
     old = {"time": 1.0, "event": "exit", "exit_code": 5}
-    (run / "events.jsonl").write_text(json.dumps({"time": 5.0, "event": "fit_start", **GROUP}))
+    shrunk = [{"time": 5.5, "event": "oom"}, {"time": 5.6, "event": "shrink", "old": 8, "new": 4}]
+    (run / "events.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in [{"time": 5.0, "event": "fit_start", **GROUP}, *shrunk])
+    )
     (run / "ranks/rank-1/events.jsonl").write_text(
         json.dumps(old) + "\n" + json.dumps({"time": 6.0, "event": "fit_start"}) + "\n"
     )

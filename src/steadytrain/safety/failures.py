@@ -136,6 +136,8 @@ def same_failure(error: dict[str, Any] | None, before: dict[str, Any] | None) ->
 
 ENDS = ("oom", "hang", "error", "exit", "fit_end")
 """The records that say how a rank's attempt ended (the last one of the attempt counts)."""
+RECOVERED = ("shrink",)
+"""After an `oom`, the rank went on: that oom says nothing about how the attempt ended."""
 STOPPED_CODES = (130, 143)  # torchrun stops the other ranks with SIGTERM when one fails
 SHRINK_CODE = 76  # errors.SHRINK_EXIT: out of memory, restart with a smaller micro-batch
 
@@ -171,9 +173,11 @@ class RankEnd:
     @property
     def waiting(self) -> bool:
         """It failed because another rank did: stalled or broken in a collective (a peer that
-        hung or died), or stopped by the signal torchrun sends the others."""
+        hung or died), stopped by the signal torchrun sends the others, or out of memory on
+        another rank (its oom event's phase is "rank N")."""
         record = self.record or {}
-        return bool(record.get("collective")) or self.exit_code in STOPPED_CODES
+        other_oom = record.get("event") == "oom" and str(record.get("phase")).startswith("rank ")
+        return bool(record.get("collective")) or self.exit_code in STOPPED_CODES or other_oom
 
     def describe(self) -> str:
         """How it ended, in words, for the supervisor's line."""
@@ -195,6 +199,7 @@ class RankEnd:
             return f"{who}: out of memory{at} ({record.get('error') or 'no message'})"
         reason = record.get("reason") or record.get("error") or name
         waited = f" in {record['collective']}" if record.get("collective") else ""
+        at = f" at step {step}" if step is not None else ""  # the step it was in
         return f"{who}: exit {self.exit_code}{waited}{at}: {reason}"
 
     def _relative(self, file: str) -> str:
@@ -230,7 +235,9 @@ def rank_ends(run_dir: Path | None, since: float) -> list[RankEnd]:
     ends = []
     for rank in range(world):
         found = records.get(rank, [])
-        last = next((r for r in reversed(found) if r.get("event") in ENDS), None)
+        last = next((r for r in reversed(found) if r.get("event") in ENDS + RECOVERED), None)
+        if last is not None and last.get("event") in RECOVERED:
+            last = None
         folder = folders.get(rank, Path(run_dir) / run_files.RANKS / f"rank-{rank}")
         ends.append(RankEnd(rank, world, folder, last, bool(found)))
     return ends

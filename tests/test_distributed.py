@@ -85,6 +85,16 @@ def test_two_ranks_equal_one_process(tmp_path: Path, loss, batch, micro_one, mic
         e for e in read_jsonl(tmp_path / "two" / "ranks/rank-1/events.jsonl") if "config" in e
     )
     assert start["process_group"] == {"rank": 1, "world_size": 2, "backend": "cpu:gloo"}
+    # The arithmetic line says each rank's share and accumulation, not one process's.
+    (arithmetic,) = [
+        e for e in read_jsonl(tmp_path / "two" / "events.jsonl") if e["event"] == "arithmetic"
+    ]
+    share = int(batch) // 2
+    steps = -(-share // int(micro_two))
+    assert (
+        f"micro-batch {micro_two} × {steps} accumulated on each of 2 ranks to {batch}"
+        in (arithmetic["message"])
+    )
 
 
 def test_out_of_memory_on_one_rank_shrinks_every_rank(tmp_path: Path):

@@ -198,7 +198,7 @@ class Trainer:
             notes = [*self._notes, dropout_note(run.model, cfg)]
             planned.events += [("note", {"message": n}) for n in notes if n is not None]
             arithmetic = arithmetic_event(
-                cfg, self.data, run.sampler, run.state, run.precision.name
+                cfg, self.data, run.sampler, run.state, run.precision.name, run.group.world_size
             )
             planned.events.append(("arithmetic", arithmetic))
             run.emit.callbacks[:] = self._callbacks(

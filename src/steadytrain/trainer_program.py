@@ -129,8 +129,10 @@ def arithmetic_event(
     sampler: OptimizerBatchSampler,
     state: TrainState,
     precision: str,
+    world_size: int = 1,
 ) -> dict[str, Any]:
-    """Every setting that changes the arithmetic of training, as one event with one sentence."""
+    """Every setting that changes the arithmetic of training, as one event with one sentence;
+    under torchrun each of the `world_size` ranks accumulates its share of the batch."""
     micro, batch = state.micro_batch_size, state.effective_batch_size
     dropped = sampler.num_samples % batch if sampler.drop_last else 0
     if source.loader is not None:
@@ -140,7 +142,13 @@ def arithmetic_event(
     clipping = (
         "off" if cfg.max_grad_norm is None else f"gradient norm clipped to {cfg.max_grad_norm}"
     )
-    accumulation = f"micro-batch {micro} × {-(-batch // micro)} accumulated to {batch}"
+    share = -(-batch // world_size)  # the largest rank's share
+    accumulation = f"micro-batch {micro} × {-(-share // micro)} accumulated to {batch}"
+    if world_size > 1:
+        accumulation = (
+            f"micro-batch {micro} × {-(-share // micro)} accumulated on each of {world_size} "
+            f"ranks to {batch} (a share of {share} per rank)"
+        )
     seeding = (
         "RNG streams as the program left them"
         if cfg.seed is None

@@ -47,6 +47,27 @@ def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
     )
 
 
+def supervised_torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steadytrain.cli",
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--backoff-initial",
+            "0.1",
+            "--",
+            *torchrun_command(str(run_dir), *args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
 def params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "params.pt", weights_only=True)
 
@@ -245,24 +266,7 @@ def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp
     whole = torchrun(str(tmp_path / "whole"), *common)
     assert whole.returncode == 0, whole.stderr + whole.stdout
     run_dir = tmp_path / "killed"
-    supervised = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "steadytrain.cli",
-            "run",
-            "--run-dir",
-            str(run_dir),
-            "--backoff-initial",
-            "0.1",
-            "--",
-            *torchrun_command(str(run_dir), *common, "--kill-rank", "1", "--kill-at", "5"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    supervised = supervised_torchrun(run_dir, *common, "--kill-rank", "1", "--kill-at", "5")
     assert supervised.returncode == 0, supervised.stderr + supervised.stdout
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events].count("restart") == 1
@@ -279,27 +283,6 @@ def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp
         assert [e["step"] for e in resumes] == [3]
     killed, uninterrupted = params(run_dir), params(tmp_path / "whole")
     assert all(torch.equal(killed[k], uninterrupted[k]) for k in uninterrupted)
-
-
-def supervised_torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "steadytrain.cli",
-            "run",
-            "--run-dir",
-            str(run_dir),
-            "--backoff-initial",
-            "0.1",
-            "--",
-            *torchrun_command(str(run_dir), *args),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 def test_a_blocked_rank_is_caught_named_and_the_group_restarted(tmp_path: Path):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from steadytrain.cli.memory_commands import estimate_command
 from steadytrain.errors import BadInputError
@@ -265,8 +265,8 @@ def test_adam8bit_keeps_small_tensors_in_fp32():
 
 def test_unknown_family_counts_params_and_says_activations_are_unknown(monkeypatch):
     """A family without a formula whose forward cannot run on the meta device either (forced
-    here: GPT-2 does run there, tests/test_estimate_families.py) says unknown, not a guess."""
-    from transformers import GPT2LMHeadModel
+    here: OPT does run there, tests/test_estimate_families.py) says unknown, not a guess."""
+    from transformers import OPTConfig, OPTForCausalLM
 
     from steadytrain.memory import measured
 
@@ -274,12 +274,20 @@ def test_unknown_family_counts_params_and_says_activations_are_unknown(monkeypat
         raise RuntimeError("Tensor.item() cannot be called on meta tensors")
 
     monkeypatch.setattr(measured, "measured_activations", cannot)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64)
+    config = OPTConfig(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=128,
+        word_embed_proj_dim=32,
+        max_position_embeddings=64,
+    )
     result = estimate(config, Settings(seq=16))
-    assert result.params == sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+    assert result.params == sum(p.numel() for p in OPTForCausalLM(config).parameters())
     assert result.row("activations") is None
     assert result.total is None
-    assert any("gpt2" in n and "probe" in n for n in result.notes)
+    assert any("opt" in n and "probe" in n for n in result.notes)
 
 
 def test_bad_settings_name_every_flag():

@@ -1,6 +1,7 @@
 """The activation side of the estimate for Llama-style decoder layers: the bytes each op saves
 for backward per token, the attention kernel's seq × seq tensors, autocast's weight copies, and
-the logits and loss (docs/estimate.md derives every term)."""
+the logits and loss (docs/estimate.md derives every term). The other families' layers are in
+families.py, which this module hands them to."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ DROPOUT_MASK_BYTES = {"cuda": 1, "mps": 4, "cpu": 4}
 """LoRA dropout keeps its mask for backward: a 1-byte bool from CUDA's fused kernel; elsewhere
 a tensor in the input's dtype (fp32 here)."""
 
-KNOWN_FAMILIES = ("llama", "mistral", "qwen2")
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2")
 """Model types whose decoder layer is Llama's: RMSNorm, q/k/v/o projections with rotary
 embeddings, grouped-query attention, SiLU-gated MLP (gate_proj, up_proj, down_proj)."""
+KNOWN_FAMILIES = (
+    *LLAMA_FAMILIES,
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "phi3",
+    "gpt_neox",
+    "gpt2",
+    "olmo2",
+)
+"""Model types with an activation formula: Llama's layer here, the others from their
+`layout.Layout` in families.py."""
 
 SCRATCH_PROBABILITIES = {"math": 4, "eager": 2}
 """seq × seq tensors per head that one layer's attention backward allocates on top of the saved
@@ -44,11 +58,17 @@ def logits_and_loss(shape: Shape, s: Settings, tokens: int, head_copy: int) -> L
     its checkpoint's input: T × h × w) and, under autocast over fp32 weights, the output weight's
     low-precision copy, which it casts per chunk instead of saving for backward."""
     if not s.chunked_loss:
+        softcap = _softcap_bytes(shape, s)
+        formula = (
+            f"{LOSS_BYTES_PER_LOGIT} B × {tokens:,} tokens × vocab {shape.vocab:,} "
+            "(fp32 cross-entropy, log-softmax backward)"
+        )
+        if softcap:
+            formula += f" + the logits' tanh cap, {softcap} B a logit"
         return LogitsAndLoss(
-            total=LOSS_BYTES_PER_LOGIT * tokens * shape.vocab,
-            forward=FORWARD_BYTES_PER_LOGIT * tokens * shape.vocab,
-            formula=f"{LOSS_BYTES_PER_LOGIT} B × {tokens:,} tokens × vocab {shape.vocab:,} "
-            "(fp32 cross-entropy, log-softmax backward)",
+            total=(LOSS_BYTES_PER_LOGIT + softcap) * tokens * shape.vocab,
+            forward=(FORWARD_BYTES_PER_LOGIT + softcap) * tokens * shape.vocab,
+            formula=formula,
         )
     chunk = min(s.chunk_tokens, tokens)
     w = PRECISIONS[s.weights_dtype]
@@ -64,6 +84,14 @@ def logits_and_loss(shape: Shape, s: Settings, tokens: int, head_copy: int) -> L
         forward=FORWARD_BYTES_PER_LOGIT * chunk * shape.vocab + hidden + head_copy,
         formula=formula,
     )
+
+
+def _softcap_bytes(shape: Shape, s: Settings) -> int:
+    """Gemma 2 caps the logits with tanh (final_logit_softcapping), which keeps its output, in
+    the logits' dtype, until the loss's backward reaches it."""
+    if shape.layout is None or not shape.layout.final_softcap:
+        return 0
+    return PRECISIONS[s.precision] if s.autocast else PRECISIONS[s.weights_dtype]
 
 
 STAGES = ("norm1", "qkv_in", "attention", "o_in", "norm2", "mlp_in", "mlp_inner", "down_in")
@@ -151,7 +179,7 @@ def attention_kernel(shape: Shape, s: Settings) -> str:
     'math' (sdpa's fallback: scaled q and k, repeated v, the seq × seq probabilities per head)
     or 'eager'. sdpa falls back to math on MPS in training, and on CUDA in fp32 with grouped
     KV heads (flash takes no fp32; the memory-efficient kernel takes no grouped heads)."""
-    if s.attention == "eager":
+    if s.attention == "eager" or (shape.layout is not None and shape.layout.eager_only):
         return "eager"
     if s.attention == "flash":
         return "fused"
@@ -187,6 +215,10 @@ class Activations:
 
 
 def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
+    if shape.layout is not None:
+        from steadytrain.memory.families import family_activations  # it builds on this module
+
+        return family_activations(shape, s, tokens)
     w = PRECISIONS[s.weights_dtype]
     c = PRECISIONS[s.precision] if s.autocast else w
     stages = layer_stage_bytes(shape, s)

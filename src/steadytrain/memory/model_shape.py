@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from steadytrain.errors import BadInputError
+from steadytrain.memory.layout import Layout, layout_of
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Shape:
     head_dim: int | None
     vocab: int
     tied: bool
+    layout: Layout | None = None
+    """How the family's layer departs from Llama's (`layout.py`); None for Llama's own."""
 
 
 @dataclass
@@ -143,16 +146,21 @@ def shape_of(config) -> Shape:
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
+    family = getattr(text, "model_type", "unknown")
+    intermediate = getattr(text, "intermediate_size", None)
+    if family == "gpt2":  # GPT-2's MLP is n_inner wide, 4 × hidden when unset
+        intermediate = getattr(text, "n_inner", None) or 4 * hidden
     return Shape(
-        family=getattr(text, "model_type", "unknown"),
+        family=family,
         hidden=hidden,
-        intermediate=getattr(text, "intermediate_size", None),
+        intermediate=intermediate,
         layers=text.num_hidden_layers,
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         vocab=text.vocab_size,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
+        layout=layout_of(text),
     )
 
 
@@ -177,15 +185,10 @@ def count_parameters(config) -> ParamCounts:
     for module_name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         in_layers = ".layers." in f".{module_name}." or ".h." in f".{module_name}."
-        if isinstance(module, torch.nn.Linear):
+        linear = _linear_of(module)
+        if linear is not None:
             linears.append(
-                Linear(
-                    module_name,
-                    module.in_features,
-                    module.out_features,
-                    module.bias is not None,
-                    in_layers and module is not output,
-                )
+                Linear(module_name, *linear, in_layers=in_layers and module is not output)
             )
         for p in own:
             seen.add(id(p))
@@ -194,12 +197,25 @@ def count_parameters(config) -> ParamCounts:
                 kind = "lm_head"
             elif isinstance(module, torch.nn.Embedding):
                 kind = "embedding"
-            elif isinstance(module, torch.nn.Linear) and in_layers:
+            elif linear is not None and in_layers:
                 kind = "linear_in_layers"
             else:
                 kind = "other"
             counts[kind] += p.numel()
     return ParamCounts(total=sum(tensors), tensors=tensors, linears=linears, **counts)
+
+
+def _linear_of(module) -> tuple[int, int, bool] | None:
+    """(in, out, bias) of a linear layer: nn.Linear, or GPT-2's Conv1D (a linear whose weight
+    is stored in × out), which peft wraps as a linear too; None for anything else."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features, module.bias is not None
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        fan_in, fan_out = module.weight.shape
+        return int(fan_in), int(fan_out), module.bias is not None
+    return None
 
 
 def lora_targets(counts: ParamCounts, targets: tuple[str, ...]) -> list[Linear]:

@@ -237,11 +237,14 @@ def test_eager_attention(family, method):
     check(family, method, False, attention="eager", micro=1)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
-    ("family", "method", "weights"),
-    [("qwen3", "lora", "bf16"), ("gpt_neox", "full", "fp32"), ("gemma3", "lora", "fp32")],
+    ("method", "weights"), [("lora", "bf16"), ("full", "fp32"), ("full", "bf16")]
 )
 def test_bf16_autocast(family, method, weights):
+    """CPU autocast runs LayerNorm and pow in bf16 (CUDA's runs them in fp32: the estimate
+    follows `device_type`). Without checkpointing: with it, autocast's cache of the adapters'
+    casts outlives the layers but is no saved tensor, so the hooks here cannot see it."""
     check(family, method, False, precision="bf16", weights=weights)
 
 

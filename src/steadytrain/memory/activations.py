@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from steadytrain.memory.model_shape import ParamCounts, Shape
+from steadytrain.memory.model_shape import ParamCounts, Shape, lora_targets
 from steadytrain.memory.settings import PRECISIONS, Settings
 
 DROPOUT_MASK_BYTES = {"cuda": 1, "mps": 4, "cpu": 4}
@@ -264,9 +264,23 @@ def weight_copies(shape: Shape, counts: ParamCounts, s: Settings) -> tuple[int, 
     """Autocast over fp32 weights casts each weight to the compute dtype per use. Trainable
     weights' casts are cached until autocast exits (all of them live through the forward);
     frozen weights' casts are saved for backward by every linear whose input needs a gradient.
-    A 4-bit base is dequantized one layer at a time and keeps no copy.
+    A 4-bit base is dequantized one layer at a time and keeps no copy. LoRA's fp32 adapters are
+    trainable weights: under autocast their casts are cached through the forward too.
 
     Returns (the row, one layer's copies, the output layer's copy, the formula)."""
+    row, one, head_copy, formula = _base_copies(shape, counts, s)
+    if s.method != "lora" or not s.autocast or PRECISIONS[s.precision] == 4:
+        return row, one, head_copy, formula
+    c = PRECISIONS[s.precision]
+    adapters = sum(
+        s.lora_r * (m.in_features + m.out_features) for m in lora_targets(counts, s.targets)
+    )
+    formula = "" if row == 0 else formula + "; "
+    formula += f"the LoRA adapters' {adapters:,} params × {c} B ({s.precision}), cached"
+    return row + c * adapters, one, head_copy, formula
+
+
+def _base_copies(shape: Shape, counts: ParamCounts, s: Settings) -> tuple[int, int, int, str]:
     w = PRECISIONS[s.weights_dtype]
     layer_linear = sum(m.in_features * m.out_features for m in counts.linears if m.in_layers)
     head = shape.vocab * shape.hidden

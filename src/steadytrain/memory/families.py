@@ -92,8 +92,10 @@ class _Sizes:
         self.full = s.method == "full"
         self.everything = s.targets == ("all-linear",)
         self.adapter = self.c if s.autocast else 4  # dtype of a LoRA adapter's activations
-        # LayerNorm runs in fp32 under autocast and returns fp32; RMSNorm returns the input dtype
-        self.norm_out = 4 if layout.norm == "layer" and s.autocast else self.w
+        # autocast runs layer_norm and pow in fp32 on CUDA and MPS (not on the CPU): LayerNorm
+        # then returns fp32; RMSNorm returns the input dtype
+        self.fp32_ops = s.autocast and s.device_type != "cpu"
+        self.norm_out = 4 if layout.norm == "layer" and self.fp32_ops else self.w
 
     def wrapped(self, name: str) -> bool:
         return not self.full and (self.everything or name in self.s.targets)
@@ -128,8 +130,10 @@ class _Sizes:
     def norm(self, width: int, dtype: int, rows: float = 1) -> float:
         """One norm over `width` values of `dtype` bytes, `rows` normalised rows per token."""
         kind = self.layout.norm
-        if kind == "layer":  # input (fp32 under autocast), mean and rstd per row
-            return (4 if self.s.autocast else dtype) * width + 8 * rows
+        if kind == "layer":  # input, mean and rstd per row (fp32 on the CPU only for fp32 input)
+            saved = 4 if self.fp32_ops else dtype
+            stats = 4 if saved == 4 or self.s.device_type != "cpu" else saved
+            return saved * width + 2 * stats * rows
         normalised = (dtype if kind == "rms" else 4) * width if self.full else 0
         return 4 * width + 4 * rows + normalised  # the fp32 input, rsqrt, the normalised input
 
@@ -160,7 +164,7 @@ def layer_bytes(shape: Shape, s: Settings, layout: Layout, kernel: str, masked: 
     if layout.post_norms:
         parts["attn_out"] += z.norm(h, c)
     if layout.parallel:  # the MLP's norm reads the layer input the attention's norm saved
-        parts["mlp_norm"] = (4 * h if s.autocast and w != 4 else 0) + 8
+        parts["mlp_norm"] = z.norm(h, w) - (0 if z.fp32_ops and w != 4 else w * h)
     elif layout.pre_norms:
         parts["mlp_norm"] = z.norm(h, w)
     parts["mlp_in"] = z.inputs(layout.mlp_linears, h, attn_in_dtype, False)
@@ -213,13 +217,13 @@ def _mlp_inside(z: _Sizes) -> tuple[float, int]:
     """(bytes inside the MLP, the dtype of the down projection's input). Gated: act's input,
     its output and up's output (Phi-3's fused gate_up output holds the first and the last).
     Plain: act's input; GPT-2's Python gelu_new also its tanh, 1 + tanh and x / 2, in fp32
-    under autocast (pow runs in fp32 there)."""
+    under autocast on CUDA and MPS (pow runs in fp32 there)."""
     c, i = z.c, z.i
     if z.layout.gated:
         return 3 * c * i, c
     if not z.layout.python_gelu:
         return c * i, c
-    t = 4 if z.s.autocast else c
+    t = 4 if z.fp32_ops else c
     return 2 * c * i + 2 * t * i, t
 
 

@@ -12,8 +12,9 @@ from typing import Any
 @dataclass(frozen=True)
 class Layout:
     norm: str = "rms"
-    """'rms': Llama's RMSNorm (fp32 inside, `weight * x.to(dtype)`); 'gemma': x·(1 + weight)
-    in fp32; 'layer': LayerNorm (autocast runs it in fp32, it saves its input, mean and rstd)."""
+    """'rms': Llama's RMSNorm (fp32 inside, `weight * x.to(dtype)`); 'rms_fp32': the weight
+    multiplies the fp32 normalised input (Gemma's x·(1 + weight), OLMo 2's weight·x); 'layer':
+    LayerNorm (it saves its input, mean and rstd; autocast runs it in fp32 on CUDA and MPS)."""
     pre_norms: bool = True
     """A norm before attention and before the MLP (OLMo 2 has none: it norms their outputs)."""
     post_norms: bool = False
@@ -65,9 +66,9 @@ class Layout:
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(qk_norm="head"),
-    "olmo2": dict(pre_norms=False, post_norms=True, qk_norm="full"),
-    "gemma2": dict(norm="gemma", post_norms=True, eager_only=True),
-    "gemma3_text": dict(norm="gemma", post_norms=True, qk_norm="head"),
+    "olmo2": dict(norm="rms_fp32", pre_norms=False, post_norms=True, qk_norm="full"),
+    "gemma2": dict(norm="rms_fp32", post_norms=True, eager_only=True),
+    "gemma3_text": dict(norm="rms_fp32", post_norms=True, qk_norm="head"),
     "phi3": dict(attn_linears=("qkv_proj",), mlp_linears=("gate_up_proj",), rotary_by_cat=True),
     "gpt_neox": dict(
         norm="layer",

@@ -216,15 +216,16 @@ def _attention(shape: Shape, z: _Sizes, kernel: str, masked: bool) -> tuple[floa
 def _mlp_inside(z: _Sizes) -> tuple[float, int]:
     """(bytes inside the MLP, the dtype of the down projection's input). Gated: act's input,
     its output and up's output (Phi-3's fused gate_up output holds the first and the last).
-    Plain: act's input; GPT-2's Python gelu_new also its tanh, 1 + tanh and x / 2, in fp32
-    under autocast on CUDA and MPS (pow runs in fp32 there)."""
+    Plain: act's input. GPT-2's gelu_new in Python: pow's input, tanh's output, x / 2 and
+    1 + tanh; under autocast on CUDA and MPS pow runs in fp32, so it saves an fp32 copy of x and
+    everything after it is fp32 but x / 2."""
     c, i = z.c, z.i
     if z.layout.gated:
         return 3 * c * i, c
     if not z.layout.python_gelu:
         return c * i, c
     t = 4 if z.fp32_ops else c
-    return 2 * c * i + 2 * t * i, t
+    return c * i + 3 * t * i, t
 
 
 def outside_bytes(shape: Shape, s: Settings, layout: Layout) -> float:

@@ -15,6 +15,9 @@ GPU, no downloads; Gemma 2 and Phi-3 keep their widths with fewer layers, to sta
    larger sizes with checkpointing; the fastest that fits is "best", and the plan's tokens/s is
    given as % of it.
 
+No family's plan starts later than --budget-s (420) after the start, so the whole run stays
+within 8 minutes on one H100; a family left out for time says so in the JSON and the table.
+
     python bench/families.py --out $OUT/families.json      # one H100, about 6 minutes
     python bench/families.py --smoke                        # CPU, tiny shapes, code paths only
 """
@@ -331,6 +334,10 @@ def plan_child(args) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
     with tempfile.TemporaryDirectory(prefix="families-plan-") as work:
         for family in args.families.split(","):
+            if args.until and time.time() > args.until:
+                row = {"family": family, "error": "skipped: the run's time budget is spent"}
+                print("PLAN " + json.dumps(row), flush=True)
+                continue
             try:
                 row = plan_family(family, args, device, Path(work))
             except Exception as exc:  # noqa: BLE001 - a family's failure is a result, not an end
@@ -355,8 +362,12 @@ def main() -> None:
     ap.add_argument("--effective", type=int, default=None, help="plan part (16; smoke 2)")
     ap.add_argument("--plan-steps", type=int, default=None, help="Trainer steps (4; smoke 2)")
     ap.add_argument("--skip-plan", action="store_true")
+    ap.add_argument(
+        "--budget-s", type=float, default=420, help="no family's plan starts after this"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plan-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--until", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.micro = args.micro or 2
     args.seq = args.seq or (32 if args.smoke else 1024)
@@ -382,11 +393,14 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    args.until = time.time() + args.budget_s - (time.perf_counter() - started)
     plans = [] if args.skip_plan else run_plan_child(args)
     data = {
         "benchmark": "families",
         "smoke": args.smoke,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plan_child")},
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("out", "plan_child", "until")
+        },
         "shapes": {f: SHAPES[f][0] for f in args.families.split(",")},
         "environment": C.environment(device),
         "seconds": time.perf_counter() - started,
@@ -399,7 +413,7 @@ def main() -> None:
 
 def run_plan_child(args) -> list[dict[str, Any]]:
     command = [sys.executable, __file__, "--plan-child", "--families", args.families]
-    for flag in ("device", "seq", "effective", "plan_steps", "cap_gib"):
+    for flag in ("device", "seq", "effective", "plan_steps", "cap_gib", "until"):
         value = getattr(args, flag)
         if value is not None:
             command += ["--" + flag.replace("_", "-"), str(value)]

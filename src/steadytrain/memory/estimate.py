@@ -2,9 +2,11 @@
 
 The model is built on the meta device (shapes, no storage), so a 70B config costs nothing to
 estimate. Parameters, gradients and optimizer states are exact counts times bytes. Activations
-are analytic for Llama-style decoder-only families (`KNOWN_FAMILIES`): the bytes each op saves
-for backward, summed per token, per layer, as PyTorch and Hugging Face code keep them under the
-settings given (see docs/estimate.md for the derivation). For any other family they are measured:
+are analytic for the decoder families people fine-tune (`KNOWN_FAMILIES`: Llama, Mistral,
+Qwen2/Qwen3, Gemma 2/3, Phi-3, GPT-NeoX, GPT-2, OLMo 2): the bytes each op saves for backward,
+summed per token, per layer, as PyTorch and Hugging Face code keep them under the settings given
+(activations.py for Llama-style layers, families.py for the others, whose layout layout.py reads
+off the config; see docs/estimate.md for the derivation). For any other family they are measured:
 its own forward runs on the meta device and the bytes autograd saves are counted (measured.py);
 only a family whose code cannot run there says "unknown", and a probe on the device tells.
 
@@ -182,10 +184,15 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
         peak = overhead = total = phase = peak_formula = None
         extra = _unknown_rows(shape, notes)
     rows = costs.rows + extra + [_overhead_row(s, overhead)]
-    if known and attention_kernel(shape, s) != "fused":
+    kernel = attention_kernel(shape, s)
+    if known and kernel != "fused":
+        why = (
+            f"{shape.family} always runs eager attention"
+            if kernel == "eager" and s.attention != "eager"
+            else f"{s.attention} on {s.device_type}, {s.precision}"
+        )
         notes.append(
-            f"attention keeps seq × seq probabilities per head ({s.attention} on "
-            f"{s.device_type}, {s.precision}): memory grows with seq²"
+            f"attention keeps seq × seq probabilities per head ({why}): memory grows with seq²"
         )
     return Estimate(
         model=model_name,

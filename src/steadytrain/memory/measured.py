@@ -1,9 +1,9 @@
 """Activations of a family the analytic model does not know, measured by running its own code
 on the meta device (shapes, no storage, no arithmetic).
 
-`activations.py` derives, op by op, what a Llama-style layer saves for backward. Other families
-(Phi-3, GPT-NeoX, GPT-2, Gemma 2/3, OLMo 2, Qwen3, ...) differ in their norms, MLPs, rotary and
-biases, so instead of a formula per family this module runs the family's Hugging Face decoder
+`activations.py` and `families.py` derive, op by op, what the layers of the known families save
+for backward. Any other family (OPT, Granite, StableLM, ...) differs in its norms, MLPs, rotary
+and biases, so instead of a formula per family this module runs the family's Hugging Face decoder
 forward once on the meta device under `torch.autograd.graph.saved_tensors_hooks` and adds up the
 bytes of every tensor autograd saves for backward (each storage once, parameters excluded). That
 is the activations row by definition, for any architecture transformers can build, at no memory

@@ -250,6 +250,16 @@ class TrainConfig(BaseModel):
         "else; true needs Triton on CUDA and a C++ compiler on CPU (refused without); on MPS "
         "the model stays eager.",
     )
+    distributed: Literal["auto", "replicate", "ddp", "fsdp"] = Field(
+        "auto",
+        description="How several ranks (torchrun) hold the model. 'replicate' ('ddp' is the same): "
+        "every rank holds all of it and the gradients are summed after the ranks agree. 'fsdp': "
+        "each transformer block and the root are sharded with FSDP2 (fully_shard), checkpoints "
+        "are written by every rank through torch.distributed.checkpoint, and an out-of-memory "
+        "exits 76 for a smaller restart. 'auto': replicate when parameters, gradients and "
+        "optimizer state fit the per-rank memory budget, fsdp otherwise. One process always "
+        "replicates (nothing to shard).",
+    )
     log_every_steps: int = Field(
         10,
         ge=1,

@@ -77,6 +77,14 @@ class OptimizerStateTouched(RestartableError):
     redoing the step would apply part of the update twice, so the run stops (restartable)."""
 
 
+class RankOutOfMemory(SteadytrainError):
+    """Out of memory on one rank of a sharded (FSDP) run: its collectives run inside the
+    forward, so the ranks cannot agree on a redo; this rank exits `SHRINK_EXIT` and torchrun
+    ends the group, which `steadytrain run` restarts smaller from the last checkpoint."""
+
+    exit_code = SHRINK_EXIT
+
+
 class CheckpointError(BadInputError):
     """A checkpoint cannot be written, found or read; the message names the folder and file."""
 

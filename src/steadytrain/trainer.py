@@ -5,6 +5,7 @@ callbacks together from the config, and runs them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import warnings
@@ -25,6 +26,7 @@ from steadytrain.engine.compiling import check_compiler, compile_blocks, compile
 from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
+from steadytrain.engine.sharding import choose, shard
 from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
@@ -38,11 +40,11 @@ from steadytrain.safety.failure_record import record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.saving import CheckpointSaver, copy_room, full_disk_ends_the_run
+from steadytrain.safety.sharded import RanksState, RankStore
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import (
     REQUIRED_FILES,
     HostBuffers,
-    RunState,
     model_tensors_names,
     run_identity,
 )
@@ -123,6 +125,7 @@ class Trainer:
         self.eval_fn = eval_fn
         self.user_state = check_user_state(user_state)
         self._notes: list[str] = []
+        self._distributed: dict[str, Any] = {}  # the mode `_set_up` chose (engine/sharding.py)
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened."""
@@ -218,9 +221,13 @@ class Trainer:
         group = group.on(device.torch_device)
         precision = resolve_precision(cfg.precision, device)
         if cfg.seed is not None:  # null: the RNG streams as the program left them
-            seed_everything(cfg.seed)
+            seed_everything(cfg.seed + group.rank)  # each rank its own dropout masks
         model = self.model.to(device.torch_device)
         group.broadcast_module(model)
+        self._distributed = choose(cfg.distributed, model, group, device.budget)
+        if self._distributed["mode"] == "fsdp":  # before the optimizer: it takes the shards
+            self._distributed |= shard(model, group)
+            group = dataclasses.replace(group, sharded=True)
         model.train()
         optimizer = self._build_optimizer(model)
         scheduler = self.scheduler
@@ -268,11 +275,21 @@ class Trainer:
             scheduler=scheduler,
         )
 
-    def _run_state(self, run: _Run) -> RunState:
+    def _run_state(self, run: _Run) -> RanksState:
         """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""
         identity = self._identity(run.model, run.optimizer, run.scheduler)
-        scaler = run.precision.scaler
-        return RunState(run.state, run.model, run.optimizer, run.scheduler, scaler, identity)
+        scaler, group = run.precision.scaler, run.group
+        return RanksState(
+            run.state,
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            scaler,
+            identity,
+            rank=group.rank,
+            world_size=group.world_size,
+            sharded=group.sharded,
+        )
 
     def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
         """The run's identity; what the data fingerprint checks by type only goes to _notes."""
@@ -339,10 +356,14 @@ class Trainer:
         host = HostBuffers()
 
         def capture(state: TrainState, copy: bool = True) -> Payload:
-            payload = run.checkpoint.capture(self._probe_next_loss(run, state), host, copy)
+            probe = run.group.is_main and not run.group.sharded  # its forward is not collective
+            next_loss = self._probe_next_loss(run, state) if probe else None
+            payload = run.checkpoint.capture(next_loss, host, copy)
             return with_program_state(payload, run.sampler, self.user_state)
 
         async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
+        async_save = async_save and not run.group.active  # every rank writes: collective saves
+        main = run.group.is_main  # rank 0 commits; the others write into its staging folder
         continuity = None
         if expected_loss is not None:
             continuity = ContinuityCheck(
@@ -352,15 +373,17 @@ class Trainer:
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CpuContention.from_config(cfg, run.device, record),
-            None
-            if not run.group.is_main  # the ranks hold the same state: rank 0 writes it
-            else CheckpointSaver(
-                store,
+            CheckpointSaver(
+                store if main else RankStore(),
                 capture,
                 cfg.save_every_steps,
                 async_save,
                 record,
-                best=CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record)
+                best=(
+                    CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record)
+                    if main
+                    else RankStore()
+                )
                 if cfg.keep_best
                 else None,
                 room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
@@ -398,6 +421,7 @@ class Trainer:
                 "micro_batch_size": run.state.micro_batch_size,
                 "resumed_from": run.state.step if run.resumed else None,
                 "process_group": run.group.describe(),
+                "distributed": self._distributed,
                 "config": cfg.model_dump(mode="json"),
             },
         )
@@ -569,7 +593,7 @@ class _Run:
     emit: Dispatcher
     group: Group
     scheduler: Any = None
-    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
+    checkpoint: RanksState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False
 
 

@@ -76,6 +76,8 @@ class Group:
     """Where the collectives' small tensors live (the training device: NCCL needs CUDA)."""
     owned: bool = False
     """This group was initialised here (not by the script), so `close` destroys it."""
+    sharded: bool = False
+    """The model is sharded over the ranks (`distributed: fsdp`, engine/sharding.py)."""
 
     @classmethod
     def from_env(cls) -> Group:

@@ -33,10 +33,12 @@ from steadytrain.device import (
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.distributed import Group, RanksOutOfMemory
 from steadytrain.engine.precision import Precision
+from steadytrain.engine.sharding import set_gradient_sync
 from steadytrain.errors import (
     BadInputError,
     DoesNotFitError,
     OptimizerStateTouched,
+    RankOutOfMemory,
     UserCodeError,
 )
 from steadytrain.events import DeviceSpan, Event, TrainState
@@ -149,13 +151,15 @@ def _divide_and_clip(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or (divisor is None and max_norm is None):
         return None
-    if len({(g.device, g.dtype) for g in grads}) > 1:  # rare: fall back to torch's grouping
+    sharded = any(type(g).__name__ == "DTensor" for g in grads)  # FSDP: norms over the ranks
+    if sharded or len({(g.device, g.dtype) for g in grads}) > 1:  # torch's grouping
         if divisor is not None:
             for g in grads:
                 g.div_(divisor)
         if max_norm is None:
             return None
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if sharded else norm
     if isinstance(divisor, torch.Tensor):
         divisor = divisor.to(grads[0].dtype)
     norm = None
@@ -327,6 +331,8 @@ class StepRunner:
         an out-of-memory on any rank makes every rank redo the step; none waits in a collective."""
         if not self.group.active:
             return self._forward_backward(pieces, n)
+        if self.group.sharded:
+            return self._accumulate_sharded(pieces, n)
         loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
         phase, self._phase = self._phase, "agreement"
         agreed = self.group.agree(
@@ -350,6 +356,38 @@ class StepRunner:
             loss.count.add(agreed.count)  # the global token count divides the summed gradients
         return loss
 
+    def _accumulate_sharded(self, pieces: list[Any], n: int) -> _BatchLoss:
+        """FSDP: the forward all-gathers, so the ranks cannot agree before a collective. A rank
+        that runs out of memory records its `oom` event and exits 76 (torchrun ends the group;
+        `steadytrain run` restarts it smaller); otherwise the ranks sum the loss and count."""
+        loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
+        if oom is not None:
+            self.state.oom_count += 1
+            failure = {"phase": self._phase, "error": oom.error, "requested": oom.requested}
+            rank, world = self.group.rank, self.group.world_size
+            self.emit(
+                Event.OOM,
+                {
+                    **failure,
+                    "micro_batch_size": self.state.micro_batch_size,
+                    "memory": self.device.memory().to_dict(),
+                    "rank": rank,
+                },
+            )
+            raise RankOutOfMemory(
+                f"out of memory on rank {rank} of {world} in {failure['phase']} at micro-batch "
+                f"{self.state.micro_batch_size} (distributed: fsdp): {oom.error}; exiting 76 so "
+                "that `steadytrain run` restarts the group smaller from the last checkpoint"
+            )
+        self._phase = "agreement"
+        count = loss.count.sum() if loss.token_mode else None
+        agreed = self.group.agree(False, [], loss.value, count)
+        loss.value = agreed.loss
+        if agreed.count is not None:
+            loss.count = _Count()
+            loss.count.add(int(agreed.count))  # a host number: the gradients are DTensors
+        return loss
+
     def _forward_backward(self, pieces: list[Any], n: int) -> _BatchLoss:
         """Every micro-batch forward and backward; the gradients sum in the parameters."""
         loss = _BatchLoss(n)
@@ -361,6 +399,8 @@ class StepRunner:
             select(self.user_state, start, start + size, n)
             start += size
             piece = to_device(piece, self.device.torch_device, self.non_blocking)
+            if self.group.sharded:  # reduce-scatter in the last micro-batch's backward only
+                set_gradient_sync(self.model, i == len(pieces) - 1)
             with self.precision.autocast():
                 out = self.loss_fn(self.model, piece)
             scaled = loss.add(out, batch_len(piece))

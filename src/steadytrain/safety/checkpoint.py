@@ -64,6 +64,8 @@ FAULT_PHASES = (
 
 _NAME = re.compile(r"^step-(\d{8,12})$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SHARD_FILE = re.compile(r"^(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
+"""The names torch.distributed.checkpoint's file writer gives its files (sharded checkpoints)."""
 _LEFTOVER = re.compile(r"^\.(staging|deleting|latest)-(?:.*-)?(\d+)-[0-9a-f]+(?:\.tmp)?$")
 _OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # Finder/Explorer droppings
 _MAX_STEP = 10**12 - 1
@@ -108,6 +110,13 @@ class Payload:
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     json: dict[str, Any] = field(default_factory=dict)
+    shards: Callable[[Path | None], None] | None = None
+    """Saving: writes the files other writers put into the staging folder (every rank's
+    shards, through torch.distributed.checkpoint), called with the folder after the payload's
+    own files and before the manifest, which then lists every file in the folder; called with
+    None when the step is committed already (nothing to write). Saved synchronously only."""
+    sharded: list[str] = field(default_factory=list)
+    """Loading: the verified files that torch.distributed.checkpoint reads from the folder."""
 
     def names(self) -> list[str]:
         return [*self.tensors, *self.objects, *self.json]
@@ -262,6 +271,21 @@ def _wait_at_exit() -> None:
 atexit.register(_wait_at_exit)
 
 
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One safetensors file written and fsynced as the store writes its own (for a file another
+    rank puts into a staging folder); returns its size and sha256."""
+    parts, _ = _safetensors_parts(tensors)
+    sink = _FileSink(path)
+    try:
+        for part in parts:
+            sink.write(part)
+    except BaseException:
+        sink.close(sync=False)
+        raise
+    sink.close()
+    return {"sha256": sink.hash.hexdigest(), "bytes": sink.bytes}
+
+
 def _dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -275,6 +299,8 @@ def _step_of(name: str) -> int | None:
 
 
 def _kind(name: str) -> str:
+    if SHARD_FILE.match(name):
+        return "sharded"
     if name.endswith(".safetensors"):
         return "tensors"
     if name.endswith(".json"):
@@ -332,7 +358,8 @@ class _Refused(Exception):
 class CheckpointStore:
     """Checkpoints of one run under RUN_DIR/checkpoints. One writer per run directory (RunLock).
 
-    `required` names the files a checkpoint must list to verify (the trainer's state files), so
+    `required` names the files a checkpoint must list to verify (the trainer's state files; a
+    tuple of names: one of them), so
     a manifest cut down to fewer files is skipped like any failing checkpoint.
     `log(event, info)` receives what the store noticed (skipped checkpoints and why, leftovers
     removed, deletions, failed deletes); it may be called from the background writer thread.
@@ -373,6 +400,8 @@ class CheckpointStore:
         the save is done. Waits for a save in flight first and raises its error."""
         self.wait()
         self._check(step, payload)
+        if payload.shards is not None:
+            raise ValueError("save_async: a payload with shards is written by save() (collective)")
         for name, tensor in self._all_tensors(payload):
             if tensor.device.type != "cpu":
                 raise ValueError(
@@ -463,6 +492,8 @@ class CheckpointStore:
             if os.path.lexists(final):
                 problems = self._problems(final)
                 if not problems:
+                    if payload.shards is not None:
+                        payload.shards(None)  # the other ranks learn there is nothing to write
                     self._log("checkpoint_exists", {"step": step, "checkpoint": name})
                     newest = self.committed()[-1][1]
                     if newest == final and self._read_pointer(quiet=True) != name:
@@ -506,6 +537,9 @@ class CheckpointStore:
                 files[file] = self._write_object(staging / file, obj)
             for file, value in payload.json.items():
                 files[file] = self._write_file(staging / file, [_json_bytes(value)])
+            if payload.shards is not None:
+                payload.shards(staging)
+                files |= self._others_files(staging, files)
             _fault("before-manifest")
             manifest = {
                 "format_version": FORMAT_VERSION,
@@ -525,6 +559,20 @@ class CheckpointStore:
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._disk_full(name, payload, exc) from exc
             raise
+
+    @staticmethod
+    def _others_files(staging: Path, own: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Size and sha256 of the files other writers put into the staging folder (fsynced by
+        them; the folder is synced with the manifest)."""
+        found = {}
+        for name in sorted(set(os.listdir(staging)) - set(own)):
+            if not (_FILE_NAME.match(name) or SHARD_FILE.match(name)):
+                raise ValueError(f"a shard writer left {name!r} in {staging}; refused")
+            found[name] = {
+                "sha256": _sha256_file(staging / name),
+                "bytes": (staging / name).stat().st_size,
+            }
+        return found
 
     def _write_file(
         self,
@@ -708,7 +756,9 @@ class CheckpointStore:
             file = path / name
             kind = _kind(name)
             try:
-                if kind == "tensors":
+                if kind == "sharded":
+                    payload.sharded.append(name)
+                elif kind == "tensors":
                     payload.tensors[name] = load_file(file, device="cpu")
                 elif kind == "json":
                     payload.json[name] = json.loads(file.read_bytes())
@@ -738,7 +788,11 @@ class CheckpointStore:
         if manifest["step"] != _step_of(folder.name):
             problems.append(f"{MANIFEST}: says step {manifest['step']}, folder is {folder.name}")
         listed = manifest["files"]
-        needed = sorted(set(self.required) - set(listed)) if listed else []
+        needed = sorted(
+            " or ".join(need) if isinstance(need, tuple) else need
+            for need in self.required
+            if listed and not set((need,) if isinstance(need, str) else need) & set(listed)
+        )
         if not listed:
             problems.append(f"{MANIFEST}: lists no files; a checkpoint holds its state files")
         elif needed:
@@ -819,7 +873,7 @@ class CheckpointStore:
         if not isinstance(manifest.get("step"), int) or not isinstance(files, dict):
             raise ValueError("'step' or 'files' is missing or of the wrong type")
         for name, entry in files.items():
-            if not _FILE_NAME.match(name) or name == MANIFEST:
+            if not (_FILE_NAME.match(name) or SHARD_FILE.match(name)) or name == MANIFEST:
                 raise ValueError(f"lists a file named {name!r}; refused")
             if (
                 not isinstance(entry, dict)

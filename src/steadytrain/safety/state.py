@@ -7,6 +7,7 @@ optimizer.pt        optimizer.state_dict()        (torch.save, loaded with weigh
 scheduler.pt        scheduler.state_dict()        (when there is a scheduler)
 scaler.pt           GradScaler.state_dict()       (fp16)
 rng.safetensors     torch CPU, every CUDA device and MPS generator states
+.metadata, __R_0.distcp, rng-rank-R.safetensors   several ranks (safety/sharded.py)
 trainer_state.json  TrainState, python and numpy RNG streams, the run's identity, the loss check
 
 `RunState` is the pair: `capture()` writes all of it into a `Payload`, `load()` reads a payload
@@ -35,8 +36,12 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
-REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
-"""What every checkpoint of a Trainer holds (scheduler and scaler only when the run has them)."""
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's index, written last: a sharded checkpoint (safety/sharded.py)
+holds it and the ranks' shards instead of the model and optimizer files."""
+REQUIRED_FILES = ((MODEL_FILE, DCP_METADATA), (OPTIMIZER_FILE, DCP_METADATA), RNG_FILE, STATE_FILE)
+"""What every checkpoint of a Trainer holds (scheduler and scaler only when the run has them);
+a pair: one of the two."""
 
 
 class HostBuffers:
@@ -115,7 +120,10 @@ def frozen_fingerprint(model: torch.nn.Module) -> str | None:
     if not frozen:
         return None
     for name, param in frozen:
-        sample = param.detach().flatten()[:: max(1, param.numel() // 64)][:64]
+        whole = param.detach()
+        if hasattr(whole, "full_tensor"):  # sharded (FSDP): the plain model's fingerprint
+            whole = whole.full_tensor()
+        sample = whole.flatten()[:: max(1, param.numel() // 64)][:64]
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
         digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
     return digest.hexdigest()

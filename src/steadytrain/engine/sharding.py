@@ -1,0 +1,106 @@
+"""`distributed: fsdp`: the model sharded over the ranks with FSDP2 (`fully_shard`).
+
+Each repeated block (a Hugging Face model's decoder layers, from its `_no_split_modules`; else
+the parameterised children of a `ModuleList` whose class repeats) is sharded on its own, then
+the root: a block's parameters are gathered for its forward and backward only, so a rank holds
+one block whole at a time. With LoRA (peft) the frozen base is sharded as well and only the
+adapters have gradients and optimizer state.
+
+Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward
+(`set_gradient_sync(model, False)` before the others). The reduction sums (divide factor 1):
+each rank's loss is already weighted by its share of the global batch (engine/step.py).
+
+`choose` resolves the config's `distributed` field: 'auto' replicates when the model's
+parameters, gradients and optimizer state fit one rank's memory budget, and shards otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from steadytrain.engine.distributed import Group
+
+MODES = {"replicate": "replicate", "ddp": "replicate", "fsdp": "fsdp"}
+"""The config's `distributed` values and the mode each means ('ddp' names replicate)."""
+
+ADAM_STATES = 2
+"""Optimizer state per trainable parameter assumed by 'auto' (AdamW's two moments)."""
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """Parameters, plus a gradient and the optimizer's two moments per trainable parameter."""
+    total = 0
+    for param in model.parameters():
+        size = param.numel() * param.element_size()
+        total += size * (2 + ADAM_STATES) if param.requires_grad else size
+    return total
+
+
+def choose(setting: str, model: torch.nn.Module, group: Group, budget: int | None) -> dict:
+    """The mode this run takes, and why: {"mode", "reason", "state_bytes", "budget"}."""
+    need = state_bytes(model)
+    info: dict[str, Any] = {"state_bytes": need, "budget": budget}
+    if not group.active:
+        return info | {"mode": "replicate", "reason": "one process: nothing to shard"}
+    if setting != "auto":
+        return info | {"mode": MODES[setting], "reason": f"distributed: {setting}"}
+    if budget is None or need <= budget:
+        why = "no memory budget" if budget is None else "the whole state fits one rank's budget"
+        return info | {"mode": "replicate", "reason": f"distributed: auto; {why}"}
+    return info | {
+        "mode": "fsdp",
+        "reason": "distributed: auto; parameters, gradients and optimizer state exceed one "
+        "rank's memory budget",
+    }
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: the classes named in `_no_split_modules` (Hugging Face),
+    else the parameterised members of a `ModuleList` whose class occurs more than once."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if blocks:
+        return blocks
+    found = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            kinds = Counter(type(m) for m in module)
+            found += [m for m in module if kinds[type(m)] > 1 and any(True for _ in m.parameters())]
+    return found
+
+
+def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
+    """Shard `model` in place over the group's ranks (every rank must hold the same values:
+    `Group.broadcast_module` first). Returns what was sharded, for the `sharding` event."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    device_type = torch.device(group.device).type
+    mesh = init_device_mesh(device_type, (group.world_size,))
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum: the losses carry the global weights
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    kinds = ", ".join(sorted({type(b).__name__ for b in blocks})) or "none"
+    return {"mode": "fsdp", "blocks": len(blocks), "kinds": kinds, "world_size": group.world_size}
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def set_gradient_sync(model: torch.nn.Module, on: bool) -> None:
+    """Whether the next backward reduce-scatters the gradients (only the step's last one)."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(on)

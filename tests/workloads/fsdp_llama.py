@@ -7,7 +7,7 @@
 llama: transformers' LlamaConfig (hidden 64, 2 layers, vocab 128), built from the config (no
 download), LoRA r=4 on q_proj/v_proj, a token-weighted loss. dropout: an MLP with dropout 0.5;
 every rank writes the first step's dropout mask to RUN_DIR/mask-rank-R.pt. --kill-at: rank R
-SIGKILLs itself at the end of step S. --oom-rank: rank R raises the allocator's out-of-memory
+SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0). --oom-rank: rank R raises the allocator's out-of-memory
 error in its second step's forward. Rank 0 writes the whole trainable state to RUN_DIR/params.pt.
 """
 
@@ -93,7 +93,8 @@ class KillAt(Callback):
         self.rank, self.step = rank, step
 
     def on_step_end(self, state, control, info) -> None:
-        if state.step == self.step and int(os.environ.get("RANK", "0")) == self.rank:
+        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
+        if first and state.step == self.step and int(os.environ.get("RANK", "0")) == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -104,8 +105,10 @@ def fail_in_forward(model, loss_fn, rank: int):
     def loss(m, batch):
         calls["n"] += 1
         if int(os.environ.get("RANK", "0")) == rank and calls["n"] > 2:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
-                               "1048576 bytes. Error code 12 (Cannot allocate memory)")
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                "1048576 bytes. Error code 12 (Cannot allocate memory)"
+            )
         return loss_fn(m, batch)
 
     return loss

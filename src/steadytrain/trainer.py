@@ -356,8 +356,8 @@ class Trainer:
         host = HostBuffers()
 
         def capture(state: TrainState, copy: bool = True) -> Payload:
-            probe = run.group.is_main and not run.group.sharded  # its forward is not collective
-            next_loss = self._probe_next_loss(run, state) if probe else None
+            # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
+            next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
             payload = run.checkpoint.capture(next_loss, host, copy)
             return with_program_state(payload, run.sampler, self.user_state)
 
@@ -490,7 +490,7 @@ class Trainer:
             epoch, position = epoch + 1, 0
         if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
             return None
-        batch = self._batch_at(run.sampler, epoch, position)
+        batch = self._batch_at(run.sampler, epoch, position, run.group)  # its share; summed
         rng = get_rng_state()
         buffers = [b.detach().clone() for b in run.model.buffers()]  # BatchNorm statistics
         try:

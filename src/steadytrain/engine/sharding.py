@@ -83,6 +83,7 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     device_type = torch.device(group.device).type
     mesh = init_device_mesh(device_type, (group.world_size,))
     blocks = repeated_blocks(model)
+    kinds = ", ".join(sorted({type(b).__name__ for b in blocks})) or "none"  # before: FSDP<cls>
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -90,7 +91,6 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the losses carry the global weights
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-    kinds = ", ".join(sorted({type(b).__name__ for b in blocks})) or "none"
     return {"mode": "fsdp", "blocks": len(blocks), "kinds": kinds, "world_size": group.world_size}
 
 

@@ -447,24 +447,33 @@ class StepRunner:
         autocast and weighting. Random draws (dropout) are the caller's to save and restore.
         None when it runs out of memory (the caller's check is then skipped, not the step)."""
 
-        n, micro = batch_len(batch), self.state.micro_batch_size
+        micro, size = self.state.micro_batch_size, batch_len(batch)
+        n = self.group.total(size)  # several ranks: `batch` is this rank's share
 
-        def forward_only() -> float:
+        def forward_only() -> _BatchLoss:
             loss = _BatchLoss(n)
             with torch.no_grad():
                 for i, piece in enumerate(split_batch(batch, micro)):
-                    select(self.user_state, i * micro, min((i + 1) * micro, n), n)
+                    select(self.user_state, i * micro, min((i + 1) * micro, size), n)
                     piece = to_device(piece, self.device.torch_device, self.non_blocking)
                     with self.precision.autocast():
                         loss.add(self.loss_fn(self.model, piece), batch_len(piece))
-                return float(loss.mean())
+                return loss
 
         carried = snapshot(self.user_state)  # the probe never advances the program's state
         try:
-            value, _ = call_or_oom(forward_only, self.device.empty_cache)
+            loss, oom = call_or_oom(forward_only, self.device.empty_cache)
         finally:
             restore(self.user_state, carried)
-        return value
+        if not self.group.active:
+            return None if loss is None else float(loss.mean())
+        count = None if loss is None or not loss.token_mode else loss.count.sum()
+        agreed = self.group.agree(oom is not None, [], None if loss is None else loss.value, count)
+        if agreed.failed:
+            return None
+        if agreed.count is None:
+            return float(agreed.loss)
+        return float(agreed.loss / max(int(agreed.count), 1))
 
     # -- out-of-memory ladder -------------------------------------------------------------
 

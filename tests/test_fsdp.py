@@ -121,7 +121,11 @@ def test_fsdp_checkpoint_resumes_on_one_process(uninterrupted: Path, killed: Pat
     assert one.returncode == 0, one.stderr
     events = read_jsonl(run_dir / "events.jsonl")
     changes = [e["change"] for e in events if e["event"] == "resume_override"]
-    assert changes == ["world_size: 2 -> 1", "rng: every rank takes rank 0's streams"]
+    assert changes == ["world_size: 2 -> 1"]
+    notes = [e["message"] for e in events if e["event"] == "note" and "RNG" in e["message"]]
+    assert notes == [
+        "RNG streams: saved by 2 rank(s), resumed on 1: every rank takes rank 0's streams"
+    ]
     assert [e["step"] for e in events if e["event"] == "resume"] == [2]
     assert largest_difference(run_dir, uninterrupted) <= 1e-6
     # One process writes the single-process format from then on.

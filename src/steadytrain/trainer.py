@@ -329,6 +329,8 @@ class Trainer:
             restore_program_state(payload, run.sampler, self.user_state, run.device.torch_device)
             for difference in overridden:
                 files.record("resume_override", {"step": step, "change": difference})
+            if run.checkpoint.rng_note is not None:
+                files.record("note", {"step": step, "message": run.checkpoint.rng_note})
             files.record(
                 "resume",
                 {

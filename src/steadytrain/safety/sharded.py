@@ -9,7 +9,7 @@ folder in the manifest and commits by rename, so a checkpoint is whole or absent
 ranks save through `RankStore`, which takes part in the same sequence.
 
 Resume: with the same world size each rank takes its own RNG streams back; with another world
-size every rank takes rank 0's (said in a `resume_override`). DCP loads across world sizes, so
+size every rank takes rank 0's (said in a `note` event). DCP loads across world sizes, so
 a sharded checkpoint also resumes in one process, into the plain model.
 """
 
@@ -104,6 +104,8 @@ class RanksState(RunState):
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+    rng_note: str | None = None
+    """Set by `load` when the world size changed and this rank took rank 0's streams."""
 
     def capture(
         self, next_loss: float | None, buffers: HostBuffers | None = None, copy: bool = True
@@ -157,7 +159,10 @@ class RanksState(RunState):
         else:
             set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
             if saved_world != self.world_size:
-                overridden = [*overridden, "rng: every rank takes rank 0's streams"]
+                self.rng_note = (
+                    f"RNG streams: saved by {saved_world} rank(s), resumed on {self.world_size}: "
+                    "every rank takes rank 0's streams"
+                )
         return overridden, None if overridden else doc.get("next_loss")
 
 

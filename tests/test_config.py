@@ -53,6 +53,7 @@ def test_defaults():
         "num_workers": 0,
         "activation_checkpointing": "auto",
         "compile": "auto",
+        "distributed": "auto",
         "log_every_steps": 10,
         "async_save": "auto",
         "evaluate_every_steps": None,

@@ -161,7 +161,9 @@ class Trainer:
             full_disk_ends_the_run(run_dir, self.config.keep_last),
             RunLock(group.own_dir(run_dir)),
         ):
-            return self._fit_locked(run_dir, group)
+            result = self._fit_locked(run_dir, group)
+        group.settle()  # a fit that ended well: no rank tears down mid-collective
+        return result
 
     def _fit_locked(self, run_dir: Path, group: Group) -> FitResult:
         cfg = self.config
@@ -192,9 +194,11 @@ class Trainer:
             if group.is_main:
                 cfg.dump(run_dir / run_files.CONFIG)
             planned = RecordAtStart(record)
-            if not run.resumed and cfg.micro_batch_size == "auto":
+            if not run.resumed and cfg.micro_batch_size == "auto" and not run.group.sharded:
                 with startup_phase("plan"):
                     planned.events = self._plan(run, compiled)
+            elif not run.resumed and cfg.micro_batch_size == "auto":
+                self._notes.append(_UNPLANNED_SHARDS)
             if compiled:  # after the plan: its probe measures eager passes (compiling.py)
                 with startup_phase("compile"):
                     planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
@@ -543,6 +547,13 @@ class Trainer:
             pin_memory=device.type == "cuda",
             generator=torch.Generator().manual_seed((self.config.seed or 0) * 7919 + epoch),
         )
+
+
+_UNPLANNED_SHARDS = (
+    "micro_batch_size auto under distributed: fsdp starts at each rank's whole share without "
+    "trial passes (their all-gathers would need every rank to try the same sizes); an "
+    "out-of-memory exits 76 and `steadytrain run` restarts the group at a smaller micro-batch"
+)
 
 
 class RecordAtStart(Callback):

@@ -2,6 +2,7 @@
 
     python fsdp_llama.py RUN_DIR [--model llama|dropout] [--distributed MODE] [--steps S]
                                  [--save-every N] [--kill-rank R --kill-at S] [--oom-rank R]
+                                 [--micro N|auto]
     python -m torch.distributed.run --nproc_per_node 2 fsdp_llama.py RUN_DIR ...
 
 llama: transformers' LlamaConfig (hidden 64, 2 layers, vocab 128), built from the config (no
@@ -114,14 +115,22 @@ def fail_in_forward(model, loss_fn, rank: int):
     return loss
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The trainable parameters, whole (gathered from the shards: every rank calls this)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+class KeepTrainable(Callback):
+    """At the end of the fit, while the Trainer's process group is up: the trainable parameters,
+    whole (gathered from the shards; every rank takes part)."""
 
-    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
-    if dist.is_initialized():
-        return get_model_state_dict(model, options=options)
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    def __init__(self, model):
+        self.model, self.state = model, {}
+
+    def on_fit_end(self, state, control, info) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not dist.is_initialized():
+            trainable = self.model.named_parameters()
+            self.state = {n: p.detach().clone() for n, p in trainable if p.requires_grad}
+            return
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+        self.state = get_model_state_dict(self.model, options=options)
 
 
 @entrypoint
@@ -135,6 +144,7 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--oom-rank", type=int)
+    parser.add_argument("--micro", default="2")
     args = parser.parse_args()
     model, data, loss_fn = llama() if args.model == "llama" else dropout_mlp()
     if args.oom_rank is not None:
@@ -142,7 +152,7 @@ def main() -> None:
     config = TrainConfig(
         run_dir=args.run_dir,
         effective_batch_size=8,
-        micro_batch_size=2,
+        micro_batch_size=args.micro if args.micro == "auto" else int(args.micro),
         max_steps=args.steps,
         save_every_steps=args.save_every,
         device="cpu",
@@ -150,21 +160,18 @@ def main() -> None:
         log_every_steps=1,
         distributed=args.distributed,
     )
-    callbacks = [KillAt(args.kill_rank, args.kill_at)] if args.kill_at else []
+    keep = KeepTrainable(model)
+    callbacks = [keep, *([KillAt(args.kill_rank, args.kill_at)] if args.kill_at else [])]
     optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
-    dist.init_process_group("gloo") if "WORLD_SIZE" in os.environ else None
     result = Trainer(model, optimizer, loss_fn, data, config, callbacks=callbacks).fit()
-    state = trainable_state(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(args.run_dir)
     if args.model == "dropout":
         masked = next(m for m in model.modules() if isinstance(m, Masked))
         torch.save(masked.first, run_dir / f"mask-rank-{rank}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in state.items()}, run_dir / "params.pt")
+        state = {k: v.detach().clone() for k, v in keep.state.items()}
+        torch.save(state, run_dir / "params.pt")
         summary = {"steps": result.steps, "final_loss": result.final_loss}
         (run_dir / "result.json").write_text(json.dumps(summary))
     return result

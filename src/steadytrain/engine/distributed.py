@@ -109,6 +109,12 @@ class Group:
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
 
+    def settle(self) -> None:
+        """Wait until every rank is here (a fit that ended well), so none destroys the group
+        while another still has a collective in flight (gloo aborts that process)."""
+        if self.active and dist.is_initialized():
+            dist.barrier()
+
     @classmethod
     def _of_initialized(cls) -> Group:
         return cls(

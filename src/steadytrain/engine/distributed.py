@@ -110,10 +110,11 @@ class Group:
             dist.destroy_process_group()
 
     def settle(self) -> None:
-        """Wait until every rank is here (a fit that ended well), so none destroys the group
-        while another still has a collective in flight (gloo aborts that process)."""
+        """Wait until every rank is here (a fit that ended well), and leave gloo's worker
+        threads holding only tensors that live to the end (see `rendezvous`)."""
         if self.active and dist.is_initialized():
-            dist.barrier()
+            for _ in range(2):  # one for each of gloo's two worker threads
+                rendezvous(self.device)
 
     @classmethod
     def _of_initialized(cls) -> Group:
@@ -244,6 +245,20 @@ class Group:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 dist.all_reduce(param.grad)
+
+
+_KEPT: dict[str, torch.Tensor] = {}
+
+
+def rendezvous(device: str | torch.device = "cpu") -> None:
+    """A barrier that holds no other work's tensors. gloo's barrier keeps the works queued
+    before it, and a gloo worker thread releases a finished work after its caller has moved on;
+    when FSDP keeps the process group alive past `destroy_process_group`, a work released
+    during interpreter exit frees tensors that need the interpreter, and the process aborts.
+    This one all-reduces a tensor kept for the life of the process (on `device`: NCCL needs
+    CUDA)."""
+    kept = _KEPT.setdefault(str(device), torch.zeros(1, device=device))
+    dist.all_reduce(kept)
 
 
 class _Shares:

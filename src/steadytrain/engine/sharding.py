@@ -16,6 +16,8 @@ parameters, gradients and optimizer state fit one rank's memory budget, and shar
 
 from __future__ import annotations
 
+import atexit
+import time
 from collections import Counter
 from typing import Any
 
@@ -74,6 +76,18 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+def _let_workers_release() -> None:
+    """At exit, before the interpreter is torn down: FSDP keeps the process group alive past
+    `destroy_process_group`, and a gloo worker thread frees each finished collective's tensors
+    a moment after its caller moved on; freed once teardown has begun, they need the
+    interpreter and the process aborts (SIGABRT instead of its exit code). A short pause lets
+    the workers finish first."""
+    time.sleep(_RELEASE_S)
+
+
+_RELEASE_S = 0.2
+
+
 def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     """Shard `model` in place over the group's ranks (every rank must hold the same values:
     `Group.broadcast_module` first). Returns what was sharded, for the `sharding` event."""
@@ -82,6 +96,8 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
 
     device_type = torch.device(group.device).type
     mesh = init_device_mesh(device_type, (group.world_size,))
+    atexit.unregister(_let_workers_release)  # once, however many fits
+    atexit.register(_let_workers_release)
     blocks = repeated_blocks(model)
     kinds = ", ".join(sorted({type(b).__name__ for b in blocks})) or "none"  # before: FSDP<cls>
     for block in blocks:

@@ -48,6 +48,17 @@ from steadytrain.safety.state import (
 _PLAIN = "plain.json"
 
 
+_KEPT: dict[str, torch.Tensor] = {}
+
+
+def _rendezvous(device: torch.device) -> None:
+    """Every rank's files are written. An all-reduce of a tensor kept for the life of the
+    process, not gloo's barrier, which holds the works queued before it (DCP's, FSDP's) and
+    can free them in a worker thread during interpreter exit (engine/distributed.py says more)."""
+    kept = _KEPT.setdefault(str(device), torch.zeros(1, device=device))
+    dist.all_reduce(kept)
+
+
 def rng_rank_file(rank: int) -> str:
     return f"rng-rank-{rank}.safetensors"
 
@@ -133,7 +144,7 @@ class RanksState(RunState):
         write_tensor_file(folder / rng_rank_file(self.rank), rng)
         if self.sharded:
             save_shards(self.model, self.optimizer, folder)
-        dist.barrier()
+        _rendezvous(next(self.model.parameters()).device)
 
     def load(
         self, payload: Payload, source: Any, allowed: Collection[str] = ()

@@ -113,8 +113,9 @@ class Group:
         """Wait until every rank is here (a fit that ended well), and leave gloo's worker
         threads holding only tensors that live to the end (see `rendezvous`)."""
         if self.active and dist.is_initialized():
-            for _ in range(2):  # one for each of gloo's two worker threads
-                rendezvous(self.device)
+            with _waiting_in("all-reduce (end of fit)"):
+                for _ in range(2):  # one for each of gloo's two worker threads
+                    rendezvous(self.device)
 
     @classmethod
     def _of_initialized(cls) -> Group:

@@ -227,11 +227,7 @@ class Trainer:
         if cfg.seed is not None:  # null: the RNG streams as the program left them
             seed_everything(cfg.seed + group.rank)  # each rank its own dropout masks
         model = self.model.to(device.torch_device)
-        group.broadcast_module(model)
-        self._distributed = choose(cfg.distributed, model, group, device.budget)
-        if self._distributed["mode"] == "fsdp":  # before the optimizer: it takes the shards
-            self._distributed |= shard(model, group)
-            group = dataclasses.replace(group, sharded=True)
+        group = self._place(model, group, device.budget)
         model.train()
         optimizer = self._build_optimizer(model)
         scheduler = self.scheduler
@@ -278,6 +274,16 @@ class Trainer:
             group,
             scheduler=scheduler,
         )
+
+    def _place(self, model: torch.nn.Module, group: Group, budget: int | None) -> Group:
+        """Every rank starts from rank 0's model; then it is replicated or sharded (the
+        `distributed` field, engine/sharding.py), before the optimizer takes its parameters."""
+        group.broadcast_module(model)
+        self._distributed = choose(self.config.distributed, model, group, budget)
+        if self._distributed["mode"] != "fsdp":
+            return group
+        self._distributed |= shard(model, group)
+        return dataclasses.replace(group, sharded=True)
 
     def _run_state(self, run: _Run) -> RanksState:
         """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""

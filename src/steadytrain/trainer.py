@@ -27,7 +27,7 @@ from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
-from steadytrain.errors import BadInputError, SteadytrainError, UserCodeError
+from steadytrain.errors import BadInputError, RankOutOfMemory, SteadytrainError, UserCodeError
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -145,6 +145,8 @@ class Trainer:
             if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
                 record_failure(own_dir, exc)
             record_exit(own_dir, exc, group.describe())
+            if isinstance(exc, RankOutOfMemory):
+                group.leave(exc)  # at once: the other ranks wait in a collective
             raise
         except Exception as exc:
             theirs = record_failure(own_dir, exc)  # theirs before the loop: planning, a batch

@@ -125,6 +125,9 @@ class KeepTrainable(Callback):
     def on_fit_end(self, state, control, info) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if info.get("exit_code") != 0:  # a failed rank: the others are not here to gather
+            return
+
         if not dist.is_initialized():
             trainable = self.model.named_parameters()
             self.state = {n: p.detach().clone() for n, p in trainable if p.requires_grad}

@@ -19,16 +19,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from steadytrain import run_files
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, SteadytrainError
 
 
 def _unwatched(name: str) -> contextlib.AbstractContextManager:
@@ -108,6 +109,15 @@ class Group:
         exit can abort the process (std::terminate in the backend's threads)."""
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()
+
+    def leave(self, error: SteadytrainError) -> NoReturn:
+        """End this rank now with `error`'s exit code (its events are written). Sharded, the
+        other ranks wait in an all-gather this rank will not join, and FSDP keeps the process
+        group alive: an orderly interpreter exit aborts in gloo's threads (SIGABRT, not the
+        code). torchrun then ends the other ranks."""
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(error.exit_code)
 
     def settle(self) -> None:
         """Wait until every rank is here (a fit that ended well), and leave gloo's worker

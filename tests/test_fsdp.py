@@ -227,3 +227,32 @@ def test_the_repeated_blocks_are_sharded_one_by_one():
 
     stack = Stack()
     assert repeated_blocks(stack) == list(stack.layers)
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_skipped(uninterrupted: Path, tmp_path: Path):
+    """The manifest lists every rank's files: one shard gone, the checkpoint does not verify
+    and the one before it is used."""
+    from steadytrain.safety.checkpoint import CheckpointStore
+    from steadytrain.safety.state import REQUIRED_FILES
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted / "checkpoints", run_dir / "checkpoints")
+    (run_dir / "checkpoints" / "step-00000004" / "__1_0.distcp").unlink()
+    logged = []
+    store = CheckpointStore(
+        run_dir, 2, log=lambda e, i: logged.append((e, i)), required=REQUIRED_FILES
+    )
+    step, path = store.latest()
+    assert step == 2
+    (skipped,) = [i for e, i in logged if e == "checkpoint_skipped"]
+    assert "__1_0.distcp" in " ".join(skipped["problems"])
+    assert set(store.load(path).sharded) == DCP_FILES  # verified, left for DCP to read
+
+
+def test_the_fine_tune_config_passes_distributed_through():
+    from steadytrain.recipes.finetune_config import FinetuneConfig
+
+    config = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", distributed="fsdp")
+    assert config.to_train_config().distributed == "fsdp"
+    with pytest.raises(ConfigError, match=r"distributed: must be 'auto', 'replicate', 'ddp'"):
+        FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", distributed="zero")

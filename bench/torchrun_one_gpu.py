@@ -55,13 +55,17 @@ def child(args) -> None:
         dist.init_process_group()
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if not args.smoke else "cpu")
-    if args.cap_gib and rank == args.cap_rank and device.type == "cuda":  # a real CUDA OOM there
+    capped = args.cap_rank < 0 or rank == args.cap_rank  # -1: every rank
+    if args.cap_gib and capped and device.type == "cuda":  # a real CUDA OOM there
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
     spec = C.SMOKE_MODEL if args.smoke else C.LLAMA_1B
-    model = C.lora_llama(spec, device, torch.float32 if args.smoke else torch.bfloat16, seed=0)
+    if args.method == "full":  # fp32 weights, every parameter trained: the large state
+        model = C.build_model(spec, seed=0).to(device)
+    else:
+        model = C.lora_llama(spec, device, torch.float32 if args.smoke else torch.bfloat16, seed=0)
     effective = args.effective or args.micro * args.accumulation
-    data = C.synthetic_tokens(effective * args.steps, spec.seq, spec.vocab, 1)
+    data = C.synthetic_tokens(effective * (args.data_steps or args.steps), spec.seq, spec.vocab, 1)
     run_dir = Path(args.run_dir or Path(args.work) / "run")
     config = TrainConfig(
         run_dir=str(run_dir),
@@ -75,6 +79,7 @@ def child(args) -> None:
         progress="off",
         log_every_steps=1,
         compile=args.compile,
+        distributed=args.distributed,
     )
     C.reset_peak(device)
     optimizer = lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")  # noqa: E731
@@ -131,11 +136,14 @@ def add_child_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accumulation", type=int, default=4)
     p.add_argument("--effective", type=int, help="the global batch (default micro × accumulation)")
     p.add_argument("--save-every", type=int)
+    p.add_argument("--data-steps", type=int, help="batches of data (default --steps)")
     p.add_argument("--compile", default="false", choices=["true", "false", "auto"])
     p.add_argument("--cap-gib", type=float, help="cap rank --cap-rank's GPU memory (a real OOM)")
-    p.add_argument("--cap-rank", type=int, default=1)
+    p.add_argument("--cap-rank", type=int, default=1, help="-1: every rank")
     p.add_argument("--kill-at", type=int, help="SIGKILL rank --kill-rank after this step, once")
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--method", default="lora", choices=["lora", "full"])
+    p.add_argument("--distributed", default="auto", choices=["auto", "replicate", "fsdp"])
 
 
 def child_command(args, work: Path, result: Path, **extra: Any) -> list[str]:

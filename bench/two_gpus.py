@@ -12,6 +12,9 @@ Scenarios (each run in its own processes, each with a time limit so a hang is a 
   step has the 64 samples asked for.
 * kill: `steadytrain run -- torchrun --nproc_per_node 2 ...`, rank 1 SIGKILLed after step 3 of
   the first attempt (checkpoints every 2 steps): the group restarts, resumes, finishes.
+* fsdp: a full fine-tune of the 1B shape (fp32 weights, AdamW: 18.6 GiB of state) with each GPU
+  capped at 16 GiB, so one GPU cannot hold it: 2 ranks with `distributed: fsdp`, micro-batch 1,
+  checkpoints through torch.distributed.checkpoint; then one process, uncapped, resumes it.
 
     python bench/two_gpus.py --smoke                     # CPU, gloo, tiny model
     python bench/two_gpus.py --out $OUT/two_gpus.json    # two GPUs
@@ -111,11 +114,48 @@ def kill(args, work: Path) -> dict[str, Any]:
     }
 
 
+def fsdp(args, work: Path) -> dict[str, Any]:
+    """A full fine-tune whose state (fp32 weights, gradients, AdamW: 16 B a parameter, 18.6 GiB
+    for the 1B shape) does not fit one GPU capped at --fsdp-cap-gib: 2 ranks with
+    `distributed: fsdp` under that cap on each GPU, checkpoints through DCP; then one process,
+    uncapped, resumes the run and trains 2 steps more."""
+    run_dir, result = work / "fsdp-run", work / "fsdp.json"
+    common = {"effective": 8, "run_dir": run_dir, "method": "full", "save_every": 2}
+    common["data_steps"] = args.steps + 2  # the same data for the resumed run's longer schedule
+    command = one.child_command(
+        args,
+        work / "fsdp",
+        result,
+        **common,
+        distributed="fsdp",
+        cap_gib=args.fsdp_cap_gib,
+        cap_rank=-1,
+    )
+    command[command.index("--micro") + 1] = "1"
+    checked(launch([*one.torchrun(2), *command], args.limit), "fsdp, 2 ranks")
+    sharded = json.loads(result.read_text())
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    files = sorted(p.name for p in (run_dir / "checkpoints" / latest).iterdir())
+    command = one.child_command(args, work / "fsdp-1", result, **common)
+    command[command.index("--micro") + 1] = "1"
+    command[command.index("--steps") + 1] = str(args.steps + 2)
+    checked(launch([sys.executable, *command], args.limit), "fsdp, resumed on one GPU")
+    events = C.read_jsonl(run_dir / "events.jsonl")
+    return {
+        "two_ranks": sharded,
+        "checkpoint": {"name": latest, "files": files},
+        "one_gpu": json.loads(result.read_text()),
+        "resumed_from": [e["step"] for e in events if e["event"] == "resume"],
+        "overrides": [e for e in events if e["event"] in ("resume_override", "note")][-3:],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     one.add_child_options(p)
     p.add_argument("--scenarios", default="scale,oom,kill")
     p.add_argument("--oom-cap-gib", type=float, default=40.0, help="rank 1's cap in 'oom'")
+    p.add_argument("--fsdp-cap-gib", type=float, default=16.0, help="each GPU's cap in 'fsdp'")
     p.add_argument("--limit", type=float, default=240.0, help="seconds a run may take")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -128,7 +168,8 @@ def main() -> None:
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.scenarios.split(","):
-            figures[name] = {"scale": scale, "oom": oom, "kill": kill}[name](args, Path(work))
+            scenario = {"scale": scale, "oom": oom, "kill": kill, "fsdp": fsdp}[name]
+            figures[name] = scenario(args, Path(work))
             print(f"{name}: {json.dumps(summary_of(name, figures[name]))}", flush=True)
     device = torch.device("cpu" if args.smoke else "cuda")
     out = args.out or C.default_out("two_gpus", args.smoke)
@@ -142,6 +183,14 @@ def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
             "tokens/s 2 ranks": round(f["runs"]["2 ranks"]["tokens_per_s"]),
             "speedup": round(f["speedup"], 3),
             "largest relative loss difference": f["largest_loss_difference"],
+        }
+    if name == "fsdp":
+        two, one_gpu = f["two_ranks"], f["one_gpu"]
+        return {
+            "2 ranks": {k: two[k] for k in ("steps", "peak_allocated", "process_group", "losses")},
+            "checkpoint files": f["checkpoint"]["files"],
+            "resumed_from": f["resumed_from"],
+            "one GPU": {k: one_gpu[k] for k in ("steps", "peak_allocated", "losses")},
         }
     r = f["result"]
     out = {k: r[k] for k in ("steps", "micro_batch_size", "oom_count", "samples")}

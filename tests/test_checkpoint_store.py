@@ -402,7 +402,9 @@ def test_random_kills_never_lose_a_commit_nor_publish_a_partial_checkpoint(tmp_p
     assert report["lost_commits"] == []  # every save that returned is found again
     assert report["mismatch"] == []  # what latest() returns is exactly what was saved
     assert report["leftovers"] == []  # latest() cleaned every killed save's leftovers
-    assert report["steps"][-1] is not None and report["steps"][-1] > 10
+    # Progress: kills land within a window measured once at the start, so a busy machine commits
+    # fewer saves per trial; what matters is that commits keep coming, and the lists above.
+    assert report["steps"][-1] is not None and report["steps"][-1] > 2
     assert report["seen"].get("staging", 0) >= 1  # some kills did land in the middle of a save
 
 

@@ -162,6 +162,7 @@ def test_merge_in_bf16_writes_bf16_weights_close_to_fp32(made, tmp_path):
     assert 1e-5 < error / expected.abs().max().item() < 5e-2  # bf16 rounding, not fp32's
 
 
+@pytest.mark.slow  # the merge's logits are checked by test_merge_gives_the_logits_...
 def test_merged_folder_loads_with_transformers_alone(made, tmp_path):
     out = tmp_path / "merged"
     merge(made["final"], out)
@@ -253,6 +254,7 @@ def _argmax_decode(model, ids: list[int], steps: int, eos: int) -> list[int]:
     return new
 
 
+@pytest.mark.slow  # generation is also run by test_sampling_is_repeatable_with_a_seed
 def test_greedy_generation_is_argmax_decoding(made):
     tokenizer = load_tokenizer(resolve_artifact(made["run"]))
     model = load_model(resolve_artifact(made["run"]), torch.float32)

@@ -146,6 +146,7 @@ def test_seed_config_finetunes_to_the_end_and_the_adapter_loads_in_peft(workspac
             assert not torch.equal(trained(input_ids=ids).logits, expected)
 
 
+@pytest.mark.slow  # the seed-night test does this under `run` with no --run-dir
 def test_sigkill_under_the_supervisor_resumes_to_a_bitwise_equal_adapter(workspace):
     short = ["max_steps=6", "save_steps=2"]
     reference = FinetuneJob.from_file(write_config(workspace, "ref.json", "run-ref"), short).run()

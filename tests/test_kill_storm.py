@@ -118,7 +118,7 @@ def storm(tmp_path: Path, kills: int, seed: int, args: tuple[str, ...]) -> tuple
 
 @pytest.mark.parametrize(
     "kills",
-    [pytest.param(12, id="12-kills"), pytest.param(50, id="50-kills", marks=pytest.mark.slow)],
+    [pytest.param(6, id="6-kills"), pytest.param(50, id="50-kills", marks=pytest.mark.slow)],
 )
 def test_kill_storm_finishes_with_the_uninterrupted_result(tmp_path, kills):
     args = workload_args(kills)

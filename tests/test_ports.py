@@ -64,7 +64,7 @@ def test_the_port_trains_exactly_as_the_programs_own_loop(tmp_path, program):
 @pytest.mark.parametrize(
     "program",
     [
-        pytest.param(p, marks=pytest.mark.slow) if p == "word_language_model" else p
+        p if p == "plateau_regression" else pytest.param(p, marks=pytest.mark.slow)
         for p in sorted(CAP_MIB)
     ],
 )

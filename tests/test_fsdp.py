@@ -196,6 +196,24 @@ def test_ddp_is_replicate():
     assert choose("fsdp", model, two, None)["mode"] == "fsdp"
 
 
+def test_a_torch_without_what_fsdp_needs_is_refused_naming_the_field(monkeypatch):
+    """A torch whose FSDP2 lacks the gloo sum (older releases) is exit 2 naming `distributed`,
+    not an AttributeError in the middle of the first step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from steadytrain.engine import sharding
+
+    assert sharding._fsdp2(gloo=True)[0] is FSDPModule  # this torch has it
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(ConfigError) as info:
+        sharding._fsdp2(gloo=True)
+    assert info.value.exit_code == 2
+    assert "distributed: fsdp needs FSDP2" in str(info.value) and "distributed: replicate" in str(
+        info.value
+    )
+    assert sharding._fsdp2(gloo=False)[0] is FSDPModule  # NCCL does not need it
+
+
 def test_auto_shards_only_what_does_not_fit_one_rank():
     model = torch.nn.Linear(100, 100)  # 10,100 parameters of 4 bytes, all trainable
     need = state_bytes(model)

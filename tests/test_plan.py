@@ -90,7 +90,8 @@ def test_probe_fits_a_line_that_predicts_a_larger_size():
     assert result.baseline <= line.fixed + line.per_sample
     eight = measure(run, device, 8, False)
     grown = eight.peak - result.baseline
-    assert abs(line.peak(8) - eight.peak) <= 0.25 * grown + 4 * MiB
+    # Resident-set peaks move by a few MiB run to run (allocator arenas, page reuse).
+    assert abs(line.peak(8) - eight.peak) <= 0.25 * grown + 8 * MiB
 
 
 # -- the choice on synthetic measurements -----------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from steadytrain.engine.distributed import Group
+from steadytrain.errors import ConfigError
 
 MODES = {"replicate": "replicate", "ddp": "replicate", "fsdp": "fsdp"}
 """The config's `distributed` values and the mode each means ('ddp' names replicate)."""
@@ -92,9 +93,10 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     """Shard `model` in place over the group's ranks (every rank must hold the same values:
     `Group.broadcast_module` first). Returns what was sharded, for the `sharding` event."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     device_type = torch.device(group.device).type
+    gloo = device_type == "cpu"
+    FSDPModule, fully_shard = _fsdp2(gloo)
     mesh = init_device_mesh(device_type, (group.world_size,))
     atexit.unregister(_let_workers_release)  # once, however many fits
     atexit.register(_let_workers_release)
@@ -106,8 +108,29 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the losses carry the global weights
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # required on gloo: above
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return {"mode": "fsdp", "blocks": len(blocks), "kinds": kinds, "world_size": group.world_size}
+
+
+def _fsdp2(gloo: bool) -> tuple[type, Any]:
+    """FSDP2's public names, or a ConfigError naming the field when this torch lacks what the run
+    needs: a gradient divide factor, and on gloo (CPU) sums without a pre-multiplied reduction."""
+    needs = ["set_gradient_divide_factor"] + (["set_force_sum_reduction_for_comms"] if gloo else [])
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    except ImportError:
+        pass
+    else:
+        if all(hasattr(FSDPModule, name) for name in needs):
+            return FSDPModule, fully_shard
+    raise ConfigError(
+        [
+            f"distributed: fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard with "
+            f"{' and '.join(needs)}), which torch {torch.__version__} lacks; install a newer "
+            "torch, or set distributed: replicate"
+        ]
+    )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

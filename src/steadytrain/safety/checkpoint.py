@@ -275,7 +275,15 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     """One safetensors file written and fsynced as the store writes its own (for a file another
     rank puts into a staging folder); returns its size and sha256."""
     parts, _ = _safetensors_parts(tensors)
-    sink = _FileSink(path)
+    return _write_parts(path, parts)
+
+
+def _write_parts(
+    path: Path, parts: Iterable[Any], fault_at: tuple[int, Callable[[], None]] | None = None
+) -> dict[str, Any]:
+    """Write `parts` to `path` and fsync it (a failed write leaves no half file in the manifest:
+    the caller's staging folder is discarded); returns its size and sha256."""
+    sink = _FileSink(path, fault_at)
     try:
         for part in parts:
             sink.write(part)
@@ -580,15 +588,7 @@ class CheckpointStore:
         parts: Iterable[Any],
         fault_at: tuple[int, Callable[[], None]] | None = None,
     ) -> dict[str, Any]:
-        sink = _FileSink(path, fault_at)
-        try:
-            for part in parts:
-                sink.write(part)
-        except BaseException:
-            sink.close(sync=False)
-            raise
-        sink.close()
-        return {"sha256": sink.hash.hexdigest(), "bytes": sink.bytes}
+        return _write_parts(path, parts, fault_at)
 
     def _write_object(self, path: Path, obj: Any) -> dict[str, Any]:
         sink = _FileSink(path)

@@ -19,11 +19,26 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain[-compile]: Trainer, micro 8, CausalLMLoss() (the plain loss), compile false [true].
 * steadytrain-fused[-compile]: the same with CausalLMLoss(chunk_tokens=1024): on CUDA with Liger
   Kernel installed its chunked mode is the fused linear cross-entropy (memory/fused_loss.py).
+* steadytrain-fused-compile-keep: the same, compiled with the partitioner's default (activation
+  memory budget 1.0): each block keeps its elementwise results too (engine/compiling.py).
+* steadytrain-fused-compile-cudnn: the same with cuDNN's attention first in SDPA's order;
+  -cudagraphs: the same with inductor's CUDA graphs (`torch._inductor.config.triton.cudagraphs`):
+  speed levers tried for P6, not defaults. -autotune: inductor times Triton's matrix-multiply
+  templates against cuBLAS for each shape of the compiled blocks (`max_autotune_gemm`).
 * steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
   chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
   default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
 * steadytrain-cap-m4/m8-fused-compile: cap, the micro size set by hand, the fused loss, compiled,
   no checkpointing: the hand-tuned runs the planner's choice is measured against.
+* steadytrain-cap-m16-ckpt/offload-fused-compile: Unsloth's capped setting (micro 16 × 4) by
+  hand, the fused loss, compiled, with activation checkpointing, plain or with the kept layer
+  inputs offloaded to host memory (`activation_checkpointing: "offload"`).
+
+With `--profile N`, each arm runs N more optimizer steps after the timed ones under
+torch.profiler, and its JSON gets the GPU kernel time of those steps by kind (matrix multiplies,
+attention, Triton kernels, elementwise, reductions, copies, optimizer), the 40 kernels that took
+longest, and the share of the steps' wall time the GPU was busy: where two arms of the same
+function spend their time differently.
 
 Per arm: tokens/s over the steady steps (after --warmup), peak allocated memory, the first step's
 loss (the same base weights and LoRA B = 0 give every arm the same value: a check that each arm
@@ -32,6 +47,7 @@ step and to the first million trained tokens, out-of-memory events, the batch ea
 
     python bench/fast_lora.py --smoke                         # CPU, tiny model, plain + steadytrain
     python bench/fast_lora.py --arms unsloth,plain,steadytrain-fused --out $OUT/fast_lora.json
+    python bench/fast_lora.py --arms unsloth,steadytrain-fused-compile --profile 2
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ import time
 STARTED = time.perf_counter()  # before any heavy import: Unsloth's patching counts
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -65,13 +82,174 @@ ARMS: dict[str, dict[str, Any]] = {
     "steadytrain-compile": {"cap": False, "micro": 8, "compile": True},
     "steadytrain-fused": {"cap": False, "micro": 8, "chunk": 1024, "compile": False},
     "steadytrain-fused-compile": {"cap": False, "micro": 8, "chunk": 1024, "compile": True},
+    "steadytrain-fused-compile-keep": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "budget": 1.0,
+    },
     "steadytrain-auto": {"cap": True, "micro": "auto"},
     "steadytrain-auto-eager": {"cap": True, "micro": "auto", "compile": False},
     "steadytrain-auto-compile": {"cap": True, "micro": "auto", "compile": True},
+    "steadytrain-fused-compile-cudnn": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "attention": "cudnn",
+    },
+    "steadytrain-fused-compile-cudagraphs": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "cudagraphs": True,
+    },
+    "steadytrain-fused-compile-autotune": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "autotune": True,
+    },
+    "steadytrain-cap-m16-ckpt-fused-compile": {
+        "cap": True,
+        "micro": 16,
+        "chunk": 1024,
+        "compile": True,
+        "checkpointing": True,
+    },
+    "steadytrain-cap-m16-offload-fused-compile": {
+        "cap": True,
+        "micro": 16,
+        "chunk": 1024,
+        "compile": True,
+        "checkpointing": "offload",
+    },
     "steadytrain-cap-m4-fused-compile": {"cap": True, "micro": 4, "chunk": 1024, "compile": True},
     "steadytrain-cap-m8-fused-compile": {"cap": True, "micro": 8, "chunk": 1024, "compile": True},
 }
 SMOKE_ARMS = "plain,steadytrain,steadytrain-fused,steadytrain-auto"
+KERNEL_KINDS = (  # (kind, lower-case pieces of a kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma", "splitk")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("copy", ("memcpy", "memset", "copy_kernel", "cat_", "catarray")),
+    ("triton", ("triton",)),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+
+
+def gaps(prof, on_device: bool) -> dict[str, Any] | None:
+    """Where the device sat idle between kernels in the profiled steps: the idle time, and the
+    longest gaps with the kernels on either side."""
+    if not on_device:
+        return None
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Profiler")
+    )
+    if not spans:
+        return None
+    idle, found, reach, last = 0.0, [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            idle += start - reach
+            found.append((start - reach, last, name))
+        if end >= reach:
+            reach, last = end, name
+    found.sort(reverse=True)
+    return {
+        "window_ms": (reach - spans[0][0]) / 1e3,
+        "idle_ms": idle / 1e3,
+        "gaps_over_50us": sum(1 for g in found if g[0] > 50),
+        "idle_in_gaps_over_50us_ms": sum(g[0] for g in found if g[0] > 50) / 1e3,
+        "longest": [
+            {"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in found[:25]
+        ],
+    }
+
+
+class StepProfile:
+    """torch.profiler over the `count` optimizer steps after the first `skip`: `step()` is called
+    at each optimizer step's end (after a host sync), `summary` is filled when the window ends."""
+
+    def __init__(self, skip: int, count: int, device: torch.device, trace: Path | None = None):
+        self.skip, self.count, self.steps, self.bounds = skip, count, 0, []
+        self.trace = trace
+        self.summary: dict[str, Any] | None = None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.device_type = device.type
+        self.prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=max(skip - 1, 0), warmup=1, active=count, repeat=1
+            ),
+            on_trace_ready=self._summarize,
+        )
+        self.prof.start()
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps in (self.skip, self.skip + self.count):
+            self.bounds.append(time.perf_counter())
+        if self.summary is None:
+            self.prof.step()
+
+    def _summarize(self, prof) -> None:
+        on_device = self.device_type == "cuda"
+        kernels = [
+            e
+            for e in prof.key_averages()
+            if (e.device_type == torch.autograd.DeviceType.CUDA) == on_device
+            and (on_device or e.self_cpu_time_total > 0)
+        ]
+
+        def self_us(e) -> float:
+            if on_device:
+                return getattr(e, "self_device_time_total", 0.0) or e.self_cuda_time_total
+            return e.self_cpu_time_total
+
+        kernels = [e for e in kernels if not e.key.startswith("ProfilerStep")]
+        kinds: dict[str, float] = {}
+        for e in kernels:
+            kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + self_us(e) / 1e3
+        busy = sum(kinds.values())
+        top = sorted(kernels, key=self_us, reverse=True)[:40]
+        self.summary = {
+            "steps": self.count,
+            "busy_ms_per_step": busy / self.count,
+            "ms_per_step_by_kind": {k: v / self.count for k, v in sorted(kinds.items())},
+            "top_kernels": [
+                {
+                    "name": e.key[:160],
+                    "calls": e.count,
+                    "ms_per_step": self_us(e) / 1e3 / self.count,
+                }
+                for e in top
+            ],
+            "gaps": gaps(prof, on_device),
+        }
+        if self.trace is not None:
+            prof.export_chrome_trace(str(self.trace))
+
+    def finish(self) -> dict[str, Any] | None:
+        self.prof.stop()
+        if self.summary is not None and len(self.bounds) == 2:
+            wall = (self.bounds[1] - self.bounds[0]) * 1e3 / self.count
+            self.summary["wall_ms_per_step"] = wall
+            self.summary["busy_share"] = self.summary["busy_ms_per_step"] / wall
+        return self.summary
 
 
 def anchor_versions() -> dict[str, str | None]:
@@ -89,11 +267,17 @@ def anchor_versions() -> dict[str, str | None]:
 # -- the loops -------------------------------------------------------------------------------
 
 
+def total_steps(args) -> int:
+    """The timed steps, then the profiled ones, then (with a profile) one more that saves, so
+    that steadytrain's end-of-run checkpoint falls outside the profile."""
+    return args.steps + (args.profile + 1 if args.profile else 0)
+
+
 def batches(args, data, effective: int):
     """Each optimizer step's (input_ids, labels), pinned, in steadytrain's sampler order."""
 
     order = C.data_order(len(data), args.seed)
-    for step in range(args.steps):
+    for step in range(total_steps(args)):
         rows = [data[i] for i in order[step * effective : (step + 1) * effective]]
         ids = torch.stack([r["input_ids"] for r in rows])
         labels = torch.stack([r["labels"] for r in rows])
@@ -102,7 +286,7 @@ def batches(args, data, effective: int):
         yield ids, labels
 
 
-def loop(args, model, data, device, effective: int, micro: int, with_labels: bool):
+def loop(args, model, data, device, effective: int, micro: int, with_labels: bool, profile=None):
     """The plain loop every non-steadytrain arm runs: token-weighted loss per micro-batch,
     backward, clip, fused AdamW. `with_labels`: the model computes its own (mean) loss from
     labels, as Unsloth's and Liger's fused losses do; else the logits' fp32 cross-entropy."""
@@ -132,12 +316,36 @@ def loop(args, model, data, device, effective: int, micro: int, with_labels: boo
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # a host sync: the step's end
         marks.append(time.perf_counter())
+        if profile is not None:
+            profile.step()
     return {"marks": marks, "losses": losses, "micro": micro, "accumulation": effective // micro}
 
 
-def run_steadytrain(args, arm: dict, model, data, device, effective: int) -> dict[str, Any]:
-    from steadytrain import TrainConfig, Trainer
+def run_steadytrain(
+    args, arm: dict, model, data, device, effective: int, profile=None
+) -> dict[str, Any]:
+    from steadytrain import Callback, TrainConfig, Trainer
+    from steadytrain.engine import compiling
     from steadytrain.memory.chunked_loss import CausalLMLoss
+
+    if "budget" in arm:
+        compiling.RECOMPUTE_BUDGET = arm["budget"]
+    if arm.get("cudagraphs"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.cudagraphs = True
+    if arm.get("autotune"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune_gemm = True
+        inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
+    attention = contextlib.nullcontext()
+    if arm.get("attention") == "cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+        order += [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        attention = sdpa_kernel(order, set_priority=True)
 
     with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
         run_dir = Path(work) / "run"
@@ -147,21 +355,32 @@ def run_steadytrain(args, arm: dict, model, data, device, effective: int) -> dic
             micro_batch_size=arm["micro"],
             precision="bf16" if device.type == "cuda" else "fp32",
             device=str(device),
-            max_steps=args.steps,
-            save_every_steps=args.steps,
+            max_steps=total_steps(args),
+            save_every_steps=total_steps(args),
             seed=args.seed,
             progress="lines",
             log_every_steps=1,
             **({"compile": arm["compile"]} if "compile" in arm else {}),
+            **(
+                {"activation_checkpointing": arm["checkpointing"]} if "checkpointing" in arm else {}
+            ),
         )
         loss_fn = CausalLMLoss(chunk_tokens=arm.get("chunk"))
-        result = Trainer(
+
+        class Profiling(Callback):
+            def on_step_end(self, state, control, info) -> None:
+                profile.step()
+
+        trainer = Trainer(
             model,
             lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda"),
             loss_fn,
             data,
             config=config,
-        ).fit()
+            callbacks=[Profiling()] if profile is not None else (),
+        )
+        with attention:
+            result = trainer.fit()
         metrics = C.read_jsonl(run_dir / "metrics.jsonl")
         events = C.read_jsonl(run_dir / "events.jsonl")
     offset = time.perf_counter() - time.time()
@@ -259,7 +478,7 @@ def child(args) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
         cap = int(args.cap_gib * GiB)
     effective = args.effective_cap if arm["cap"] else args.effective
-    data = C.synthetic_tokens(effective * args.steps, spec.seq, spec.vocab, args.seed + 1)
+    data = C.synthetic_tokens(effective * total_steps(args), spec.seq, spec.vocab, args.seed + 1)
     with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
         if name.startswith("unsloth"):
             model = unsloth_model(args, spec, arm, Path(work))
@@ -271,13 +490,17 @@ def child(args) -> None:
         C.synchronize(device)
         C.reset_peak(device)
         loaded = time.perf_counter()
+        trace = args.trace_dir / f"{name}.json.gz" if args.trace_dir else None
+        profile = StepProfile(args.steps, args.profile, device, trace) if args.profile else None
         if name.startswith("steadytrain"):
-            result = run_steadytrain(args, arm, model, data, device, effective)
+            result = run_steadytrain(args, arm, model, data, device, effective, profile)
         else:
             micro = arm["micro"] if not args.smoke else min(arm["micro"], 4)
             labels = name != "plain"
-            result = loop(args, model, data, device, effective, micro, labels)
-    result.update(summary(args, spec, result.pop("marks"), effective, loaded))
+            result = loop(args, model, data, device, effective, micro, labels, profile)
+    if profile is not None:
+        result["profile"] = profile.finish()
+    result.update(summary(args, spec, result.pop("marks")[: args.steps], effective, loaded))
     result.update(
         arm=name,
         cap_bytes=cap,
@@ -323,6 +546,8 @@ def run_arms(args) -> dict[str, Any]:
         cmd += ["--effective", str(args.effective), "--effective-cap", str(args.effective_cap)]
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
         cmd += ["--seed", str(args.seed), "--cap-gib", str(args.cap_gib)]
+        cmd += ["--profile", str(args.profile)]
+        cmd += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
         cmd += ["--smoke"] if args.smoke else []
         print(f"running arm {name}", file=sys.stderr, flush=True)
         env = {
@@ -379,6 +604,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="steps left out (5; smoke 1)")
     ap.add_argument("--arm-timeout", type=float, default=420.0, help="seconds per arm")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile", type=int, default=0, help="profile this many steps after the timed ones"
+    )
+    ap.add_argument(
+        "--trace-dir", type=Path, default=None, help="with --profile: a Chrome trace per arm here"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

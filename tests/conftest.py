@@ -11,8 +11,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
-# Under RLIMIT_AS the address space is what runs out. These make glibc hand freed memory back to
-# the OS (large blocks by mmap, one arena), so the limit measures live memory, not allocator slack.
+# Under RLIMIT_AS the address space is what runs out. A workload warms up (one forward and
+# backward) and imports what the run will import (torch._dynamo, which building an optimizer
+# loads) before it sets the cap: a thread pool or a module loaded under a tight cap fails. These
+# make glibc hand freed memory back to the OS (large blocks by mmap, one arena), so the limit
+# measures live memory, not allocator slack.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 

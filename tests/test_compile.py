@@ -180,3 +180,52 @@ def test_the_default_auto_leaves_a_cpu_run_eager(tmp_path: Path):
     assert result.exit_code == 0
     assert not [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "compile"]
     assert all(m._compiled_call_impl is None for m in model.modules())
+
+
+def saved_by_one_layer(model, ids) -> dict[tuple[int, ...], int]:
+    """The activations one decoder layer saves for backward: shape → how many, leaving out the
+    parameters, the layer's input and the rotary tables (no batch dimension)."""
+    base = model.get_base_model().model
+    hidden = base.embed_tokens(ids).detach().requires_grad_(True)
+    positions = torch.arange(ids.shape[1])[None]
+    rotary = base.rotary_emb(hidden, positions)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[int, ...]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage().data_ptr()
+        batch_dim = t.dim() and t.shape[0] in (ids.shape[0], ids.numel())
+        if storage not in params and storage != hidden.untyped_storage().data_ptr() and batch_dim:
+            saved[storage] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = base.layers[0](hidden, position_embeddings=rotary, position_ids=positions)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    counts: dict[tuple[int, ...], int] = {}
+    for shape in saved.values():
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def test_a_compiled_layer_keeps_what_its_matrix_multiplies_made_and_recomputes_the_rest():
+    """The compiled block saves the MLP's two products (gate, up) but not SiLU(gate) × up, the
+    down projection's input, and neither norm's output: elementwise results it recomputes in
+    backward (compiling.RECOMPUTE_BUDGET), where the eager layer keeps four tensors that wide."""
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    eager = lora_llama()
+    compiled = lora_llama()
+    compile_blocks(compiled, "cpu")
+    intermediate = eager.config.intermediate_size
+    kept_eager = saved_by_one_layer(eager, ids)
+    kept = saved_by_one_layer(compiled, ids)
+    wide = sum(n for shape, n in kept.items() if shape[-1] == intermediate)
+    wide_eager = sum(n for shape, n in kept_eager.items() if shape[-1] == intermediate)
+    assert wide == 2 and wide_eager == 4  # eager: gate, up, SiLU(gate), the product
+    assert sum(kept.values()) < sum(kept_eager.values())
+    # The same function: the gradients of every LoRA weight agree with the eager layer's.
+    for (name, a), (_, b) in zip(
+        eager.named_parameters(), compiled.named_parameters(), strict=True
+    ):
+        if a.grad is not None:
+            assert b.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-6), name

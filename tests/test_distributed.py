@@ -120,7 +120,8 @@ def test_two_ranks_equal_one_process(tmp_path: Path, loss, batch, micro_one, mic
 
 def test_out_of_memory_on_one_rank_shrinks_every_rank(tmp_path: Path):
     """Acceptance 2: rank 1's address space is capped (RLIMIT_AS) so that micro-batch 16 fails
-    there with the CPU allocator's own error; both ranks take the same rungs together (16 -> 8,
+    there with a real CPU out-of-memory error (the allocator's own, or oneDNN's when a kernel's
+    scratchpad is the allocation that fails: which one comes first depends on the machine); both ranks take the same rungs together (16 -> 8,
     and lower where the cap is tighter on a busy machine), the run finishes, and its parameters
     equal those of one process started at the micro-batch the ranks ended at (acceptance 1 makes
     one process and two ranks equal)."""
@@ -136,7 +137,11 @@ def test_out_of_memory_on_one_rank_shrinks_every_rank(tmp_path: Path):
     events_0 = read_jsonl(tmp_path / "limited" / "events.jsonl")
     oom_1 = [e for e in events_1 if e["event"] == "oom"]
     oom_0 = [e for e in events_0 if e["event"] == "oom"]
-    assert oom_1 and "DefaultCPUAllocator" in oom_1[0]["error"]
+    assert oom_1
+    assert any(
+        sign in oom_1[0]["error"]
+        for sign in ("DefaultCPUAllocator: ", "could not create a primitive")
+    ), oom_1[0]["error"]
     assert "out of memory on rank 1 of 2" in oom_0[0]["error"]
     assert oom_0[0]["phase"] == "rank 1"
     shrinks = [
@@ -271,9 +276,15 @@ def test_a_killed_rank_under_the_supervisor_restarts_the_group_bitwise_exact(tmp
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events].count("restart") == 1
     # The supervisor names the rank that died: it wrote no exit record (a SIGKILL), while rank
-    # 0's collective broke waiting for it (or torchrun stopped it).
+    # 0's collective broke waiting for it (or torchrun stopped it). Where rank 0 too ended
+    # without a word (torchrun's kill, or gloo aborting in native code, came before its record),
+    # nothing tells which died first: both are named and neither is called first.
     (restart,) = [e for e in events if e["event"] == "restart"]
-    assert (restart["failed_rank"], restart["rank_exit"]) == (1, None), restart
+    if restart["failed_rank"] is None:
+        assert restart["silent_ranks"] == [0, 1], restart
+        assert "ranks 0, 1 of 2 ended without an exit record" in restart["reason"]
+    else:
+        assert (restart["failed_rank"], restart["rank_exit"]) == (1, None), restart
     assert "rank 1 of 2 failed first" in restart["reason"]
     assert "rank 1 of 2 failed first: it ended without an exit record" in supervised.stderr
     for record in (e for e in events if e["event"] == "exit" and e["time"] < restart["time"]):
@@ -350,3 +361,28 @@ def test_rank_0_alone_prints_progress_and_the_report_shows_every_rank(tmp_path: 
     report = write_report(tmp_path / "two")
     page = report.html.read_text()
     assert "peak memory, rank 0" in page and "peak memory, rank 1" in page
+
+
+def test_the_end_of_a_fit_waits_until_gloos_workers_let_go_of_its_last_collectives(tmp_path):
+    """A gloo worker lets go of a finished collective a moment after its caller moved on; one
+    that does so during interpreter exit aborts the process after a run that finished. `settle`
+    ends with `released`: the kept tensors of its rendezvous are held by no work any more."""
+    import torch.distributed as dist
+
+    from steadytrain.engine.distributed import _KEPT, released, rendezvous
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for _ in range(2):
+            rendezvous("cpu")
+        assert released(10.0)
+        assert all(kept._use_count() == 1 for kept in _KEPT.values())
+        # a holder that never lets go (here autograd, which saved it for a backward): the wait
+        # ends at its limit
+        held = torch.ones(1, requires_grad=True) * _KEPT["cpu"]
+        assert not released(0.05)
+        del held
+        assert released(1.0)
+    finally:
+        dist.destroy_process_group()

@@ -82,6 +82,29 @@ def test_one_sample_that_does_not_fit_exits_3_with_numbers(tmp_path: Path):
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+def test_a_batch_norm_model_shrunk_to_one_sample_exits_3_naming_batch_norm(tmp_path: Path):
+    """BatchNorm1d cannot train on one sample (one value per channel). When micro-batch 2 runs
+    out of memory, the ladder's last halving cannot help: the run ends as one that does not fit
+    (exit 3, what helps, no traceback), not with torch's ValueError as an internal error. With
+    room, the same program trains at the whole batch."""
+    roomy = run_workload(
+        "batch_norm.py", str(tmp_path / "roomy"), "--limit-mib", "400", env=MALLOC_ENV
+    )
+    assert roomy.returncode == 0, roomy.stderr
+    assert json.loads((tmp_path / "roomy" / "result.json").read_text())["micro_batch_size"] == 4
+
+    proc = run_workload("batch_norm.py", str(tmp_path / "run"), "--limit-mib", "80", env=MALLOC_ENV)
+    assert proc.returncode == 3, proc.stderr
+    assert "does not fit: micro-batch 2 ran out of memory" in proc.stderr
+    assert "BatchNorm" in proc.stderr and "GroupNorm/LayerNorm" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    shrinks = [(e["old"], e["new"]) for e in events if e["event"] == "shrink"]
+    assert shrinks == [(4, 2), (2, 1)]
+    assert all("DefaultCPUAllocator" in e["error"] for e in events if e["event"] == "oom")
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
 @pytest.mark.parametrize("limit", [pytest.param("160", marks=pytest.mark.slow), "300"])
 def test_surviving_leaves_no_growing_memory(tmp_path: Path, limit: str):
     """After recovery the process holds no more than before the failed attempt (nothing leaks

@@ -292,6 +292,18 @@ def test_4bit_is_refused_on_cpu_naming_the_field_and_the_fallback_loads_unquanti
         plan_base_load(FinetuneConfig.load(path), "cuda", "bf16", bnb_available=False)
 
 
+def test_offload_is_refused_on_cpu_before_the_base_loads(workspace):
+    offload = SEED_CONFIG.replace(
+        '"gradient_checkpointing": true', '"gradient_checkpointing": "offload"'
+    )
+    path = write_config(workspace, "seed-offload.json", "run-offload", offload)
+    with pytest.raises(ConfigError) as caught:
+        run_finetune(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith("gradient_checkpointing: 'offload' needs a GPU") and "cpu" in problem
+    assert caught.value.exit_code == 2 and not (workspace / "run-offload").exists()
+
+
 def test_json_comments_are_stripped_outside_strings_only_and_errors_keep_their_place(tmp_path):
     text = '{\n  "a": "http://x /* y */", // c\n  /* b\n  */ "b": "\\"//"\n}'
     assert json.loads(strip_json_comments(text)) == {"a": "http://x /* y */", "b": '"//'}
@@ -377,3 +389,15 @@ def test_evaluation_each_epoch_and_every_n_steps_reaches_metrics_and_the_console
     assert never.to_train_config().evaluate_every_epochs is None
     no_data = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl").to_train_config()
     assert no_data.evaluate_every_epochs is None
+
+
+def test_too_few_packed_windows_for_one_batch_is_refused_naming_the_fine_tune_keys(workspace):
+    """64 short records packed into windows of 1024 tokens make one sample: the refusal names
+    the keys of this config (packing, max_seq_length, the two batch keys), not engine fields."""
+    config = write_config(workspace, "packed.json", "run-packed")
+    with pytest.raises(BadInputError) as info:
+        FinetuneJob.from_file(config, ["packing=true", "max_seq_length=1024"])
+    text = str(info.value)
+    assert text.startswith("train_file: 1 training sample(s) after packing")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length"):
+        assert key in text

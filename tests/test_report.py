@@ -67,7 +67,7 @@ def supervised(tmp_path_factory) -> Path:
         [
             *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)),
             *("--backoff-initial", "0.05", "--"),
-            *workload(run_dir, "--limit-mib", "200", "--kill-at", str(KILL_AT)),
+            *workload(run_dir, "--limit-mib", "130", "--kill-at", str(KILL_AT)),
             *("--save-every", str(SAVE_EVERY)),
         ],
         capture_output=True,

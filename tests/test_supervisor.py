@@ -371,6 +371,21 @@ def test_the_rank_that_failed_first_is_the_one_not_waiting_for_another():
     assert "without an exit record" in silent.describe()
 
 
+def test_several_ranks_killed_without_a_word_are_named_together_not_one_of_them_first():
+    """A SIGKILLed rank and a peer that torchrun (or a native abort) ended before it could write
+    its record: nothing tells which died first, so the line names both and says so, and the
+    restart event names no rank."""
+    dead = [rank_end(0, None), rank_end(1, None), rank_end(2, {"event": "fit_end", "time": 1.0,
+                                                                "exit_code": 143})]  # fmt: skip
+    chosen = failed_rank(dead)
+    assert chosen.silent_with == (0, 1)
+    assert chosen.describe().startswith("ranks 0, 1 of 3 ended without an exit record")
+    assert "which failed first is not known" in chosen.describe()
+    death = ChildExit.of(1, None, None, chosen)
+    assert death.rank_fields == {"failed_rank": None, "rank_exit": None, "silent_ranks": [0, 1]}
+    assert failed_rank([dead[1], dead[2]]) is dead[1]  # one silent rank is named
+
+
 def test_rank_ends_read_each_ranks_folder_since_the_attempt_started(tmp_path):
     run = tmp_path / "run"
     (run / "ranks" / "rank-1").mkdir(parents=True)

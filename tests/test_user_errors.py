@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from steadytrain import Callback, TrainConfig, Trainer
-from steadytrain.errors import UserCodeError, user_code_error
+from steadytrain.errors import OutOfMemoryInYourCode, UserCodeError, user_code_error
 from steadytrain.telemetry.files import read_jsonl
+from steadytrain.telemetry.run_reading import load_run, summary_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STEADYTRAIN = str(ROOT / "src" / "steadytrain")
@@ -126,6 +127,56 @@ def test_an_error_in_collate_is_theirs(tmp_path):
 
     error = fails(tmp_path, collate_fn=collate)
     assert error.where.startswith("collate (test_user_errors.py:")
+
+
+def too_big() -> torch.Tensor:
+    """A real allocator failure on any machine: 1 EiB."""
+    return torch.empty(2**60, dtype=torch.uint8)
+
+
+def test_out_of_memory_building_the_optimizer_exits_3_saying_a_smaller_micro_batch_wont_help(
+    tmp_path,
+):
+    """Out of memory in the user's code outside a step (here the optimizer factory, before the
+    first step) is not a bug to fix in their code (exit 5) and not one the ladder can shrink:
+    exit 3, as a run that does not fit, naming the function and what helps."""
+
+    def build_optimizer(params):
+        state = too_big()
+        return torch.optim.SGD(params, lr=0.01, weight_decay=float(state.numel()))
+
+    torch.manual_seed(0)
+    config = TrainConfig(run_dir=str(tmp_path / "run"), effective_batch_size=8, max_steps=2)
+    trainer = Trainer(torch.nn.Linear(4, 1), build_optimizer, mse, data(), config)
+    with pytest.raises(OutOfMemoryInYourCode) as info:
+        trainer.fit()
+    error = info.value
+    assert error.exit_code == 3
+    assert isinstance(error, RuntimeError)  # `except RuntimeError` around fit() still catches it
+    text = str(error)
+    assert text.startswith("out of memory in your code (too_big (test_user_errors.py:")
+    assert "called from build_optimizer (test_user_errors.py:" in text
+    assert "before the first step: RuntimeError:" in text and "can't allocate memory" in text
+    assert "a smaller micro-batch does not help" in text
+    assert STEADYTRAIN not in error.frames
+    event = read_jsonl(tmp_path / "run" / "events.jsonl")[-1]
+    assert (event["event"], event["exit_code"], event["in_your_code"]) == ("error", 3, True)
+    assert "stopped by out of memory in your code (too_big (" in summary_line(
+        load_run(tmp_path / "run")
+    )
+
+
+def test_out_of_memory_in_a_callback_exits_3_at_its_step(tmp_path):
+    class Hoards(Callback):
+        def on_step_end(self, state, control, info):
+            if state.step == 2:
+                too_big()
+
+    with pytest.raises(OutOfMemoryInYourCode) as info:
+        fit(tmp_path, callbacks=[Hoards()])
+    assert info.value.step == 2 and info.value.exit_code == 3
+    assert str(info.value).startswith("out of memory in your code (too_big (test_user_errors.py:")
+    assert "called from on_step_end" in str(info.value) and "at step 2:" in str(info.value)
 
 
 def test_errors_inside_libraries_alone_are_not_the_users():

@@ -247,6 +247,13 @@ def test_a_rank_in_a_collective_names_it_and_the_error_that_comes_out_of_it(tmp_
     assert info.value.steadytrain_collective == "all-reduce (gradient sum)"
     with wd.waiting_in("all-reduce (agreement)"):  # no fit is running: a no-op
         assert dog.limit()[1] == "step"
+    # With no watchdog running (hang_timeout off, or it stood down), an error raised in a
+    # collective still carries the collective's name out: the exit event, not the watchdog,
+    # is what tells `steadytrain run` this rank failed waiting for a peer.
+    assert wd._active is None
+    with pytest.raises(RuntimeError) as info, wd.waiting_in("all-reduce (sample count)"):
+        raise RuntimeError("Connection reset by peer")
+    assert info.value.steadytrain_collective == "all-reduce (sample count)"
     single, _ = make(tmp_path, 5)
     assert single.rank_text is None and "rank:" not in single._report_header(1, 5, "step", 0, None)
 

@@ -26,6 +26,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'steadytrain' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The names loaded on first use (Trainer, CarriedState, ...) show in dir() and completion too.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "BadInputError",
     "Callback",

@@ -47,6 +47,7 @@ from steadytrain.config_files import load_mapping, parse_overrides, read_config_
 from steadytrain.errors import ConfigError
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_TORCH_PRECISIONS = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 RunDefiningField = Literal[
     "effective_batch_size", "seed", "model", "optimizer", "schedule", "data", "drop_last", "shuffle"
@@ -235,10 +236,13 @@ class TrainConfig(BaseModel):
         description="DataLoader worker processes that collate batches on the CPU; 0 collates in "
         "the training process.",
     )
-    activation_checkpointing: Literal["auto"] | bool = Field(
+    activation_checkpointing: Literal["offload", "auto"] | bool = Field(
         "auto",
         description="Recompute activations in backward to save memory. 'auto' turns it on only "
-        "when one sample per micro-batch does not fit; true turns it on from the start.",
+        "when one sample per micro-batch does not fit (on CUDA, then its offload when that "
+        "does not fit either); true turns it on from the start; 'offload' (CUDA only) turns "
+        "it on with each layer's kept input in pinned host memory until the backward, which "
+        "frees hidden x seq x 2 bytes a sample a layer of GPU memory and costs two copies.",
     )
     compile: Literal["auto"] | bool = Field(
         "auto",
@@ -279,7 +283,8 @@ class TrainConfig(BaseModel):
         None,
         ge=1,
         description="Evaluate every this many optimizer steps (needs eval_data). With neither "
-        "this nor evaluate_every_epochs set, a run given eval_data evaluates at each epoch's end.",
+        "this nor evaluate_every_epochs set, a run given eval_data evaluates at each epoch's end "
+        "and after its last step (a max_steps run may end mid-epoch).",
     )
     evaluate_every_epochs: int | None = Field(
         None,
@@ -342,6 +347,16 @@ class TrainConfig(BaseModel):
         value = os.fspath(value) if isinstance(value, os.PathLike) else value
         if isinstance(value, str) and (not value.strip() or "\0" in value):
             raise ValueError("must name a folder: a path, not empty, with no NUL byte (\\0)")
+        return value
+
+    @field_validator("device", "precision", mode="before")
+    @classmethod
+    def _from_torch(cls, value: Any) -> Any:
+        # torch.device("cuda:1") and torch.bfloat16, as programs hold them, read as their text
+        if type(value).__module__ == "torch" and type(value).__name__ == "device":
+            return str(value)
+        if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+            return _TORCH_PRECISIONS.get(str(value), value)
         return value
 
     @field_validator("device")
@@ -451,6 +466,9 @@ def _combination_problems(values: Mapping[str, Any], given: set[str]) -> list[st
             f"written before the end (found {every}); set save_every_steps to {steps} "
             f"or less"
         )
+    device = values.get("device")
+    if values.get("activation_checkpointing") == "offload" and isinstance(device, str):
+        problems += [offload_problem(kind) for kind in ("cpu", "mps") if device.startswith(kind)]
     keep, async_save = values.get("keep_last"), values.get("async_save")
     if async_save is True and isinstance(keep, int) and keep < 2:
         problems.append(
@@ -459,6 +477,15 @@ def _combination_problems(values: Mapping[str, Any], given: set[str]) -> list[st
             "stay; set keep_last to 2 or more, or async_save to false"
         )
     return problems
+
+
+def offload_problem(device_type: str, name: str = "activation_checkpointing") -> str:
+    """Why `name` 'offload' is refused on a device without memory of its own."""
+    return (
+        f"{name}: 'offload' needs a GPU with memory of its own (CUDA); on "
+        f"{device_type} host memory is the same memory, so a copy there frees nothing (found "
+        "'offload'); use true"
+    )
 
 
 def _divisor_hint(n: int, asked: int) -> str:

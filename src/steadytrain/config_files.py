@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def unreadable_problem(exc: BaseException) -> str:
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """`field=value` strings (the CLI's `--set`) as a dict; each value is read as a YAML scalar,
-    so `4` is a number, `null` is None, `true` a bool and `12GiB` text."""
+    so `4` and `2e-4` are numbers, `null` is None, `true` a bool and `12GiB` text."""
     import yaml
 
     overrides: dict[str, Any] = {}
@@ -89,7 +90,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise BadInputError(f"--set {pair!r}: write it as field=value, e.g. micro_batch_size=4")
         try:
-            overrides[key.strip()] = yaml.safe_load(text)
+            overrides[key.strip()] = yaml.load(text, Loader=_unique_key_loader())
         except yaml.YAMLError as exc:
             raise BadInputError(
                 f"--set {pair!r}: the value is not valid YAML: {_yaml_problem(exc)}; to pass it as "
@@ -114,13 +115,23 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""A number with an exponent and no dot (1e-4, 2E5), which YAML 1.1 reads as text."""
+
+
 @functools.cache
 def _unique_key_loader() -> type:
-    """yaml.SafeLoader that refuses a key given twice (plain PyYAML keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice (plain PyYAML keeps the last silently) and
+    reads numbers as YAML 1.2 and JSON do: PyYAML's YAML 1.1 takes `2e-4` (no dot) for text, so
+    the `learning_rate: 2e-4` of every Hugging Face recipe would be refused."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
         pass
+
+    UniqueKeyLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789")
+    )
 
     def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
         seen: set[Any] = set()

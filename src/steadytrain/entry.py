@@ -15,7 +15,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def entrypoint(fn: F) -> F:
     """Run `fn`; a `SteadytrainError` prints its message (no traceback) and exits with its code;
-    a returned `FitResult` exits with its `exit_code`. Anything else returns as usual."""
+    a returned `FitResult` exits with its `exit_code`; Ctrl-C outside the training steps (while
+    `fit()` starts, before it installs its handler) exits 130 with one line, as the CLI does.
+    Anything else returns as usual."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -26,6 +28,13 @@ def entrypoint(fn: F) -> F:
         except SteadytrainError as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            print(
+                "steadytrain: stopped by SIGINT (Ctrl-C) outside the training steps; rerun to "
+                "resume from the last checkpoint",
+                file=sys.stderr,
+            )
+            sys.exit(130)
         except OSError as exc:
             if not is_disk_full(exc):
                 raise

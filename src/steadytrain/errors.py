@@ -208,6 +208,28 @@ class UserCodeError(SteadytrainError):
         return hashlib.sha256(f"{self.where}|{self.error}|{self.frames}".encode()).hexdigest()[:16]
 
 
+class OutOfMemoryInYourCode(UserCodeError):
+    """Out of memory in the user's code outside a training step (the optimizer or scheduler
+    factory, a callback, the dataset before the first batch): the out-of-memory ladder only
+    redoes a step's forward and backward smaller, so nothing steadytrain can shrink helps.
+    Exit 3, as a run that does not fit; the message names the function and what does help."""
+
+    exit_code = DOES_NOT_FIT_EXIT
+
+    def __str__(self) -> str:
+        where = f" ({self.where})" if self.where else ""
+        at = f" at step {self.step}" if self.step is not None else " before the first step"
+        text = f"out of memory in your code{where}{at}: {self.problem}"
+        if self.frames:
+            text += f"\nTraceback, your code only (most recent call last):\n{self.frames}"
+        return text + (
+            "\nThis ran out outside a training step's forward and backward, where a smaller "
+            "micro-batch does not help: free memory (other programs, tensors your code keeps), "
+            "or make what this code builds smaller; then run again: the run resumes from its "
+            "last checkpoint."
+        )
+
+
 def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -230,11 +252,14 @@ def _owner(filename: str) -> str:
     return "library" if path.startswith(_library_dirs()) else "user"
 
 
-def user_code_error(exc: BaseException, step: int | None = None) -> UserCodeError | None:
+def user_code_error(
+    exc: BaseException, step: int | None = None, *, out_of_memory: bool = False
+) -> UserCodeError | None:
     """`exc` as an error in the user's code, or None when it is not theirs. It is theirs when
     the traceback, after its last frame in steadytrain, passes through a file of theirs (not
-    steadytrain, not the standard library or an installed package). An error already classified
-    gets the step if it had none."""
+    steadytrain, not the standard library or an installed package). With `out_of_memory` (the
+    caller's `device.is_oom(exc)`) it is an `OutOfMemoryInYourCode`. An error already
+    classified gets the step if it had none."""
     if isinstance(exc, UserCodeError):
         if exc.step is None:
             exc.step = step
@@ -259,21 +284,24 @@ def user_code_error(exc: BaseException, step: int | None = None) -> UserCodeErro
     error = f"{type(exc).__name__}: {str(exc).strip()}".strip().rstrip(":")
     text = "".join(traceback.format_list(shown)).rstrip()
     fields = {"where": where, "step": step, "frames": text, "error": error}
+    base = OutOfMemoryInYourCode if out_of_memory else UserCodeError
     try:
-        return _theirs_class(type(exc))(error, **fields)
+        return _theirs_class(type(exc), base)(error, **fields)
     except TypeError:  # an exception class whose constructor wants more than a message
-        return UserCodeError(error, **fields)
+        return base(error, **fields)
 
 
-_THEIRS: dict[type, type] = {}
+_THEIRS: dict[tuple[type, type], type] = {}
 
 
-def _theirs_class(original: type) -> type:
-    """`UserCodeError` that is also an instance of the user's exception type, so code around
-    `fit()` that catches `ValueError` still catches the ValueError its loss function raised."""
-    if original not in _THEIRS:
+def _theirs_class(original: type, base: type[UserCodeError] = UserCodeError) -> type:
+    """`base` (a `UserCodeError`) that is also an instance of the user's exception type, so code
+    around `fit()` that catches `ValueError` still catches the ValueError its loss function
+    raised."""
+    key = (original, base)
+    if key not in _THEIRS:
         try:
-            _THEIRS[original] = type("UserCodeError", (UserCodeError, original), {})
+            _THEIRS[key] = type(base.__name__, (base, original), {})
         except TypeError:  # a final class, or a layout that cannot be combined
-            _THEIRS[original] = UserCodeError
-    return _THEIRS[original]
+            _THEIRS[key] = base
+    return _THEIRS[key]

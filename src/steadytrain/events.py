@@ -98,7 +98,7 @@ class TrainState:
     oom_count: int = 0
     shrink_count: int = 0
     skipped_steps: int = 0  # steps the fp16 grad scaler skipped for inf/NaN gradients
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # or "offload": inputs kept in host memory
     chunked_loss: int | None = None  # tokens per chunk of a chunked loss in force, None: plain
     last_loss: float | None = None
     best_metric: float | None = None  # the best evaluation's eval_metric (keep_best)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import sys
 import warnings
@@ -18,21 +19,33 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import run_files
-from steadytrain.config import TrainConfig
+from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.compiling import check_compiler, compile_blocks, compile_wanted
+from steadytrain.engine.compiling import (
+    check_compiler,
+    compile_blocks,
+    compile_wanted,
+    eager_stance,
+)
 from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
-from steadytrain.errors import BadInputError, RankOutOfMemory, SteadytrainError, UserCodeError
+from steadytrain.engine.step import check_loss_output
+from steadytrain.errors import (
+    BadInputError,
+    ConfigError,
+    RankOutOfMemory,
+    SteadytrainError,
+    UserCodeError,
+)
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.plan import first_step_bytes, plan
-from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
+from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
+from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.child import announce_run_dir, micro_cap_from_supervisor
 from steadytrain.safety.continuity import ContinuityCheck
@@ -196,14 +209,20 @@ class Trainer:
             if group.is_main:
                 cfg.dump(run_dir / run_files.CONFIG)
             planned = RecordAtStart(record)
+            eager = eager_stance() if compiled else None
+            if eager:  # before the plan: its probe runs eager, its finalists compiled
+                with startup_phase("compile"):
+                    compile_event = compile_blocks(run.model, run.device.type)
             if not run.resumed and cfg.micro_batch_size == "auto" and not run.group.sharded:
                 with startup_phase("plan"):
-                    planned.events = self._plan(run, compiled)
+                    planned.events = self._plan(run, compiled, eager)
             elif not run.resumed and cfg.micro_batch_size == "auto":
                 self._notes.append(_UNPLANNED_SHARDS)
-            if compiled:  # after the plan: its probe measures eager passes (compiling.py)
+            if compiled and not eager:  # after the plan: its probe measures eager passes
                 with startup_phase("compile"):
-                    planned.events.append(("compile", compile_blocks(run.model, run.device.type)))
+                    compile_event = compile_blocks(run.model, run.device.type)
+            if compiled:
+                planned.events.append(("compile", compile_event))
             notes = [*self._notes, dropout_note(run.model, cfg)]
             planned.events += [("note", {"message": n}) for n in notes if n is not None]
             arithmetic = arithmetic_event(
@@ -223,7 +242,7 @@ class Trainer:
         """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
         savers and the step runner: everything before a checkpoint is looked for."""
         cfg = self.config
-        device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
+        device = _resolve_device(cfg, group)
         group = group.on(device.torch_device)
         precision = resolve_precision(cfg.precision, device)
         if cfg.seed is not None:  # null: the RNG streams as the program left them
@@ -247,7 +266,9 @@ class Trainer:
                 cfg.effective_batch_size if cfg.micro_batch_size == "auto" else cfg.micro_batch_size
             ),
         )
-        savers = MemorySavers(model, self.loss_fn, state, cfg.activation_checkpointing)
+        savers = MemorySavers(
+            model, self.loss_fn, state, cfg.activation_checkpointing, device.discrete_memory
+        )
         emit = Dispatcher([], state, Control())
         runner = StepRunner(
             model=model,
@@ -440,7 +461,7 @@ class Trainer:
             },
         )
 
-    def _plan(self, run: _Run, compiled: bool = False) -> list[tuple]:
+    def _plan(self, run: _Run, compiled: bool = False, eager=None) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
         in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
@@ -454,6 +475,8 @@ class Trainer:
             precision=run.precision.name,
             optimizer=run.optimizer,
             device_type=run.device.type,
+            compiled=compiled,
+            fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
         )
 
         def one_pass(size: int) -> None:
@@ -461,7 +484,8 @@ class Trainer:
                 split_batch(batch, size)[0], run.device.torch_device, run.runner.non_blocking
             )
             select(self.user_state, 0, size, batch_len(batch))  # the first `size` samples' state
-            trial_pass(model, self.loss_fn, piece, run.precision.autocast)
+            with one_sample_norms(model, size):
+                trial_pass(model, _checked(self.loss_fn), piece, run.precision.autocast)
 
         before = savers.snapshot()
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
@@ -474,6 +498,7 @@ class Trainer:
                 effective_batch_size=cfg.effective_batch_size,
                 activation_checkpointing=cfg.activation_checkpointing,
                 can_checkpoint=savers.can_checkpoint,
+                can_offload=savers.can_offload,
                 chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
                 if offer_chunked
                 else None,
@@ -482,12 +507,13 @@ class Trainer:
                 cap=state.micro_batch_size,
                 analytic=analytic,
                 pending=first_step_bytes(run.optimizer),
-                compiled=compiled,
+                compiled=compiled_growth(model) if compiled else False,
+                eager_passes=eager,
             )
         state.micro_batch_size = run.group.smallest(chosen.micro_batch_size)  # one size for all
         savers.restore(
             Savers(
-                before.checkpointing or chosen.checkpointing,
+                before.checkpointing or chosen.activation_checkpointing,
                 before.chunked_loss or (DEFAULT_CHUNK_TOKENS if chosen.chunked_loss else None),
             )
         )
@@ -500,16 +526,23 @@ class Trainer:
         if state.step >= state.max_steps:
             return None
         epoch, position = state.epoch, state.batch_in_epoch
-        if position >= state.steps_per_epoch:
+        new_epoch = position >= state.steps_per_epoch
+        if new_epoch:
             epoch, position = epoch + 1, 0
         if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
             return None
         batch = self._batch_at(run.sampler, epoch, position, run.group)  # its share; summed
         rng = get_rng_state()
         buffers = [b.detach().clone() for b in run.model.buffers()]  # BatchNorm statistics
+        carried = snapshot(self.user_state)
         try:
+            if new_epoch:  # the state as the epoch's end leaves it (CarriedState resets)
+                for obj in self.user_state.values():
+                    if isinstance(obj, Callback):
+                        obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
             return run.runner.evaluate(batch)
         finally:
+            restore(self.user_state, carried)
             set_rng_state(rng)
             with torch.no_grad():
                 for buffer, saved in zip(run.model.buffers(), buffers, strict=True):
@@ -525,9 +558,12 @@ class Trainer:
         return self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return _one_step_per_batch(self._make_optimizer(model))
+
+    def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(self._optimizer, torch.optim.Optimizer):
             return self._optimizer
-        if isinstance(self._optimizer, list | tuple):
+        if isinstance(self._optimizer, list | tuple | Mapping):  # a GAN's {'g': .., 'd': ..}
             raise BadInputError(
                 f"optimizer: {len(self._optimizer)} optimizers given; steadytrain takes one "
                 "optimizer step per batch. Parameters that step together belong in one optimizer "
@@ -538,8 +574,11 @@ class Trainer:
             optimizer = self._optimizer([p for p in model.parameters() if p.requires_grad])
             if isinstance(optimizer, torch.optim.Optimizer):
                 return optimizer
+            found = f"the function returned {type(optimizer).__name__}"
+        else:
+            found = f"got {type(self._optimizer).__name__}"
         raise BadInputError(
-            "optimizer: expected a torch.optim.Optimizer or a function params -> optimizer"
+            f"optimizer: expected a torch.optim.Optimizer or a function params -> optimizer; {found}"
         )
 
     def _batches(
@@ -557,11 +596,40 @@ class Trainer:
         )
 
 
+def _one_step_per_batch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer`, refused when its step() needs a closure (LBFGS): it would evaluate the loss
+    several times per step, and the engine's step computes the gradients once, then steps."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a readable signature takes no closure
+        return optimizer
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return optimizer
+    name = type(optimizer).__name__
+    raise BadInputError(
+        f"optimizer: {name}.step() needs a closure (it evaluates the loss several times per "
+        "step); steadytrain computes the gradients of each batch once, then calls step() "
+        "without one. Use an optimizer whose closure is optional (SGD, Adam, AdamW), or keep "
+        f"your own loop for {name}: see docs/porting.md, 'Optimizers that need a closure'"
+    )
+
+
 _UNPLANNED_SHARDS = (
     "micro_batch_size auto under distributed: fsdp starts at each rank's whole share without "
     "trial passes (their all-gathers would need every rank to try the same sizes); an "
     "out-of-memory exits 76 and `steadytrain run` restarts the group at a smaller micro-batch"
 )
+
+
+def _checked(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Callable[..., Any]:
+    """`loss_fn` whose output is refused as the step refuses it, before the plan measures it."""
+
+    def checked(model: torch.nn.Module, batch: Any) -> Any:
+        out = loss_fn(model, batch)
+        check_loss_output(out)
+        return out
+
+    return checked
 
 
 class RecordAtStart(Callback):
@@ -576,6 +644,15 @@ class RecordAtStart(Callback):
         for name, data in self.events:
             self.record(name, data)
         self.events = []
+
+
+def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
+    """This rank's device, refusing what the config asks that it cannot do: offloaded
+    checkpointing where host memory is the device's memory."""
+    device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
+    if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
+        raise ConfigError([offload_problem(device.type)])
+    return device
 
 
 @contextlib.contextmanager
@@ -625,6 +702,13 @@ def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
         console.note(name, info)
 
     return record
+
+
+def _chunked_method(loss_fn: Any, model: torch.nn.Module, device: torch.device) -> str | None:
+    """How the loss's chunked mode computes on `device` ("fused", "chunked"), None for a loss
+    without one."""
+    method = getattr(loss_fn, "chunked_method", None)
+    return method(model, device) if callable(method) else None
 
 
 def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

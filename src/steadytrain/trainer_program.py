@@ -65,7 +65,9 @@ def data_source(
         raise BadInputError(
             f"{field}: steadytrain needs a map-style dataset (len() and indexing) so that it can "
             "choose, split and resume batches exactly; an iterable dataset cannot be resumed "
-            "mid-epoch. Wrap the data in a list or a torch.utils.data.Dataset."
+            "mid-epoch. Wrap the data in a list or a torch.utils.data.Dataset; for a stream, "
+            "a Dataset with a __len__ whose __getitem__(i) makes sample i (seeded by i), and "
+            "max_steps for the length of the run: see docs/porting.md, 'Streams'"
         )
     try:
         size = len(train_data)
@@ -79,8 +81,9 @@ def data_source(
 
 def _check_loader(loader: DataLoader, cfg: TrainConfig, field: str) -> None:
     if loader.batch_size is None:
+        given = "its own batch_sampler" if loader.batch_sampler is not None else "batch_size=None"
         raise BadInputError(
-            f"{field}: a DataLoader with its own batch_sampler; steadytrain makes the optimizer "
+            f"{field}: a DataLoader with {given}; steadytrain makes the optimizer "
             "batches itself (effective_batch_size). Pass a DataLoader with a sampler and "
             "batch_size, or the dataset"
         )
@@ -217,12 +220,23 @@ def loader_orders(sampler: OptimizerBatchSampler) -> dict[str, torch.Tensor]:
     order = sampler.loader_order
     if order is None:
         return {}
-    return {str(e): torch.tensor(o, dtype=torch.int64) for e, o in order.drawn.items()}
+    return {
+        f"range-{e}" if isinstance(o, range) else str(e): torch.tensor(
+            [len(o)] if isinstance(o, range) else o, dtype=torch.int64
+        )
+        for e, o in order.drawn.items()
+    }
 
 
 def restore_loader_orders(sampler: OptimizerBatchSampler, saved: dict[str, torch.Tensor]) -> None:
+    """The orders `loader_orders` saved: a sequential epoch as its length, others as indices."""
     if sampler.loader_order is not None:
-        sampler.loader_order.drawn = {int(e): t.tolist() for e, t in saved.items()}
+        sampler.loader_order.drawn = {
+            int(e.removeprefix("range-")): range(int(t[0]))
+            if e.startswith("range-")
+            else t.tolist()
+            for e, t in saved.items()
+        }
 
 
 def with_program_state(
@@ -235,7 +249,8 @@ def with_program_state(
         payload.tensors[DATA_ORDER_FILE] = orders
     if user_state:
         payload.objects[USER_STATE_FILE] = {
-            name: to_host(obj.state_dict()) for name, obj in user_state.items()
+            name: to_host(obj.state_dict(), key=f"user_state {name!r}")
+            for name, obj in user_state.items()
         }
     return payload
 
@@ -282,11 +297,13 @@ def make_evaluation(
     source: DataSource | None,
     eval_fn: EvalFn,
 ) -> Evaluation | None:
-    """The loop's evaluation (None without eval_data): each epoch unless a cadence is set."""
+    """The loop's evaluation (None without eval_data): each epoch (and after the last step)
+    unless a cadence is set."""
     if source is None:
         return None
     every_epochs = cfg.evaluate_every_epochs
-    if every_epochs is None and cfg.evaluate_every_steps is None:
+    default = every_epochs is None and cfg.evaluate_every_steps is None
+    if default:  # each epoch's end, and the end of a run that max_steps ends mid-epoch
         every_epochs = 1
     loader_batch = source.loader.batch_size if source.loader is not None else None
     batch = cfg.eval_batch or loader_batch or cfg.effective_batch_size
@@ -299,5 +316,6 @@ def make_evaluation(
         scheduler=scheduler if takes_metric(scheduler) else None,
         metric=cfg.eval_metric,
         mode=cfg.eval_mode,
+        at_end=default,
         needs_metric=cfg.keep_best,
     )

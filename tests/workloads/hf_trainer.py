@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo  # building an optimizer imports it: too big to load under a cap
 from transformers import Trainer, TrainingArguments
 
 from steadytrain.integrations.huggingface import SteadytrainCallback

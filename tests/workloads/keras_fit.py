@@ -22,6 +22,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras
 import numpy as np
 import torch
+import torch._dynamo  # building an optimizer imports it: too big to load under a cap
 
 from steadytrain.integrations.keras import SteadytrainCallback
 

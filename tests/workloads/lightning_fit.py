@@ -19,6 +19,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch._dynamo  # building an optimizer imports it: too big to load under a cap
 
 from steadytrain.integrations.lightning import SteadytrainCallback
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch._dynamo  # building an optimizer imports it: too big to load under a cap
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 from steadytrain.memory.chunked_loss import CausalLMLoss

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo  # building an optimizer imports it: too big to load under a cap
 
 from steadytrain import Callback, TrainConfig, Trainer, entrypoint
 

@@ -17,6 +17,7 @@ import typer
 from steadytrain._units import format_bytes, format_count
 from steadytrain.cli.options import settings_command
 from steadytrain.cli.readable import readable_console
+from steadytrain.memory.compiled import family_share
 from steadytrain.memory.settings import Settings, from_options
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def plan_command(
     settings = from_options("plan", given)
     settings.check("plan")
     budget, source, resolved = resolve_target(settings)
-    chosen = plan_for_config(load_config(model), resolved, budget)
+    resolved.check("plan")
+    chosen = plan_for_config(load_config(model), resolved, budget, compile_before_plan)
     chosen.reasons.insert(0, f"budget from {source}")
     if json_output:
         print(json.dumps(chosen.to_event(), indent=2, default=str))
@@ -99,18 +101,41 @@ def plan_command(
     return 3 if chosen.predicted_peak is None else 0
 
 
+def compile_before_plan(model, device_type: str):
+    """What a run does before its plan when it compiles (trainer.py): the layers compiled in
+    place (`compile_blocks`; refused, exit 2, where inductor cannot build kernels), and the
+    context in which the probe runs them eagerly (`eager_stance`). Where torch has no such
+    context the layers stay eager: nothing runs after the plan here."""
+    from steadytrain.engine.compiling import compile_blocks, eager_stance
+
+    eager = eager_stance()
+    if eager is not None:
+        compile_blocks(model, device_type)
+    return eager
+
+
 def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
-    """(budget, where it comes from, the settings for the target's device type). --memory wins
-    over this device's budget (planning for another machine); --device-type over this device's
-    type."""
+    """(budget, where it comes from, the settings for the target's device type and whether it
+    compiles). --memory wins over this device's budget (planning for another machine);
+    --device-type over this device's type; --compile/--no-compile over a run's `compile: auto`
+    on the target's device type (`compile_wanted`: CUDA with Triton installed here);
+    --fused-loss/--no-fused-loss over what a run's chunked loss computes there (the fused kernel
+    on CUDA where Liger Kernel is installed here)."""
     from steadytrain._units import parse_bytes
     from steadytrain.device import resolve_device
+    from steadytrain.engine.compiling import compile_wanted
+    from steadytrain.memory.fused_loss import fused_available
 
     memory, device_type = settings.memory_budget, settings.device_type
-    if memory is not None and device_type is not None:
-        return parse_bytes(memory), f"--memory {memory}", settings
-    device = resolve_device("auto")
-    resolved = dataclasses.replace(settings, device_type=device_type or device.type)
+    device = None if memory is not None and device_type is not None else resolve_device("auto")
+    target = device_type or device.type
+    compiled, fused = settings.compiled, settings.fused_loss
+    resolved = dataclasses.replace(
+        settings,
+        device_type=target,
+        compiled=compile_wanted("auto", target) if compiled is None else compiled,
+        fused_loss=fused_available(target) if fused is None else fused,
+    )
     if memory is not None:
         return parse_bytes(memory), f"--memory {memory}", resolved
     return device.budget, f"{device.torch_device} budget ({device.name})", resolved
@@ -133,6 +158,8 @@ def render_estimate(result: Estimate, console=None) -> None:
         f"{', tied' if sh.tied else ''}); {what}; micro-batch {s.micro_batch_size} × seq {s.seq}, "
         f"{s.precision} compute over {s.weights_dtype} weights, {s.optimizer}"
         f"{', activation checkpointing' if s.checkpointing else ''}"
+        f"{' (inputs offloaded to host)' if s.offload else ''}"
+        f"{', compiled layers' if s.compiled else ''}"
         f"{f', chunked loss ({s.chunk_tokens} tokens)' if s.chunked_loss else ''}, "
         f"{s.attention} attention, "
         f"on {s.device_type}"
@@ -183,6 +210,11 @@ def _knobs(result: Estimate) -> list[str]:
         knobs.append("a smaller --micro-batch (with accumulation)")
     if not s.checkpointing:
         knobs.append("--checkpointing")
+    elif s.device_type == "cuda" and not s.offload:
+        knobs.append("--offload")
+    compiles_here = s.device_type != "mps" and family_share(result.shape.family) < 1.0
+    if not s.compiled and not s.checkpointing and compiles_here:
+        knobs.append("--compile (compile: true)")
     if not s.chunked_loss and s.micro_batch_size * s.seq > s.chunk_tokens:
         knobs.append("--chunked-loss")
     knobs.append("a shorter --seq")
@@ -210,6 +242,7 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
         title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
         f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
         f"{'on' if chosen.checkpointing else 'off'}"
+        + (", inputs offloaded to host" if chosen.offload else "")
         + (", chunked loss" if chosen.chunked_loss else ""),
         title_justify="left",
     )
@@ -229,7 +262,7 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
         table.add_row(*_quick_row(chosen))
     for c in shown:
         picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == Mode(
-            chosen.checkpointing, chosen.chunked_loss
+            chosen.checkpointing, chosen.chunked_loss, chosen.offload
         )
         rate = c.samples_per_second if chosen.probe is not None else None
         table.add_row(
@@ -254,7 +287,9 @@ def _quick_row(chosen: Plan) -> tuple[str, ...]:
 
     peak, limit = chosen.predicted_peak, chosen.limit
     return (
-        Mode(chosen.checkpointing, chosen.chunked_loss).describe().replace("checkpointed", "ckpt"),
+        Mode(chosen.checkpointing, chosen.chunked_loss, chosen.offload)
+        .describe()
+        .replace("checkpointed", "ckpt"),
         str(chosen.micro_batch_size),
         str(chosen.accumulation),
         format_bytes(peak),

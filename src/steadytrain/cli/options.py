@@ -12,16 +12,18 @@ from typing import Annotated, Any
 
 import typer
 
-from steadytrain.memory.settings import Settings, options
+from steadytrain.memory.settings import Settings, cli_default_of, options
 
 MODEL_HELP = "A local model directory (config.json) or a Hugging Face id."
 
 
-def option_parameter(f: dataclasses.Field, hints: dict[str, Any]) -> inspect.Parameter:
-    """The typer option of one settings field."""
+def option_parameter(
+    f: dataclasses.Field, hints: dict[str, Any], command: str
+) -> inspect.Parameter:
+    """The typer option of one settings field in `command`."""
     meta = f.metadata
     flag = meta["flag"] or "--" + f.name.replace("_", "-")
-    default = inspect.Parameter.empty if meta["required"] else meta["cli_default"]
+    default = inspect.Parameter.empty if meta["required"] else cli_default_of(f, command)
     return inspect.Parameter(
         f.name,
         inspect.Parameter.KEYWORD_ONLY,
@@ -39,7 +41,7 @@ def command_parameters(command: str, json_help: str) -> list[inspect.Parameter]:
     return [
         inspect.Parameter("ctx", kind, annotation=typer.Context),
         inspect.Parameter("model", kind, annotation=model),
-        *(option_parameter(f, hints) for f in options(command)),
+        *(option_parameter(f, hints, command) for f in options(command)),
         inspect.Parameter(
             "json_output", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=json_output
         ),

@@ -81,6 +81,12 @@ class Device:
         return f"Device({self.torch_device})"
 
     @property
+    def discrete_memory(self) -> bool:
+        """The device has memory of its own, apart from the host's (CUDA): a tensor moved to host
+        memory frees device memory. On MPS (unified memory) and on CPU it is the same memory."""
+        return self.type == "cuda"
+
+    @property
     def name(self) -> str:
         """What the hardware calls itself: GPU name, Apple chip, CPU model."""
         return self.backend.device_name(self.index)

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,7 @@ class Group:
             with _waiting_in("all-reduce (end of fit)"):
                 for _ in range(2):  # one for each of gloo's two worker threads
                     rendezvous(self.device)
+            released(RELEASE_S)
 
     @classmethod
     def _of_initialized(cls) -> Group:
@@ -270,6 +272,28 @@ def rendezvous(device: str | torch.device = "cpu") -> None:
     CUDA)."""
     kept = _KEPT.setdefault(str(device), torch.zeros(1, device=device))
     dist.all_reduce(kept)
+
+
+RELEASE_S = 2.0
+"""The longest `settle` waits for gloo's worker threads to let go of the last collectives."""
+
+
+def released(timeout: float) -> bool:
+    """Wait (at most `timeout` seconds) until no collective's work holds a kept tensor any more:
+    a gloo worker thread lets go of a finished work a moment after its caller moved on, and one
+    that lets go during interpreter exit needs the interpreter to drop the tensor's Python
+    object; it cannot have it then, and the process aborts ("terminate called without an active
+    exception", SIGABRT after a run that finished). A worker takes its works in order, so once
+    the last rendezvous's work is let go, so are the ones before it on that thread. False when
+    the time ran out or this torch cannot count a tensor's holders."""
+    if not hasattr(torch.Tensor, "_use_count"):
+        return False
+    deadline = time.monotonic() + timeout
+    while any(kept._use_count() > 1 for kept in _KEPT.values()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 class _Shares:

@@ -24,7 +24,7 @@ import torch
 from steadytrain.device import is_oom
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.step import StepRunner
-from steadytrain.errors import BadInputError, DoesNotFitError
+from steadytrain.errors import BadInputError, DoesNotFitError, UserCodeError
 from steadytrain.events import Event, TrainState
 from steadytrain.user_state import reset, restore, select, snapshot
 
@@ -84,16 +84,20 @@ class Evaluation:
         metric: str = "eval_loss",
         mode: str = "min",
         needs_metric: bool = False,
+        at_end: bool = False,
     ):
         self.runner, self.batches, self.eval_fn = runner, batches, eval_fn
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.scheduler, self.metric, self.mode = scheduler, metric, mode
         self.needs_metric = needs_metric or scheduler is not None
+        self.at_end = at_end  # also after the run's last step (one max_steps ends mid-epoch)
         self.micro: int | None = None  # None: whole evaluation batches
         self.count = 0
 
     def due(self, state: TrainState, ends_epoch: bool) -> bool:
         if self.every_steps and state.step % self.every_steps == 0:
+            return True
+        if self.at_end and state.step >= state.max_steps:
             return True
         return bool(ends_epoch and self.every_epochs and (state.epoch + 1) % self.every_epochs == 0)
 
@@ -118,7 +122,7 @@ class Evaluation:
             model.train(was_training)
             restore(runner.user_state, carried)
         self.count += 1
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = _as_numbers(metrics)
         best = False
         if self.needs_metric or self.metric in metrics:
             value = self.value(metrics)
@@ -178,3 +182,26 @@ class Evaluation:
                 "smaller model"
             )
         self.micro = old // 2
+
+
+def _as_numbers(metrics: Any) -> dict[str, float]:
+    """eval_fn's {name: number}; anything else is the user's mistake, said as such (exit 5)."""
+    if not isinstance(metrics, dict):
+        problem = f"returned {type(metrics).__name__}, not a dict"
+    else:
+        numbers: dict[str, float] = {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                problem = f"{name!r} is a tensor of shape {tuple(value.shape)}, not one number"
+                break
+            try:
+                numbers[str(name)] = float(value)
+            except (TypeError, ValueError):
+                problem = f"{name!r} is {type(value).__name__}, not a number"
+                break
+        else:
+            return numbers
+    raise UserCodeError(
+        f"eval_fn {problem}: it must return {{name: number}}, e.g. {{'accuracy': correct / total}}",
+        where="eval_fn",
+    )

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from steadytrain.device import is_oom
 from steadytrain.engine.evaluation import Evaluation
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, user_code_error
@@ -88,8 +89,9 @@ class Loop:
                 self.last_metrics.resolve()
         except BaseException as exc:
             # An error raised in the user's code (loss_fn, model, dataset, callback) is theirs:
-            # reported with the step, their frames and exit 5, not as a bug of ours.
-            theirs = user_code_error(exc, self.step_in_progress)
+            # reported with the step, their frames and exit 5 (3 when it ran out of memory
+            # outside the step's redo), not as a bug of ours.
+            theirs = user_code_error(exc, self.step_in_progress, out_of_memory=is_oom(exc))
             shown = theirs if theirs is not None else exc
             code = 130 if isinstance(shown, KeyboardInterrupt) else getattr(shown, "exit_code", 1)
             first_line = (str(shown).strip().splitlines() or [""])[0]

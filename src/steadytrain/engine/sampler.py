@@ -13,12 +13,12 @@ many workers there are, or where the run was resumed.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import SequentialSampler, get_worker_info
 
 
 class SeededBatch(list):
@@ -47,6 +47,7 @@ class OptimizerBatchSampler:
         self.shuffle, self.drop_last = shuffle, drop_last
         self.loader_order = order
         self.epoch, self.start = 0, 0
+        self._drawn: tuple[int, torch.Tensor] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -56,13 +57,18 @@ class OptimizerBatchSampler:
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
 
-    def order(self, epoch: int) -> list[int]:
+    def order(self, epoch: int) -> Sequence[int]:
+        """Epoch `epoch`'s indices: a range in order; a permutation tensor (8 bytes a sample,
+        drawn once per epoch and kept) when shuffled; a DataLoader's drawn list."""
         if self.loader_order is not None:
             return self.loader_order(epoch)
         if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+            return range(self.num_samples)
+        if self._drawn is None or self._drawn[0] != epoch:
+            self._drawn = None  # the previous epoch's permutation is freed before the next one
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._drawn = (epoch, torch.randperm(self.num_samples, generator=generator))
+        return self._drawn[1]
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order(self.epoch)
@@ -79,7 +85,8 @@ class OptimizerBatchSampler:
         return self._batch(self.order(epoch), epoch, step)
 
     def _batch(self, order: list[int], epoch: int, step: int) -> SeededBatch:
-        batch = SeededBatch(order[step * self.batch_size : (step + 1) * self.batch_size])
+        indices = order[step * self.batch_size : (step + 1) * self.batch_size]
+        batch = SeededBatch(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
         batch.seed = batch_seed(self.seed, epoch, step) % 2**63
         return batch
 
@@ -97,16 +104,21 @@ class LoaderOrder:
 
     def __init__(self, loader: torch.utils.data.DataLoader):
         self.sampler, self.generator = loader.sampler, loader.generator
-        self.drawn: dict[int, list[int]] = {}
+        self.drawn: dict[int, Sequence[int]] = {}
 
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __call__(self, epoch: int) -> list[int]:
+    def __call__(self, epoch: int) -> Sequence[int]:
         if epoch not in self.drawn:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            self.drawn = {epoch: [int(i) for i in self.sampler]}
+            self.drawn = {epoch: self._draw()}
         return self.drawn[epoch]
+
+    def _draw(self) -> Sequence[int]:
+        if type(self.sampler) is SequentialSampler:  # 0..n-1: nothing to hold, whatever n is
+            return range(len(self.sampler))
+        return [int(i) for i in self.sampler]
 
 
 class SeededFetch(torch.utils.data.Dataset):

@@ -14,9 +14,10 @@ gradient is divided by the batch's total count, so padding and uneven splits do 
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -103,9 +104,7 @@ class _BatchLoss:
                 "loss_fn: returned a mean on one micro-batch and (loss_sum, "
                 "count) on another; return one form always"
             )
-        _check_loss(
-            out[0] if is_pair and len(out) == 2 else out, is_pair, len(out) if is_pair else 2
-        )
+        check_loss_output(out)
         if is_pair:
             loss_sum, count = out
             self.count.add(count)
@@ -124,6 +123,51 @@ class _BatchLoss:
         return self.value / divisor if divisor is not None else self.value
 
 
+ONE_SAMPLE_NORM = "Expected more than 1 value per channel when training"
+"""torch's BatchNorm refusing a training batch of one value per channel (BatchNorm1d on one
+sample of features): the out-of-memory ladder's last halving cannot help such a model."""
+
+
+def _one_sample_norm_does_not_fit(exc: ValueError) -> str:
+    return (
+        "does not fit: micro-batch 2 ran out of memory, and micro-batch 1 cannot train this "
+        "model: its BatchNorm layers need more than one value per channel in training "
+        f"({exc}).\n"
+        "  what helps: a step that needs less memory (shorter inputs, a smaller model), more "
+        "memory for the run (memory_budget, closing other programs), or GroupNorm/LayerNorm in "
+        "place of BatchNorm1d, which train on one sample."
+    )
+
+
+def check_loss_output(out: Any) -> None:
+    """Refuse, as the user's mistake, what `loss_fn` returned when it is neither one mean loss
+    nor a pair (loss_sum, count) of one number each; the step and the planner's trial passes
+    both check it before the backward."""
+    is_pair = isinstance(out, (tuple, list))
+    _check_loss(out[0] if is_pair and len(out) == 2 else out, is_pair, len(out) if is_pair else 2)
+    if is_pair:
+        _check_count(out[1])
+
+
+def _check_count(count: Any) -> None:
+    """The second item of a pair is the number of samples or tokens the loss sums over; a
+    (loss, outputs) pair, as Hugging Face's compute_loss(return_outputs=True) returns, is not."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() == 1:
+            return
+        found = f"a tensor of shape {tuple(count.shape)}"
+    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
+        return  # a weighted count (the sum of the weights) may be fractional
+    else:
+        found = type(count).__name__
+    raise UserCodeError(
+        f"loss_fn returned a pair whose second item is {found}, not one number: a pair is "
+        "(loss_sum, count), the summed loss and the number of samples or tokens it sums over. "
+        "Return the mean loss alone (not (loss, outputs)), or (loss.sum(), count)",
+        where="loss_fn",
+    )
+
+
 def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
     """A loss that cannot be backpropagated as one number is the user's mistake: say which
     form was expected instead of failing later inside autograd."""
@@ -131,7 +175,7 @@ def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
     if is_pair and length != 2:
         problem = f"returned a {length}-tuple; a pair (loss_sum, count) or one mean loss tensor"
     elif not isinstance(loss, torch.Tensor):
-        problem = f"returned {form} as {type(loss).__name__}, not a tensor"
+        problem = f"returned {form} as {type(loss).__name__}, not a tensor{_held_loss(loss)}"
     elif loss.numel() != 1:
         problem = (
             f"returned {form} as a tensor of shape {tuple(loss.shape)}, not one number: reduce "
@@ -141,6 +185,18 @@ def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
     else:
         return
     raise UserCodeError(f"loss_fn {problem}", where="loss_fn")
+
+
+def _held_loss(out: Any) -> str:
+    """How to take the loss out of a model output that holds one (a Hugging Face ModelOutput,
+    a dict with a "loss" entry), or nothing."""
+    held = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if not isinstance(held, torch.Tensor):
+        return ""
+    return (
+        f': the {type(out).__name__} holds a "loss" tensor; return that '
+        '(`model(**batch).loss`, or `outputs["loss"]`)'
+    )
 
 
 def _divide_and_clip(
@@ -300,7 +356,12 @@ class StepRunner:
         if marks is not None:
             marks.mark()
         start = time.perf_counter()
-        loss = self._accumulate(pieces, n)
+        try:
+            loss = self._accumulate(pieces, n)
+        except ValueError as exc:
+            if micro == 1 and self.state.shrink_count and ONE_SAMPLE_NORM in str(exc):
+                raise DoesNotFitError(_one_sample_norm_does_not_fit(exc)) from exc
+            raise
         if marks is not None:
             marks.mark()
         compute_time = time.perf_counter() - start

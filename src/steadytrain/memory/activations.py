@@ -70,6 +70,8 @@ def logits_and_loss(shape: Shape, s: Settings, tokens: int, head_copy: int) -> L
             forward=(FORWARD_BYTES_PER_LOGIT + softcap) * tokens * shape.vocab,
             formula=formula,
         )
+    if s.fused_loss:
+        return _fused_loss(shape, s, tokens, head_copy)
     chunk = min(s.chunk_tokens, tokens)
     w = PRECISIONS[s.weights_dtype]
     hidden = w * tokens * shape.hidden
@@ -84,6 +86,35 @@ def logits_and_loss(shape: Shape, s: Settings, tokens: int, head_copy: int) -> L
         forward=FORWARD_BYTES_PER_LOGIT * chunk * shape.vocab + hidden + head_copy,
         formula=formula,
     )
+
+
+def fused_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """The tokens whose logits the fused kernel holds at once: Liger Kernel's chunk, the tokens
+    divided by ceil(vocab / hidden), rounded up to a power of two, at most every token."""
+    parts = -(-vocab // hidden)
+    rows = -(-tokens // parts)
+    return min(1 << (rows - 1).bit_length(), tokens)
+
+
+def _fused_loss(shape: Shape, s: Settings, tokens: int, head_copy: int) -> LogitsAndLoss:
+    """The fused linear cross-entropy (memory/fused_loss.py) computes the loss and its gradient
+    in forward, a chunk of rows at a time: one chunk's logits in the compute dtype (the gradient
+    is written over them), the gradient of the hidden states for every token (kept for the
+    backward), the hidden states themselves and, where they are in another dtype, their copy in
+    the compute dtype."""
+    w, c = PRECISIONS[s.weights_dtype], PRECISIONS[s.precision] if s.autocast else None
+    c = c or w
+    rows = fused_chunk_rows(tokens, shape.hidden, shape.vocab)
+    states = tokens * shape.hidden
+    total = c * rows * shape.vocab + w * states + c * states + (c * states if c != w else 0)
+    formula = (
+        f"fused: {c} B × {rows:,} tokens' logits × vocab {shape.vocab:,} + hidden states kept "
+        f"{tokens:,} × {shape.hidden} × {w} B + their gradient × {c} B"
+        + (f" + their {s.precision} copy" if c != w else "")
+    )
+    if head_copy:
+        formula += f" + the output weight's {s.precision} copy"
+    return LogitsAndLoss(total=total + head_copy, forward=total + head_copy, formula=formula)
 
 
 def _softcap_bytes(shape: Shape, s: Settings) -> int:
@@ -212,6 +243,8 @@ class Activations:
     one_layer: int
     """One layer's saved tensors plus the attention backward's seq × seq scratch."""
     formula: str
+    inputs: int = 0
+    """With checkpointing: the layer inputs within `kept`, what offload moves to host memory."""
 
 
 def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
@@ -234,8 +267,9 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
     kernel = attention_kernel(shape, s)
     scratch = SCRATCH_PROBABILITIES.get(kernel, 0) * c * shape.heads * s.seq
     one_layer = int(tokens * (per_layer + scratch))
+    inputs = tokens * w * shape.hidden * shape.layers if s.checkpointing else 0
     if s.checkpointing:
-        kept = int(tokens * (w * shape.hidden * shape.layers + outside))
+        kept = inputs + int(tokens * outside)
         total = kept + one_layer
         formula = (
             f"checkpointing: {tokens:,} tokens × ({shape.layers} layer inputs × {w} B × "
@@ -257,7 +291,7 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
             f"; {where} keeps seq {s.seq} × {shape.heads} heads probabilities per token, and "
             f"{SCRATCH_PROBABILITIES[kernel]}× that as scratch in one layer's backward"
         )
-    return Activations(total=total, kept=kept, one_layer=one_layer, formula=formula)
+    return Activations(total, kept, one_layer, formula, inputs)
 
 
 def weight_copies(shape: Shape, counts: ParamCounts, s: Settings) -> tuple[int, int, int, str]:

@@ -1,5 +1,6 @@
 """The analytic estimate in the planner's terms: linear in the micro-batch per mode, read off a
-config (`steadytrain plan`) or off a live model, its batch and its optimizer (the trainer)."""
+config (`steadytrain plan`) or off a live model, its batch and its optimizer (the trainer); and
+what the first optimizer step adds (`first_step_bytes`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from steadytrain.errors import BadInputError
 from steadytrain.memory.choice import Mode
 from steadytrain.memory.estimate import KNOWN_FAMILIES, Estimate, Settings, estimate, text_config
+from steadytrain.memory.settings import FIRST_STEP_PARAM_MULTIPLE
 
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
@@ -28,15 +30,20 @@ class Analytic:
     _cache: dict = field(default_factory=dict)
 
     def at(
-        self, micro_batch_size: int, checkpointing: bool, chunked_loss: bool = False
+        self,
+        micro_batch_size: int,
+        checkpointing: bool,
+        chunked_loss: bool = False,
+        offload: bool = False,
     ) -> Estimate | None:
         """The estimate at these settings, or None when it cannot be made (see `problem`)."""
-        key = (micro_batch_size, checkpointing, chunked_loss)
+        key = (micro_batch_size, checkpointing, chunked_loss, offload)
         if key not in self._cache:
             changes = {
                 "micro_batch_size": micro_batch_size,
-                "checkpointing": checkpointing,
+                "checkpointing": checkpointing or offload,
                 "chunked_loss": chunked_loss,
+                "offload": offload,
             }
             try:
                 found = estimate(self.config, dataclasses.replace(self.settings, **changes))
@@ -47,17 +54,30 @@ class Analytic:
             self._cache[key] = found
         return self._cache[key]
 
+    def of(self, micro_batch_size: int, mode: Mode) -> Estimate | None:
+        """`at` for a plan's mode."""
+        return self.at(micro_batch_size, mode.checkpointing, mode.chunked_loss, mode.offload)
+
     def total(self, micro_batch_size: int, mode: Mode) -> float | None:
-        one = self.at(1, mode.checkpointing, mode.chunked_loss)
-        two = self.at(2, mode.checkpointing, mode.chunked_loss)
+        one, two = self.of(1, mode), self.of(2, mode)
         if one is None or two is None or one.total is None or two.total is None:
             return None
         return one.total + (two.total - one.total) * (micro_batch_size - 1)
 
 
-def analytic_for(model, batch, *, precision: str, optimizer, device_type: str):
+def analytic_for(
+    model,
+    batch,
+    *,
+    precision: str,
+    optimizer,
+    device_type: str,
+    compiled: bool = False,
+    fused_loss: bool = False,
+):
     """(Analytic, None) for a known Hugging Face family, read off the live model (its config,
-    peft adapters, weights dtype, attention), the batch (sequence length) and the optimizer;
+    peft adapters, weights dtype, attention), the batch (sequence length), the optimizer,
+    whether the run compiles its layers and whether its chunked loss is the fused kernel;
     (None, why not) otherwise."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
@@ -82,6 +102,8 @@ def analytic_for(model, batch, *, precision: str, optimizer, device_type: str):
             optimizer=optimizer_name(optimizer),
             attention=attention,
             device_type=device_type,
+            compiled=compiled,
+            fused_loss=fused_loss,
             load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
             **_method_of(model),
         )
@@ -112,3 +134,14 @@ def optimizer_name(optimizer) -> str:
     if kind == "sgd":
         return "sgd-momentum" if optimizer.param_groups[0].get("momentum", 0) else "sgd"
     return "adamw8bit" if "8bit" in kind else "adamw"
+
+
+def first_step_bytes(optimizer) -> int:
+    """Memory the first optimizer step adds that no probed pass shows: the optimizer's state,
+    created lazily at that step (`FIRST_STEP_PARAM_MULTIPLE` by the optimizer's estimate name;
+    an optimizer the estimate does not know is taken as AdamW). 0 when the state exists
+    already."""
+    if any(optimizer.state.values()):
+        return 0
+    size = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    return int(size * FIRST_STEP_PARAM_MULTIPLE[optimizer_name(optimizer)])

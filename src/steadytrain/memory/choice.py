@@ -1,6 +1,6 @@
 """The choice among candidates: every allowed micro-batch size of every mode (plain,
-checkpointed, chunked loss, both), the one with the most samples per second within the limit,
-and the sentences that say why."""
+checkpointed, checkpointed with offloaded inputs, each with or without the chunked loss), the
+one with the most samples per second within the limit, and the sentences that say why."""
 
 from __future__ import annotations
 
@@ -9,21 +9,46 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from steadytrain.errors import BadInputError
+from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.probe import Fit
 from steadytrain.memory.settings import SIZE_POLICIES
 
 SAVER_GAIN = 1.05
-"""A memory saver (checkpointing, chunked loss) must be predicted this much faster than the best
-plain candidate to be chosen: its recomputation cost is certain, a few per cent of timing noise
-is not."""
+"""A memory saver (checkpointing, offload, chunked loss) must be predicted this much faster than
+the best plain candidate to be chosen: its recomputation cost is certain, a few per cent of
+timing noise is not."""
 
 
 class Mode(NamedTuple):
     checkpointing: bool = False
     chunked_loss: bool = False
+    offload: bool = False
+    """Checkpointing whose kept layer inputs live in host memory (`memory.offload`)."""
+
+    @classmethod
+    def of(cls, activation_checkpointing: bool | str, chunked_loss: bool = False) -> Mode:
+        """The mode of an `activation_checkpointing` value: False, True or "offload"."""
+        offload = activation_checkpointing == OFFLOAD
+        return cls(bool(activation_checkpointing), chunked_loss, offload)
+
+    @property
+    def activation_checkpointing(self) -> bool | str:
+        """What a pass runs with (`probe.RunPass`): False, True or "offload"."""
+        return OFFLOAD if self.offload else self.checkpointing
+
+    def within(self, other: Mode) -> bool:
+        """Every saver this mode has on, `other` has on too."""
+        return all(mine <= theirs for mine, theirs in zip(self, other, strict=True))
+
+    @property
+    def savers(self) -> int:
+        """How many savers the mode has on (offload counts on top of checkpointing)."""
+        return self.checkpointing + self.offload + self.chunked_loss
 
     def describe(self) -> str:
         parts = ["checkpointed" if self.checkpointing else "plain"]
+        if self.offload:
+            parts.append("inputs offloaded to host")
         if self.chunked_loss:
             parts.append("chunked loss")
         return ", ".join(parts)
@@ -115,6 +140,7 @@ def _fastest(fitting: list[Candidate]) -> tuple[Candidate, list[str]]:
         key=lambda c: (
             c.samples_per_second,
             not c.mode.checkpointing,
+            not c.mode.offload,
             not c.mode.chunked_loss,
             c.micro_batch_size,
         ),

@@ -3,7 +3,9 @@ or from real passes of the model built with random weights on this device."""
 
 from __future__ import annotations
 
-import importlib.util
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
 from steadytrain.device import resolve_device
@@ -11,12 +13,13 @@ from steadytrain.errors import BadInputError
 from steadytrain.memory.analytic import Analytic
 from steadytrain.memory.choice import Mode, choose
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Settings
+from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.plan import (
     MARGINS,
-    PROBE_SIZES,
     Plan,
     Room,
     accumulation_reason,
+    compiled_growth,
     plan,
 )
 from steadytrain.memory.probe import Fit
@@ -28,14 +31,26 @@ sample (a forward is about a third of forward + backward), so plain wins whereve
 ASSUMED_CHUNKED = 1.1
 """The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
 vocabulary (docs/benchmarks.md)."""
-CHECKPOINTING = {"auto": "auto", "on": True, "off": False}
-"""`--checkpointing` in the config's terms (activation_checkpointing: auto, true, false)."""
+CHECKPOINTING = {"auto": "auto", "on": True, "off": False, OFFLOAD: OFFLOAD}
+"""`--checkpointing` in the config's terms (activation_checkpointing: auto, true, false,
+offload)."""
 
 
-def plan_for_config(config, settings: Settings, budget: int | None) -> Plan:
-    """The plan for `config` under `settings` (checked, device_type resolved): probed on this
+CompileLayers = Callable[[Any, str], Callable[[], AbstractContextManager] | None]
+"""compile_layers(model, device_type): compile the model's layers in place as a run does, and
+return the context that runs them eagerly (None where torch has none). The command line passes
+the engine's (`cli/memory_commands.py: compile_before_plan`), a layer this one may not import."""
+
+
+def plan_for_config(
+    config, settings: Settings, budget: int | None, compile_layers: CompileLayers | None = None
+) -> Plan:
+    """The plan for `config` under `settings` (checked, device_type and compiled resolved, as
+    `steadytrain plan` does: cli/memory_commands.py `resolve_target`): probed on this
     device where `settings.probe` says so (default: a CUDA machine planning for CUDA), else from
-    the analytic estimate against `budget`."""
+    the analytic estimate against `budget`. A probe of compiled layers compiles them first with
+    `compile_layers`, as a run does before its plan: the probe's passes run eager, the CUDA
+    finalists compiled."""
     analytic = Analytic(config, settings, strict=True)
     here = resolve_device("auto").type
     probe = settings.probe
@@ -48,7 +63,7 @@ def plan_for_config(config, settings: Settings, budget: int | None) -> Plan:
             "analytic plan"
         )
     if probe:
-        return _probe_plan(config, settings, analytic)
+        return _probe_plan(config, settings, analytic, compile_layers)
     return analytic_plan(analytic, settings, budget)
 
 
@@ -56,8 +71,9 @@ def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) ->
     """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
     against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`)."""
     ckpt = CHECKPOINTING[settings.activation_checkpointing]
-    modes = [Mode(ckpt is True)] + ([Mode(True)] if ckpt == "auto" else [])
-    modes += [Mode(m.checkpointing, True) for m in modes]
+    modes = [Mode.of(ckpt if ckpt != "auto" else False)]
+    modes += [Mode(True)] if ckpt == "auto" else []
+    modes += [m._replace(chunked_loss=True) for m in modes]
     fits = {mode: _analytic_line(analytic, mode) for mode in modes}
     if budget is None:
         raise BadInputError("plan: this device's budget is unknown; pass --memory 16GiB")
@@ -82,7 +98,7 @@ def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) ->
         reasons.append(
             "nothing fits, not even one sample checkpointed: see the knobs of `estimate`"
         )
-        mode, peak = Mode(ckpt is not False, True), None
+        mode, peak = Mode.of(True if ckpt == "auto" else ckpt, True), None
     else:
         reasons += [r for r in why if "samples/s" not in r]
         reasons.append(accumulation_reason(best.micro_batch_size, room.effective_batch_size))
@@ -93,8 +109,7 @@ def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) ->
 
 def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
     """total(b) = fixed + per_sample × b through the analytic totals at micro 1 and 2."""
-    one = analytic.at(1, mode.checkpointing, mode.chunked_loss).total
-    two = analytic.at(2, mode.checkpointing, mode.chunked_loss).total
+    one, two = analytic.of(1, mode).total, analytic.of(2, mode).total
     if one is None or two is None:
         raise BadInputError(
             "plan: the activations of this model family are not modelled, so only a probe "
@@ -113,9 +128,12 @@ def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
     )
 
 
-def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
+def _probe_plan(
+    config, settings: Settings, analytic: Analytic, compile_layers: CompileLayers | None
+) -> Plan:
     """Build the model from its config with random weights on this device (LoRA through peft
-    when asked), and plan with real passes on random tokens."""
+    when asked), compile its layers where the run would, and plan with real passes on random
+    tokens."""
     import torch
 
     from steadytrain.memory.chunked_loss import CausalLMLoss
@@ -127,12 +145,11 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
     model = _random_model(config, settings, dtypes[settings.weights_dtype], device.torch_device)
     params = [p for p in model.parameters() if p.requires_grad]
     vocab = config.get_text_config().vocab_size if hasattr(config, "get_text_config") else 0
-    generator = torch.Generator().manual_seed(0)
-    top = min(max(PROBE_SIZES), settings.effective_batch_size)
-    tokens = torch.randint(0, vocab or 2, (top, settings.seq), generator=generator)
-    tokens = tokens.to(device.torch_device)
+    tokens = _random_tokens(vocab or 2, settings.seq, device.torch_device)
     loss_fn = CausalLMLoss()
-    savers = MemorySavers(model, loss_fn)
+    savers = MemorySavers(model, loss_fn, discrete_memory=device.discrete_memory)
+    compiled = settings.compiled and compile_layers is not None
+    eager = compile_layers(model, device.type) if compiled else None
 
     def autocast():
         return torch.autocast(
@@ -140,7 +157,7 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
         )
 
     def one_pass(size: int) -> None:
-        ids = tokens[:size]
+        ids = tokens(size)
         trial_pass(model, loss_fn, {"input_ids": ids, "labels": ids}, autocast)
 
     return plan(
@@ -149,6 +166,7 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
         effective_batch_size=settings.effective_batch_size,
         activation_checkpointing=CHECKPOINTING[settings.activation_checkpointing],
         can_checkpoint=savers.can_checkpoint,
+        can_offload=savers.can_offload,
         chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
         if savers.can_chunk_loss
         else None,
@@ -156,16 +174,28 @@ def _probe_plan(config, settings: Settings, analytic: Analytic) -> Plan:
         micro_batch_sizes=settings.micro_batch_sizes,
         analytic=analytic,
         pending=_pending_bytes(settings, params),
-        compiled=_compiled(settings, device.type),
+        compiled=compiled_growth(model) if settings.compiled else False,
+        eager_passes=eager,
     )
 
 
-def _compiled(settings: Settings, device_type: str) -> bool:
-    """--compile/--no-compile, or what a run's `compile: auto` does on this device: compiled on
-    CUDA where Triton is installed (engine/compiling.py decides the same for the run)."""
-    if settings.compiled is not None:
-        return settings.compiled
-    return device_type == "cuda" and importlib.util.find_spec("triton") is not None
+def _random_tokens(vocab: int, seq: int, torch_device):
+    """`tokens(size)`: `size` rows of `seq` random token ids on the device, the same rows for
+    the same size (seed 0). Every pass gets the size it is asked for: the probe's sizes and
+    the CUDA finalists' larger ones, whose time and peak are per sample of that size."""
+    import torch
+
+    made: dict[int, torch.Tensor] = {}
+
+    def tokens(size: int) -> torch.Tensor:
+        if size not in made:
+            made.clear()  # one size at a time on the device
+            generator = torch.Generator().manual_seed(0)
+            ids = torch.randint(0, vocab, (size, seq), generator=generator)
+            made[size] = ids.to(torch_device)
+        return made[size]
+
+    return tokens
 
 
 def _random_model(config, settings, dtype, torch_device):

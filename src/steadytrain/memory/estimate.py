@@ -22,10 +22,17 @@ With activation checkpointing the logits' peak and a recomputed layer do not coe
 forward (autocast's cached weight copies) can be the largest moment: `estimate` takes the max
 over forward, backward and optimizer step. bench/estimate_accuracy.py measures the result on a
 GPU (median error 1.2% against `torch.cuda.max_memory_allocated` on an H100).
+
+Compiled layers (`compiled`) keep their family's `COMPILED_GROWTH` share of the eager
+activations where no checkpointing is on; offload (`offload`) leaves the layer inputs
+checkpointing keeps in host memory, all but the two the backward holds (`OFFLOAD_INPUTS_BACK`);
+the fused loss (`fused_loss`, with the chunked loss) holds a chunk of rows of logits in the
+compute dtype and the hidden states' gradient (activations.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +45,7 @@ from steadytrain.memory.activations import (
     logits_and_loss,
     weight_copies,
 )
+from steadytrain.memory.compiled import family_share
 from steadytrain.memory.model_shape import (
     ParamCounts,
     Shape,
@@ -173,6 +181,7 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
     settings.check()
     shape, counts, s = shape_of(config), count_parameters(config), settings
     notes: list[str] = []
+    s = _fused_where_it_runs(config, s, notes)
     costs = _fixed_costs(counts, s, notes)
     known = shape.family in KNOWN_FAMILIES and shape.intermediate is not None
     measured = None if known else _measured(config, shape, s, notes)
@@ -209,6 +218,24 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
         activations_known=known or measured is not None,
         notes=notes,
     )
+
+
+def _fused_where_it_runs(config, s: Settings, notes: list[str]) -> Settings:
+    """The settings with the fused loss off where the fused kernel does not compute this
+    model's loss (a logit scale it does not apply: memory/fused_loss.py), with a note."""
+    if not (s.fused_loss and s.chunked_loss):
+        return s
+    from steadytrain.memory.fused_loss import UNSUPPORTED_TRANSFORMS  # torch, only here
+
+    text = text_config(config)
+    scaled = [n for n in UNSUPPORTED_TRANSFORMS if getattr(text, n, None) not in (None, 1, 1.0)]
+    if not scaled:
+        return s
+    notes.append(
+        f"the model scales its logits ({scaled[0]}), which the fused kernel does not apply: "
+        "the chunked loss computes in checkpointed chunks"
+    )
+    return dataclasses.replace(s, fused_loss=False)
 
 
 def _fixed_costs(counts: ParamCounts, s: Settings, notes: list[str]) -> _Costs:
@@ -277,6 +304,7 @@ def _peak(
     known family from its formula, of another as `measured` on the meta device."""
     tokens = s.micro_batch_size * s.seq
     act = measured or activations_of(shape, s, tokens)
+    act = _offloaded(_compiled(act, shape, s, notes), shape, s, notes)
     copies, layer_copy, head_copy, copies_formula = weight_copies(shape, counts, s)
     loss = logits_and_loss(shape, s, tokens, head_copy)
     logits = loss.total
@@ -314,6 +342,54 @@ def _peak(
             f"{DEFAULT_CHUNK_TOKENS} tokens at a time) or a shorter sequence shrinks it"
         )
     return peak, phase, formula, rows
+
+
+def _compiled(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> Activations:
+    """Compiled layers (`compile`) keep their family's `COMPILED_GROWTH` share of what eager
+    layers keep, where the share applies: without checkpointing (a checkpointed layer keeps only
+    its input) and where the run compiles (on MPS the layers stay eager)."""
+    if not s.compiled:
+        return act
+    share = family_share(shape.family)
+    if s.checkpointing or s.device_type == "mps" or share == 1.0:
+        why = (
+            "a checkpointed layer keeps only its input"
+            if s.checkpointing
+            else "a run on MPS leaves the layers eager (inductor's Metal backend is a prototype)"
+            if s.device_type == "mps"
+            else f"family {shape.family!r} has no measured share (bench/compiled_growth.py)"
+        )
+        notes.append(f"compiled layers: no credit, the activations row is eager's ({why})")
+        return act
+    notes.append(
+        f"compiled layers: {share:.2f} of eager's activations, measured for {shape.family} "
+        "(bench/compiled_growth.py; a compiled layer recomputes its elementwise results)"
+    )
+    formula = f"compiled layers, {share:.2f} × eager's: {act.formula}"
+    return dataclasses.replace(act, total=int(act.total * share), formula=formula)
+
+
+OFFLOAD_INPUTS_BACK = 2
+"""Layer inputs offload has on the device during the backward (memory/offload.py): the input of
+the layer being recomputed, and the next one's, copied back ahead of its turn (the prefetch)."""
+
+
+def _offloaded(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> Activations:
+    """Offload (memory/offload.py): the layer inputs checkpointing keeps wait in pinned host
+    memory, but for `OFFLOAD_INPUTS_BACK` of them during the backward."""
+    if not s.offload or not act.inputs:
+        return act
+    layers = max(shape.layers, 1)
+    back = act.inputs // layers * min(OFFLOAD_INPUTS_BACK, layers)
+    kept = act.kept - act.inputs + back
+    notes.append(
+        f"offload: the {shape.layers} layer inputs checkpointing keeps, "
+        f"{format_bytes(act.inputs)}, wait in pinned host memory (the machine's RAM, not in "
+        "this total); in the backward the input of the layer being recomputed and the next "
+        "one's (prefetched) are back on the device"
+    )
+    formula = f"{act.formula}; offload: the layer inputs in host memory but two"
+    return Activations(kept + act.one_layer, kept, act.one_layer, formula, back)
 
 
 def _measured(config, shape: Shape, s: Settings, notes: list[str]) -> Activations | None:

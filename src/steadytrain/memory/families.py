@@ -51,8 +51,9 @@ def family_activations(shape: Shape, s: Settings, tokens: int) -> Activations:
     scratch = SCRATCH_PROBABILITIES.get(kernel, 0) * c * shape.heads * s.seq
     one_layer = int(tokens * (max(sums) + scratch))
     widest = max(sums)
+    inputs = tokens * w * shape.hidden * shape.layers if s.checkpointing else 0
     if s.checkpointing:
-        kept = int(tokens * (w * shape.hidden * shape.layers + outside))
+        kept = inputs + int(tokens * outside)
         total = kept + one_layer
         formula = (
             f"{shape.family}, checkpointing: {tokens:,} tokens × ({shape.layers} layer inputs × "
@@ -76,7 +77,7 @@ def family_activations(shape: Shape, s: Settings, tokens: int) -> Activations:
             f"; {kernel} attention keeps seq {s.seq} × {shape.heads} heads probabilities per "
             f"token, and {SCRATCH_PROBABILITIES[kernel]}× that as scratch in one layer's backward"
         )
-    return Activations(total=total, kept=kept, one_layer=one_layer, formula=formula)
+    return Activations(total, kept, one_layer, formula, inputs)
 
 
 class _Sizes:

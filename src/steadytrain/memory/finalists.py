@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from steadytrain._units import format_bytes
 from steadytrain.device import Device, call_or_oom
 from steadytrain.memory.choice import Mode, Predict
 from steadytrain.memory.probe import Fit, ProbeResult, RunPass, measure
@@ -33,6 +34,7 @@ def time_finalists(
     limit: float,
     predict: Predict,
     result: ProbeResult,
+    compiled: bool = False,
 ) -> tuple[dict[Mode, Timed], list[str]]:
     """On CUDA, time each mode at its own finalist size instead of extrapolating its time line.
 
@@ -45,32 +47,32 @@ def time_finalists(
     longer than `TIME_PASS` (bounded with the largest probed size's time per sample, which
     overstates it): beyond that size the GPU is busy and the measured rate is taken as the rate
     of the larger sizes too. A mode is not timed when a mode with a subset of its memory savers
-    was timed at a size at least as large: the same size with more recomputation is slower.
-    A finalist that runs out of memory (a prediction that was wrong) is not a contender."""
-    order = sorted(fits, key=lambda m: (m.checkpointing + m.chunked_loss, m.checkpointing))
+    was timed at a size at least as large: the same size with more recomputation (or with
+    copies to host memory) is slower. A finalist that runs out of memory, or whose measured
+    peak passes `limit` (a prediction that was wrong), is not a contender.
+
+    `compiled`: the finalists run compiled layers (`plan`). Each then runs at its largest
+    fitting size, twice (the first pass at a new size compiles; the eager probe's passes warm
+    nothing): a compiled layer's fixed cost per pass makes a smaller size's rate say little
+    about a larger one's (Qwen3-0.6B on an H200: micro 4 at half the rate of micro 8)."""
+    order = sorted(fits, key=lambda m: (m.savers, m.checkpointing))
     timed: dict[Mode, Timed] = {}
     notes: list[str] = []
     for mode in order:
         fitting = [m for m in sizes if predict(mode, m) <= limit]
         if not fitting:
             continue
-        size = _finalist_size(fits[mode], fitting)
-        cheaper = [
-            other
-            for other, t in timed.items()
-            if other.checkpointing <= mode.checkpointing
-            and other.chunked_loss <= mode.chunked_loss
-            and t.size >= size
-        ]
+        size = fitting[-1] if compiled else _finalist_size(fits[mode], fitting)
+        cheaper = [other for other, t in timed.items() if other.within(mode) and t.size >= size]
         if cheaper:
             notes.append(
                 f"{mode.describe()}: not timed; {cheaper[0].describe()} runs micro "
                 f"{timed[cheaper[0]].size} with less recomputation"
             )
             continue
-        rate = _time_one(runs[mode], device, mode, size, result)
+        rate, missed = _time_one(runs[mode], device, mode, size, result, limit, compiled)
         if rate is None:
-            notes.append(f"{mode.describe()} micro {size} ran out of memory when timed")
+            notes.append(f"{mode.describe()} micro {size} {missed} when timed: not a contender")
             continue
         timed[mode] = Timed(fitting[-1], size, rate)
         notes.append(
@@ -91,22 +93,34 @@ def _finalist_size(line: Fit, fitting: list[int]) -> int:
 
 
 def _time_one(
-    run: RunPass, device: Device, mode: Mode, size: int, result: ProbeResult
-) -> float | None:
-    """samples/s of one pass at `size` (recorded in `result`); None when it ran out of memory."""
-    warm = any(  # this mode ran this size in the probe: kernels chosen, blocks cached
-        (s.size, s.checkpointing, s.chunked_loss) == (size, *mode) for s in result.samples
+    run: RunPass,
+    device: Device,
+    mode: Mode,
+    size: int,
+    result: ProbeResult,
+    limit: float,
+    compiled: bool,
+) -> tuple[float | None, str]:
+    """samples/s of one pass at `size` (recorded in `result`), or None and why it does not
+    count: it ran out of memory, or its peak passed `limit`."""
+    warm = not compiled and any(  # this mode ran this size eagerly: kernels chosen, blocks cached
+        (s.size, s.checkpointing, s.chunked_loss)
+        == (size, mode.activation_checkpointing, mode.chunked_loss)
+        for s in result.samples
     )
     sample, oom = call_or_oom(
-        lambda: measure(run, device, size, mode.checkpointing, reps=1 if warm else 2),
+        lambda: measure(run, device, size, mode.activation_checkpointing, reps=1 if warm else 2),
         device.empty_cache,
     )
-    if oom is None:
-        result.samples.append(dataclasses.replace(sample, chunked_loss=mode.chunked_loss))
-        return size / max(sample.seconds, 1e-9)
-    error = oom.error[:300]
-    result.failed.append((size, mode.checkpointing, error))
-    return None
+    if oom is not None:
+        result.failed.append((size, mode.activation_checkpointing, oom.error[:300]))
+        return None, "ran out of memory"
+    result.samples.append(dataclasses.replace(sample, chunked_loss=mode.chunked_loss))
+    if sample.peak is not None and sample.peak > limit:
+        over = f"peak {format_bytes(sample.peak)} above the limit {format_bytes(limit)}"
+        result.failed.append((size, mode.activation_checkpointing, over))
+        return None, f"measured a {over}"
+    return size / max(sample.seconds, 1e-9), ""
 
 
 def measured_speed(

@@ -71,8 +71,9 @@ def measured_activations(config: Any, shape: Shape, s: Settings, tokens: int) ->
     hidden_bytes = s.seq * shape.hidden * PRECISIONS[s.weights_dtype]  # the residual stream
     scratch = SCRATCH_PROBABILITIES.get(kernel, 0) * compute * shape.heads * s.seq * s.seq
     one_layer = int(scale * (max(per_layer, default=0) + scratch))
+    inputs = int(scale * hidden_bytes * len(layers)) if s.checkpointing else 0
     if s.checkpointing:
-        kept = int(scale * (hidden_bytes * len(layers) + outside))
+        kept = inputs + int(scale * outside)
         total = kept + one_layer
         formula = (
             f"measured on the meta device ({shape.family}'s own forward): {len(layers)} layer "
@@ -87,7 +88,7 @@ def measured_activations(config: Any, shape: Shape, s: Settings, tokens: int) ->
             f"× {sum(per_layer) / max(len(layers), 1) * scale:,.0f} B + outside the layers "
             f"{outside * scale:,.0f} B, what autograd saves for backward"
         )
-    return Activations(total=total, kept=kept, one_layer=one_layer, formula=formula)
+    return Activations(total, kept, one_layer, formula, inputs)
 
 
 def _meta_model(config: Any, dtype, attention: str):

@@ -1,5 +1,7 @@
-"""Choose the micro-batch, the accumulation, activation checkpointing (and, where the loss offers
-one, a chunked loss) that give the most samples per second within the memory budget.
+# long-module: the plan's one rule (bound, one pass, probe, choose, explain) reads top to bottom here; choice, finalists, probe and the record are split out
+"""Choose the micro-batch, the accumulation, activation checkpointing (on CUDA also with its kept
+inputs offloaded to host memory; and, where the loss offers one, a chunked loss) that give the
+most samples per second within the memory budget.
 
 The rule (docs/plan.md has the reasons):
 
@@ -12,14 +14,16 @@ The rule (docs/plan.md has the reasons):
    bound on that size's peak (the fixed part is counted every time); when the bound is within
    half the room, that size is taken without probing further: a model that fits at the whole
    effective batch costs one extra pass.
-3. Otherwise each mode (plain; checkpointed where the model can; chunked loss where the loss
-   has a chunked mode for the model, and both savers together) is probed at 1, 2 and 4 samples
-   (`probe.py`), and every allowed size of every mode whose predicted peak is within the limit
-   is a candidate. The winner has the most samples per second: on CPU and MPS as predicted by
-   the time line, size / seconds(size) (the fixed time of a pass is paid once per micro-batch,
-   so larger micro-batches run faster until memory stops them); on CUDA as measured at each
-   mode's own largest fitting size (`finalists.py`: the small probed sizes are bound by
-   kernel launches there, and their time line says little about large sizes). A checkpointed
+3. Otherwise each mode (plain; checkpointed where the model can; on CUDA checkpointed with
+   offloaded inputs, unless plain checkpointing already fits the largest allowed size; chunked
+   loss where the loss has a chunked mode for the model, and the savers together) is probed at
+   1, 2 and 4 samples (`probe.py`), and every allowed size of every mode whose predicted peak
+   is within the limit is a candidate. The winner has the most samples per second: on CPU and
+   MPS as predicted by the time line, size / seconds(size) (the fixed time of a pass is paid
+   once per micro-batch, so larger micro-batches run faster until memory stops them); on CUDA
+   as measured at each mode's own largest fitting size (`finalists.py`: the small probed sizes
+   are bound by kernel launches there, and their time line says little about large sizes). A
+   checkpointed
    larger micro-batch beats a plain smaller one exactly when the measured times say so.
 4. Allowed sizes divide the effective batch (every step splits into equal micro-batches, the
    rule `micro_batch_size` has in the config) and, by default, are powers of two (kernels are
@@ -32,20 +36,26 @@ is only a lower bound there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 from steadytrain._units import format_bytes
 from steadytrain.device import Device, call_or_oom
-from steadytrain.memory.analytic import Analytic, analytic_for, optimizer_name
+from steadytrain.memory.analytic import Analytic, analytic_for, first_step_bytes
 from steadytrain.memory.choice import SAVER_GAIN, Candidate, Mode, allowed_sizes, choose
+from steadytrain.memory.compiled import COMPILED_GROWTH, compiled_growth
 from steadytrain.memory.finalists import measured_speed, time_finalists
-from steadytrain.memory.plan_record import Plan, Room
-from steadytrain.memory.probe import Fit, ProbeResult, RunPass, in_use, measure, probe
-from steadytrain.memory.settings import FIRST_STEP_PARAM_MULTIPLE, SIZE_POLICIES
+from steadytrain.memory.offload import OFFLOAD, offload_not_needed
+from steadytrain.memory.plan_record import Plan, Room, accumulation_reason
+from steadytrain.memory.probe import Fit, ProbeResult, RunPass, in_use, measure, one_point, probe
+from steadytrain.memory.settings import SIZE_POLICIES
 
 __all__ = [  # the names the trainer, the command line and users import from here
+    "COMPILED_GROWTH",
     "MARGINS",
     "SAVER_GAIN",
     "SIZE_POLICIES",
@@ -57,6 +67,7 @@ __all__ = [  # the names the trainer, the command line and users import from her
     "allowed_sizes",
     "analytic_for",
     "choose",
+    "compiled_growth",
     "first_step_bytes",
     "plan",
 ]
@@ -66,16 +77,6 @@ MARGINS = {"cuda": 0.9, "mps": 0.75, "cpu": 0.75}
 QUICK_SHARE = 0.5
 """The one-pass bound (rule 2) must stay within this share of the allowed growth."""
 PROBE_SIZES = (1, 2, 4)
-COMPILED_GROWTH = 0.71
-"""What a sample adds to the peak once the layers are compiled, as a share of what it adds in
-the eager passes the plan measures, for modes without checkpointing whose loss is chunked or
-fused (where the growth is the layers' activations). Measured on an H100, Llama-3.2-1B shape,
-LoRA, seq 1024, fused loss at micro 8: 1.32 GiB compiled against 1.86 GiB eager per sample
-(docs/benchmarks.md); the compiled layer keeps fewer intermediates for backward. Other modes
-get no credit: the plain loss's logits do not shrink, and a checkpointed layer keeps only its
-input."""
-
-
 EARLIER_NAMES = {
     "checkpointing": "activation_checkpointing",
     "margin": "plan_margin",
@@ -100,8 +101,17 @@ class _Job:
     reps: int = 1
     """Passes per probed size (CUDA times its finalists instead, so one there)."""
     analytic: Analytic | None = None
-    compiled: bool = False
-    """The run compiles its layers after the plan (`compile`): see `COMPILED_GROWTH`."""
+    compiled: float = 0.0
+    """The run compiles its layers (`compile`): the share a sample's growth is counted at
+    (`COMPILED_GROWTH`); 0 when it does not compile."""
+    eager_passes: Callable[[], AbstractContextManager] | None = None
+    """The layers are compiled already: the probe's passes run eager in this context, and the
+    CUDA finalists run compiled (see `plan`)."""
+    can_offload: bool = False  # the model's layers take the offloaded checkpoint
+    notes: list[str] = field(default_factory=list)  # why a mode was not probed
+
+    def eager(self) -> AbstractContextManager:
+        return self.eager_passes() if self.eager_passes else contextlib.nullcontext()
 
     @classmethod
     def bound(
@@ -138,19 +148,29 @@ class _Job:
 
     @property
     def start(self) -> Mode:
+        if self.activation_checkpointing == OFFLOAD:
+            return Mode(True, offload=self.offload_here)
         return Mode(self.activation_checkpointing is True)
 
     @property
     def may_checkpoint(self) -> bool:
         return self.activation_checkpointing == "auto" and self.can_checkpoint
 
+    @property
+    def offload_here(self) -> bool:
+        """Offload is possible: a model that takes it, on a device with memory of its own."""
+        return self.can_offload and self.device.discrete_memory
+
     def modes(self) -> list[Mode]:
-        modes = [self.start] + ([Mode(True)] if self.may_checkpoint else [])
+        modes = [self.start]
+        if self.may_checkpoint:
+            modes += [Mode(True)] + ([Mode(True, offload=True)] if self.offload_here else [])
         if self.chunked_run is not None:
-            modes += [Mode(m.checkpointing, True) for m in modes]
+            modes += [m._replace(chunked_loss=True) for m in modes]
         return modes
 
 
+# long: the public entry point; its docstring documents each of its dozen keywords
 def plan(
     run: RunPass,
     device: Device,
@@ -158,6 +178,7 @@ def plan(
     effective_batch_size: int,
     activation_checkpointing: str | bool = "auto",
     can_checkpoint: bool = False,
+    can_offload: bool = False,
     chunked_run: RunPass | None = None,
     plan_margin: float | None = None,
     micro_batch_sizes: str = "powers_of_two",
@@ -165,22 +186,31 @@ def plan(
     analytic: Analytic | None = None,
     reps: int | None = None,
     pending: int = 0,
-    compiled: bool = False,
+    compiled: bool | float = False,
+    eager_passes: Callable[[], AbstractContextManager] | None = None,
     **earlier: Any,
 ) -> Plan:
     """Probe with `run(size, checkpointing)` and choose (the module docstring has the rule):
     bound, one pass, probe, choose, explain.
 
     `activation_checkpointing`: the config's ('auto' lets the plan decide, where
-    `can_checkpoint`). `chunked_run`: the same pass with the loss computed in chunks, when the
-    caller's loss has such a variant; the plan then decides `chunked_loss` too. `cap`: no size
-    above it (the supervisor's cap after an OS kill). `reps`: passes per probed size (the
-    fastest counts: the first pass of a size also pays for kernel selection and allocation).
+    `can_checkpoint`; with `can_offload` too, on a device with memory of its own, between plain
+    and offloaded checkpointing; 'offload' probes that mode alone). `chunked_run`: the same
+    pass with the loss computed in chunks, when the caller's loss has such a variant; the plan
+    then decides `chunked_loss` too. `cap`: no size above it (the supervisor's cap after an OS
+    kill). `reps`: passes per probed size (the fastest counts: the first pass of a size also
+    pays for kernel selection and allocation).
     `pending`: bytes the first optimizer step adds that no probed pass holds (the optimizer's
     state, `first_step_bytes`); added to every prediction. `checkpointing`, `margin` and
     `policy` are accepted as the earlier names of the config's fields. `compiled`: the run
-    compiles its layers after the plan, whose passes are eager: sizes are predicted with the
-    compiled growth (`COMPILED_GROWTH`), timed eagerly at the largest size that fits eager."""
+    compiles its layers after the plan, whose passes are eager: sizes are predicted with a
+    sample's growth times this share (`compiled_growth(model)`; True: 1.0, no credit), timed
+    eagerly at the largest size that fits eager. `eager_passes`: the layers are compiled
+    before the plan, and this context (torch.compiler.set_stance("force_eager")) runs them
+    eagerly: the probe's passes run in it, and on CUDA each mode's finalist runs compiled at the
+    size the compiled prediction allows, so its speed is the compiled run's own (a compiled
+    layer's fixed cost per pass favours larger micro-batches more than eager timing shows) and
+    a finalist whose compiled peak passes the limit is no contender."""
     given = {
         "activation_checkpointing": activation_checkpointing,
         "plan_margin": plan_margin,
@@ -194,14 +224,17 @@ def plan(
         run, chunked_run, device, effective_batch_size, cap, pending, can_checkpoint, **given
     )
     job.reps, job.analytic = reps or (1 if device.type == "cuda" else 2), analytic
-    job.compiled = compiled
+    job.compiled = 0.0 if compiled is False else 1.0 if compiled is True else float(compiled)
+    job.eager_passes = eager_passes if job.compiled else None
+    job.can_offload = can_offload
     if job.room.limit is None:
         reasons = [
             "the budget of this device is unknown: starting at the largest allowed size; the "
             "out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
         ]
         return job.room.plan(job.sizes[-1], job.start, None, reasons, analytic=analytic)
-    result = _first_pass(job)
+    with job.eager():
+        result = _first_pass(job)
     return _without_probing(job, result) or _probe_and_choose(job, result)
 
 
@@ -209,7 +242,7 @@ def _first_pass(job: _Job) -> ProbeResult:
     """One pass at micro-batch 1 (none recorded when it runs out of memory)."""
     result = ProbeResult(baseline=job.room.in_use)
     first, oom = call_or_oom(
-        lambda: measure(job.run, job.device, 1, job.start.checkpointing, reps=1),
+        lambda: measure(job.run, job.device, 1, job.start.activation_checkpointing, reps=1),
         job.device.empty_cache,
     )
     if oom is not None:
@@ -252,17 +285,26 @@ def _without_probing(job: _Job, result: ProbeResult) -> Plan | None:
 
 def _probe_and_choose(job: _Job, result: ProbeResult) -> Plan:
     """Probe every mode, predict each allowed size, choose, and say why."""
-    fits = _probe_modes(job, result)
+    with job.eager():
+        fits = _probe_modes(job, result)
     reasons = [job.room.describe(), *_probe_reasons(job, result, fits)]
-    eager = _predictor(job, fits)
     predict = _predictor(job, fits, compiled=job.compiled)
+    compiled_finalists = job.eager_passes is not None and job.device.type == "cuda"
     if job.compiled and any(_compile_credit(mode) for mode in fits):
-        reasons.append(_compiled_reason())
+        reasons.append(_compiled_reason(job.compiled, compiled_finalists))
     speed = None
     if job.device.type == "cuda":  # time the finalists themselves: see `time_finalists`
         runs = {mode: job.chunked_run if mode.chunked_loss else job.run for mode in fits}
+        sizes_by = predict if compiled_finalists else _predictor(job, fits)
         timed, notes = time_finalists(
-            fits, runs, job.device, job.sizes, job.room.limit, eager, result
+            fits,
+            runs,
+            job.device,
+            job.sizes,
+            job.room.limit,
+            sizes_by,
+            result,
+            compiled=compiled_finalists,
         )
         reasons += notes
         if timed:
@@ -299,18 +341,25 @@ def _probe_modes(job: _Job, result: ProbeResult) -> dict[Mode, Fit]:
     probe_sizes = tuple(s for s in PROBE_SIZES if s <= job.cap)
     fits: dict[Mode, Fit] = {}
     for mode in job.modes():
+        top, limit = job.sizes[-1], room.limit - room.pending
+        unneeded = mode != job.start and offload_not_needed(fits, mode, top, limit)
+        if unneeded:
+            job.notes.append(unneeded)
+            continue
         passes = job.chunked_run if mode.chunked_loss else job.run
         tried = result if not mode.chunked_loss else ProbeResult(baseline=room.in_use)
         probe(
             passes,
             job.device,
-            checkpointing=mode.checkpointing,
+            checkpointing=mode.activation_checkpointing,
             sizes=probe_sizes,
             safe_peak=safe,
             reps=job.reps,
             result=tried,
         )
-        line = tried.fits.get(mode.checkpointing) or _one_point(tried, mode, room.in_use)
+        line = tried.fits.get(mode.activation_checkpointing) or one_point(
+            tried, mode.activation_checkpointing, room.in_use
+        )
         if line is not None:
             fits[mode] = line
         if mode.chunked_loss:
@@ -333,7 +382,8 @@ def _probe_reasons(job: _Job, result: ProbeResult, fits: dict[Mode, Fit]) -> lis
         for mode, line in fits.items()
     ]
     for size, ckpt, _ in result.failed:
-        reasons.append(f"{Mode(ckpt).describe()} micro {size} ran out of memory in the probe")
+        reasons.append(f"{Mode.of(ckpt).describe()} micro {size} ran out of memory in the probe")
+    reasons += job.notes
     if job.activation_checkpointing == "auto" and not job.can_checkpoint:
         reasons.append(
             "activation checkpointing: not a candidate (the model has no switch of its own, "
@@ -341,6 +391,11 @@ def _probe_reasons(job: _Job, result: ProbeResult, fits: dict[Mode, Fit]) -> lis
         )
     elif job.activation_checkpointing is False:
         reasons.append("activation checkpointing: off (activation_checkpointing: false)")
+    if job.may_checkpoint and not job.device.discrete_memory:
+        reasons.append(
+            f"activation offload: not a candidate ({job.device.type}: host memory is the same "
+            "memory as the device's)"
+        )
     if job.chunked_run is None:
         reasons.append("chunked loss: not a candidate (the loss offers no chunked variant)")
     if job.analytic is not None and job.device.type == "mps":
@@ -348,14 +403,14 @@ def _probe_reasons(job: _Job, result: ProbeResult, fits: dict[Mode, Fit]) -> lis
     return reasons
 
 
-def _predictor(job: _Job, fits: dict[Mode, Fit], compiled: bool = False):
+def _predictor(job: _Job, fits: dict[Mode, Fit], compiled: float = 0.0):
     """peak(mode, size): the measured line (on MPS at least the analytic total), plus the first
     optimizer step's pending bytes; `compiled`: with the compiled growth where it applies."""
     floored = job.analytic is not None and job.device.type == "mps"
 
     def predict(mode: Mode, size: int) -> float:
         line = fits[mode]
-        share = COMPILED_GROWTH if compiled and _compile_credit(mode) else 1.0
+        share = compiled if compiled and _compile_credit(mode) else 1.0
         measured = line.fixed + line.per_sample * share * size
         floor = job.analytic.total(size, mode) if floored else None
         return (measured if floor is None else max(measured, floor)) + job.room.pending
@@ -368,23 +423,29 @@ def _compile_credit(mode: Mode) -> bool:
     return mode.chunked_loss and not mode.checkpointing
 
 
-def _compiled_reason() -> str:
+def _compiled_reason(share: float, compiled_finalists: bool) -> str:
+    timing = (
+        "each mode's finalist runs compiled at that size"
+        if compiled_finalists
+        else "timed eagerly at the largest size that fits eager"
+    )
     return (
-        f"compile: the layers are compiled after the plan; a sample of a mode without "
-        f"checkpointing, with the chunked loss, is counted at {COMPILED_GROWTH:.0%} of its "
-        "eager growth (compiled layers keep fewer intermediates), and timed eagerly at the "
-        "largest size that fits eager"
+        f"compile: the probe measures eager passes; a sample of a mode without "
+        f"checkpointing, with the chunked loss, is counted at {share:.0%} of its eager growth "
+        f"(compiled layers recompute their elementwise results), and {timing}"
     )
 
 
 def _nothing_fits(job: _Job, reasons: list[str], found: dict[str, Any]) -> Plan:
-    ckpt = job.start.checkpointing or job.may_checkpoint
+    mode = job.start
+    if job.may_checkpoint and not mode.checkpointing:  # the most a mode saves, then the ladder
+        mode = Mode(True, offload=job.offload_here)
     reasons.append(
         "nothing is predicted to fit, not even one sample"
-        + (" with checkpointing" if ckpt else "")
+        + (f" {mode.describe()}" if mode.checkpointing else "")
         + ": starting at micro 1; the out-of-memory ladder has the last word"
     )
-    return job.room.plan(1, Mode(ckpt), None, reasons, **found)
+    return job.room.plan(1, mode, None, reasons, **found)
 
 
 def _chosen_reasons(job: _Job, best: Candidate, fits: dict[Mode, Fit]) -> list[str]:
@@ -395,56 +456,24 @@ def _chosen_reasons(job: _Job, best: Candidate, fits: dict[Mode, Fit]) -> list[s
             "the chunked loss is the fused linear cross-entropy here (Liger Kernel on CUDA, "
             "memory/fused_loss.py): no logits held beyond one chunk, nothing recomputed"
         )
-    if best.mode.checkpointing and not job.start.checkpointing:
+    if best.mode.offload and not job.start.offload:
+        reasons.append(
+            "activation offload: on (checkpointing alone does not fit the size it needs; each "
+            "layer's input waits in pinned host memory until the backward)"
+        )
+    elif best.mode.checkpointing and not job.start.checkpointing:
         reasons.append("activation checkpointing: on (the faster way to the larger micro-batch)")
     elif not best.mode.checkpointing and Mode(True) in fits:
         reasons.append("activation checkpointing: off (plain is predicted faster)")
     if job.analytic is not None:
-        at = job.analytic.at(best.micro_batch_size, best.mode.checkpointing, best.mode.chunked_loss)
+        at = job.analytic.of(best.micro_batch_size, best.mode)
         if at is not None and at.peak is not None and job.device.type == "cuda":
             off = (best.peak - at.peak) / at.peak
+            estimated_eager = not (at.settings.compiled and at.settings.device_type != "mps")
+            credited = job.compiled and _compile_credit(best.mode)
+            eager = " of eager layers" if credited and estimated_eager else ""
             reasons.append(
-                f"cross-check: the analytic estimate of the tensor peak is "
+                f"cross-check: the analytic estimate of the tensor peak{eager} is "
                 f"{format_bytes(at.peak)}, the probe's {format_bytes(best.peak)} ({off:+.0%})"
             )
     return reasons
-
-
-def _one_point(result: ProbeResult, mode: Mode, base: int) -> Fit | None:
-    """A line from a single probed size, when a larger one could not be probed safely: all of
-    its growth is taken as per-sample (an upper bound beyond that size)."""
-    only = [s for s in result.samples if s.checkpointing == mode.checkpointing and s.peak]
-    if not only:
-        return None
-    s = only[0]
-    return Fit(
-        checkpointing=mode.checkpointing,
-        fixed=float(base),
-        per_sample=max(s.peak - base, 0) / s.size,
-        seconds_fixed=0.0,
-        seconds_per_sample=s.seconds / s.size,
-        sizes=(s.size,),
-        residual=0.0,
-        kind=result.kind,
-    )
-
-
-def accumulation_reason(micro_batch_size: int, effective_batch_size: int) -> str:
-    steps = -(-effective_batch_size // micro_batch_size)
-    if steps == 1:
-        return f"accumulation 1: the whole effective batch {effective_batch_size} in one pass"
-    return (
-        f"accumulation {steps}: {steps} micro-batches of {micro_batch_size}, the effective batch "
-        f"stays {effective_batch_size}"
-    )
-
-
-def first_step_bytes(optimizer) -> int:
-    """Memory the first optimizer step adds that no probed pass shows: the optimizer's state,
-    created lazily at that step (`FIRST_STEP_PARAM_MULTIPLE` by the optimizer's estimate name;
-    an optimizer the estimate does not know is taken as AdamW). 0 when the state exists
-    already."""
-    if any(optimizer.state.values()):
-        return 0
-    size = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
-    return int(size * FIRST_STEP_PARAM_MULTIPLE[optimizer_name(optimizer)])

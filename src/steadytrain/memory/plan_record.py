@@ -8,6 +8,7 @@ from typing import Any
 
 from steadytrain._units import format_bytes
 from steadytrain.memory.choice import Candidate, Mode
+from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.probe import ProbeResult
 
 
@@ -31,6 +32,13 @@ class Plan:
     quick: bool = False
     largest_fitting: int | None = None
     device_type: str = "cuda"
+    offload: bool = False
+    """Checkpointing with its kept layer inputs in host memory (`memory.offload`)."""
+
+    @property
+    def activation_checkpointing(self) -> bool | str:
+        """The choice in the config's terms: False, True or "offload"."""
+        return OFFLOAD if self.offload else self.checkpointing
 
     @property
     def accumulation(self) -> int:
@@ -42,7 +50,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "accumulation": self.accumulation,
             "effective_batch_size": self.effective_batch_size,
-            "activation_checkpointing": self.checkpointing,
+            "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.chunked_loss,
             "predicted_peak": _int(self.predicted_peak),
             "limit": _int(self.limit),
@@ -73,7 +81,9 @@ class Plan:
         the analytic figures beside it."""
         extra = {}
         if self.analytic is not None:
-            at = self.analytic.at(self.micro_batch_size, self.checkpointing, self.chunked_loss)
+            at = self.analytic.at(
+                self.micro_batch_size, self.checkpointing, self.chunked_loss, self.offload
+            )
             if at is not None and at.peak is not None and self.device_type != "cpu":
                 return {
                     "source": "analytic",
@@ -136,6 +146,7 @@ class Room:
             effective_batch_size=self.effective_batch_size,
             checkpointing=mode.checkpointing,
             chunked_loss=mode.chunked_loss,
+            offload=mode.offload,
             predicted_peak=predicted_peak,
             limit=self.limit,
             budget=self.budget,
@@ -158,3 +169,13 @@ class Room:
                 else ""
             )
         )
+
+
+def accumulation_reason(micro_batch_size: int, effective_batch_size: int) -> str:
+    steps = -(-effective_batch_size // micro_batch_size)
+    if steps == 1:
+        return f"accumulation 1: the whole effective batch {effective_batch_size} in one pass"
+    return (
+        f"accumulation {steps}: {steps} micro-batches of {micro_batch_size}, the effective batch "
+        f"stays {effective_batch_size}"
+    )

@@ -29,8 +29,10 @@ from dataclasses import asdict, dataclass, field
 from steadytrain._units import format_bytes
 from steadytrain.device import Device, call_or_oom
 
-RunPass = Callable[[int, bool], None]
-"""run(size, checkpointing): one forward and backward of `size` samples, model unchanged."""
+RunPass = Callable[[int, "bool | str"], None]
+"""run(size, checkpointing): one forward and backward of `size` samples, model unchanged;
+`checkpointing` is False, True or "offload" (checkpointing with its kept inputs in host memory,
+`memory.offload`), each a mode of its own here."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Sample:
     """One probed size: the peak (max over repetitions) and the fastest time."""
 
     size: int
-    checkpointing: bool
+    checkpointing: bool | str
     peak: int | None
     seconds: float
     chunked_loss: bool = False
@@ -48,7 +50,7 @@ class Sample:
 class Fit:
     """peak(b) and seconds(b) as lines through the probed sizes of one mode."""
 
-    checkpointing: bool
+    checkpointing: bool | str
     fixed: float
     """Bytes in use at the peak that do not grow with the micro-batch (weights, gradients,
     workspaces, and on CPU the whole process)."""
@@ -77,16 +79,17 @@ class Fit:
 
 @dataclass
 class ProbeResult:
-    """What the probe ran and what it fitted, per mode (False: plain, True: checkpointing)."""
+    """What the probe ran and what it fitted, per mode (False: plain, True: checkpointing,
+    "offload": checkpointing with offloaded inputs)."""
 
     baseline: int | None
     """Memory in use before the first pass (the device's main counter)."""
     samples: list[Sample] = field(default_factory=list)
-    failed: list[tuple[int, bool, str]] = field(default_factory=list)
+    failed: list[tuple[int, bool | str, str]] = field(default_factory=list)
     """(size, checkpointing, error) of passes that ran out of memory."""
-    skipped: list[tuple[int, bool, str]] = field(default_factory=list)
+    skipped: list[tuple[int, bool | str, str]] = field(default_factory=list)
     """(size, checkpointing, why) of sizes not probed because they could come near the budget."""
-    fits: dict[bool, Fit] = field(default_factory=dict)
+    fits: dict[bool | str, Fit] = field(default_factory=dict)
     kind: str = "none"
     seconds: float = 0.0
     """Wall time the probe took, every pass and synchronisation included."""
@@ -97,12 +100,13 @@ class ProbeResult:
             "samples": [asdict(s) for s in self.samples],
             "failed": [list(f) for f in self.failed],
             "skipped": [list(s) for s in self.skipped],
-            "fits": {
-                ("checkpointing" if k else "plain"): f.to_dict() for k, f in self.fits.items()
-            },
+            "fits": {_FIT_NAMES.get(k, str(k)): f.to_dict() for k, f in self.fits.items()},
             "kind": self.kind,
             "seconds": round(self.seconds, 3),
         }
+
+
+_FIT_NAMES = {False: "plain", True: "checkpointing", "offload": "offload"}
 
 
 def in_use(device: Device) -> int | None:
@@ -119,7 +123,9 @@ def in_use(device: Device) -> int | None:
     return reading.rss
 
 
-def measure(run: RunPass, device: Device, size: int, checkpointing: bool, reps: int = 1) -> Sample:
+def measure(
+    run: RunPass, device: Device, size: int, checkpointing: bool | str, reps: int = 1
+) -> Sample:
     """Run one size `reps` times; the peak is the largest, the time the fastest of the passes
     after the first when there are several (the first pass at a size also pays for kernel
     selection and for allocating its memory, which a training step at that size does once).
@@ -189,7 +195,7 @@ def probe(
     run: RunPass,
     device: Device,
     *,
-    checkpointing: bool,
+    checkpointing: bool | str,
     sizes: tuple[int, ...] = (1, 2, 4),
     safe_peak: float | None = None,
     reps: int = 1,
@@ -244,3 +250,22 @@ def _predicted(done: list[Sample], size: int, baseline: int | None) -> float | N
     first = with_peak[0]
     above = max(first.peak - (baseline or 0), 0)
     return (baseline or 0) + above * size / first.size
+
+
+def one_point(result: ProbeResult, checkpointing: bool | str, base: int) -> Fit | None:
+    """A line from a single probed size of one mode, when a larger one could not be probed
+    safely: all of its growth is taken as per-sample (an upper bound beyond that size)."""
+    only = [s for s in result.samples if s.checkpointing == checkpointing and s.peak]
+    if not only:
+        return None
+    s = only[0]
+    return Fit(
+        checkpointing=checkpointing,
+        fixed=float(base),
+        per_sample=max(s.peak - base, 0) / s.size,
+        seconds_fixed=0.0,
+        seconds_per_sample=s.seconds / s.size,
+        sizes=(s.size,),
+        residual=0.0,
+        kind=result.kind,
+    )

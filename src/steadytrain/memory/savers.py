@@ -1,5 +1,6 @@
 """The memory savers, in one place: activation checkpointing (the model recomputes activations
-in the backward instead of keeping them) and the chunked loss (the loss is computed a few
+in the backward instead of keeping them; on a GPU with memory of its own it may also keep the
+layers' inputs in host memory, `memory.offload`) and the chunked loss (the loss is computed a few
 thousand tokens at a time, so the logits of a large vocabulary never exist all at once).
 
 `MemorySavers` is their one owner. It switches them on the model and the loss, and records what
@@ -14,7 +15,8 @@ checkpoint saves. Three users, one object:
   (`start`).
 
 `trial_pass` is the one forward and backward the planner measures: the trainer's `auto`
-micro-batch and the `steadytrain plan --probe` command both use it.
+micro-batch and the `steadytrain plan --probe` command both use it; `one_sample_norms` lets a
+BatchNorm model run the planner's pass of a single sample.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
+from steadytrain.memory.offload import OFFLOAD, use_offload
 
 CHECKPOINTING = "activation_checkpointing"
+OFFLOADING = "activation_offload"
 CHUNKED_LOSS = "chunked_loss"
 
 
@@ -51,10 +55,10 @@ def checkpointing_switch(model: Any, on: bool) -> Callable[[], None] | None:
 
 @dataclass(frozen=True)
 class Savers:
-    """Which savers are in force: checkpointing on or off, the chunked loss's tokens per chunk
-    (None: the plain loss)."""
+    """Which savers are in force: checkpointing off, on or "offload" (on, its kept inputs in host
+    memory), the chunked loss's tokens per chunk (None: the plain loss)."""
 
-    checkpointing: bool = False
+    checkpointing: bool | str = False
     chunked_loss: int | None = None
 
 
@@ -63,7 +67,10 @@ class MemorySavers:
 
     `checkpointing` is the config's `activation_checkpointing`: ``False`` keeps it off for good
     (neither the ladder nor the planner turns it on), ``True`` turns it on at the start,
-    ``"auto"`` leaves it to the ladder and the planner. The chunked loss needs a loss with a
+    ``"offload"`` turns it on with offloaded inputs at the start, ``"auto"`` leaves it to the
+    ladder and the planner. `discrete_memory`: the device has memory of its own (CUDA), so
+    offload may be used (the config's "offload", the planner's candidate, the ladder's rung
+    after checkpointing); never elsewhere. The chunked loss needs a loss with a
     chunked mode (`memory.chunked_loss.CausalLMLoss`, or any object with its `can_chunk` /
     `set_chunking` / `chunk_tokens`)."""
 
@@ -73,10 +80,12 @@ class MemorySavers:
         loss_fn: Any,
         state: TrainState | None = None,
         checkpointing: str | bool = "auto",
+        discrete_memory: bool = False,
     ):
         self.model, self.loss_fn = model, loss_fn
         self.state = state if state is not None else TrainState()
         self.checkpointing = checkpointing
+        self.discrete_memory = discrete_memory
 
     # -- what can be switched --------------------------------------------------------------
 
@@ -86,6 +95,16 @@ class MemorySavers:
         it: the planner may try it and turn it back off."""
         return self.checkpointing is not False and all(
             checkpointing_switch(self.model, on) is not None for on in (True, False)
+        )
+
+    @property
+    def can_offload(self) -> bool:
+        """Checkpointing can be switched, the device has memory of its own, and the model has
+        layers that take a checkpoint function (a Hugging Face `gradient_checkpointing` flag)."""
+        return (
+            self.discrete_memory
+            and self.can_checkpoint
+            and any(hasattr(m, "gradient_checkpointing") for m in self.model.modules())
         )
 
     @property
@@ -100,13 +119,19 @@ class MemorySavers:
 
     # -- switching, without events -----------------------------------------------------------
 
-    def set_checkpointing(self, on: bool) -> bool:
-        """Switch the model's activation checkpointing. False when it has no such switch."""
-        switch = checkpointing_switch(self.model, on)
+    def set_checkpointing(self, on: bool | str) -> bool:
+        """Switch the model's activation checkpointing (`on`: False, True or "offload"). False
+        when it has no such switch, or no layer took the offloaded checkpoint (plain
+        checkpointing is then in force)."""
+        switch = checkpointing_switch(self.model, bool(on))
         if switch is None:
             return False
-        switch()
-        self.state.activation_checkpointing = on
+        switch()  # turning it on puts the model's plain checkpoint function back
+        self.state.activation_checkpointing = bool(on)
+        if on == OFFLOAD:
+            if not use_offload(self.model):
+                return False
+            self.state.activation_checkpointing = OFFLOAD
         return True
 
     def set_chunked_loss(self, chunk_tokens: int | None) -> bool:
@@ -132,12 +157,16 @@ class MemorySavers:
 
     def start(self, resumed: bool) -> None:
         """At the start of a run: checkpointing on when the config says ``True`` or a resumed
-        checkpoint's run had it on; the chunked loss as the checkpoint's run computed it (its
-        arithmetic must be restored exactly), or as `loss_fn` comes on a fresh run."""
-        on = self.state.activation_checkpointing or self.checkpointing is True
+        checkpoint's run had it on, offloaded when the config says "offload" or that run had
+        it so (plain where this device cannot: the values are the same); the chunked loss as
+        the checkpoint's run computed it (its arithmetic must be restored exactly), or as
+        `loss_fn` comes on a fresh run."""
+        on = self.state.activation_checkpointing or self.checkpointing in (True, OFFLOAD)
+        if OFFLOAD in (self.state.activation_checkpointing, self.checkpointing):
+            on = OFFLOAD if self.can_offload else True
         self.state.activation_checkpointing = False
         if on:
-            self.set_checkpointing(True)
+            self.set_checkpointing(on)
         chunk = getattr(self.loss_fn, "chunk_tokens", None)
         if not resumed:
             self.state.chunked_loss = chunk
@@ -152,21 +181,30 @@ class MemorySavers:
             )
 
     def next_rung(self, reason: str) -> dict[str, Any] | None:
-        """Turn on the next saver of the out-of-memory ladder (checkpointing, then the chunked
-        loss) and return the `memory_saver` event's info; None when none is left."""
+        """Turn on the next saver of the out-of-memory ladder (checkpointing, then, on a device
+        with memory of its own, its inputs offloaded, then the chunked loss) and return the
+        `memory_saver` event's info; None when none is left."""
         if (
             self.checkpointing is not False
             and not self.state.activation_checkpointing
             and self.set_checkpointing(True)
         ):
             return {"saver": CHECKPOINTING, "reason": reason}
+        if (
+            self.state.activation_checkpointing is True
+            and self.can_offload
+            and self.set_checkpointing(OFFLOAD)
+        ):
+            return {"saver": OFFLOADING, "reason": reason}
         if self.state.chunked_loss is None and self.set_chunked_loss(DEFAULT_CHUNK_TOKENS):
             return {"saver": CHUNKED_LOSS, "chunk_tokens": DEFAULT_CHUNK_TOKENS, "reason": reason}
         return None
 
     def describe(self) -> str:
         """The savers in force, for a does-not-fit message."""
-        if self.state.activation_checkpointing:
+        if self.state.activation_checkpointing == OFFLOAD:
+            text = "activation checkpointing on, its inputs offloaded to host memory"
+        elif self.state.activation_checkpointing:
             text = "activation checkpointing on"
         elif self.checkpointing is False:
             text = "activation checkpointing off by the config"
@@ -178,13 +216,13 @@ class MemorySavers:
 
     def trial_run(
         self, one_pass: Callable[[int], None], chunked_loss: int | None
-    ) -> Callable[[int, bool], None]:
-        """The planner's ``run(size, checkpointing)`` (`memory.probe.RunPass`): switch to that
-        mode with the loss chunked by `chunked_loss`, then `one_pass(size)`. Its `method` says
-        how the loss is computed in that mode ("plain", "chunked", "fused"), for the plan's
-        reasons."""
+    ) -> Callable[[int, bool | str], None]:
+        """The planner's ``run(size, checkpointing)`` (`memory.probe.RunPass`, checkpointing
+        False, True or "offload"): switch to that mode with the loss chunked by `chunked_loss`,
+        then `one_pass(size)`. Its `method` says how the loss is computed in that mode ("plain",
+        "chunked", "fused"), for the plan's reasons."""
 
-        def run(size: int, checkpointing: bool) -> None:
+        def run(size: int, checkpointing: bool | str) -> None:
             self.restore(Savers(checkpointing, chunked_loss))
             one_pass(size)
 
@@ -218,3 +256,24 @@ def trial_pass(
     finally:
         for param in model.parameters():
             param.grad = None
+
+
+@contextlib.contextmanager
+def one_sample_norms(model: torch.nn.Module, size: int):
+    """For a trial pass of `size` samples: at one sample, the model's BatchNorm layers that are
+    training run as in evaluation (running statistics instead of the batch's), because training
+    BatchNorm refuses a batch of one value per channel. The pass keeps the same tensors for the
+    backward, so its memory is the one measured, and the planner's sizes above one run as the
+    training will. The layers are put back in training afterwards."""
+    norms = [
+        m
+        for m in model.modules()
+        if size == 1 and isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    for norm in norms:
+        norm.train(False)
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.train(True)

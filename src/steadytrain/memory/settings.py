@@ -20,7 +20,9 @@ FIRST_STEP_PARAM_MULTIPLE = {"adamw": 3.0, "adamw8bit": 0.5, "sgd": 0.0, "sgd-mo
 METHODS = ("full", "lora")
 ATTENTIONS = ("sdpa", "flash", "eager")
 DEVICE_TYPES = ("cuda", "mps", "cpu")
-CHECKPOINTING_CHOICES = ("auto", "on", "off")
+CHECKPOINTING_CHOICES = ("auto", "on", "off", "offload")
+UNIFIED_MEMORY = ("cpu", "mps")
+"""Device types whose host memory is the device's own: offload there frees nothing."""
 SIZE_POLICIES = ("powers_of_two", "divisors")
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 
@@ -47,7 +49,8 @@ def option(
 ) -> Any:
     """A settings field and its command-line option. `flag` defaults to the field's name in
     kebab case; `cli_default` is the option's default where it differs from the field's
-    (device_type: None on the command line means this machine's device)."""
+    (device_type: None on the command line means this machine's device), or a dict of them by
+    command."""
     return field(
         default=default,
         metadata={
@@ -91,9 +94,18 @@ class Settings:
     checkpointing: bool = option(
         False, "Activation checkpointing of every decoder layer.", commands=("estimate",)
     )
+    offload: bool = option(
+        False,
+        "Activation checkpointing with each layer's kept input in pinned host memory (a run's "
+        "activation_checkpointing: offload; CUDA only); implies --checkpointing.",
+        commands=("estimate",),
+    )
+    """The layer inputs checkpointing keeps wait in host memory until the backward
+    (memory/offload.py): the estimate leaves them out of the device's peak."""
     activation_checkpointing: str = option(
         "auto",
-        "Activation checkpointing: auto (the plan decides), on or off.",
+        "Activation checkpointing: auto (the plan decides), on, off or offload (on, each "
+        "layer's kept input in pinned host memory; CUDA only).",
         flag="--checkpointing",
         commands=("plan",),
     )
@@ -118,13 +130,16 @@ class Settings:
         commands=("plan",),
     )
     compiled: bool | None = option(
-        None,
-        "Plan for compiled layers (default: as a run's `compile: auto`, compiled on CUDA where "
-        "Triton is installed); the probe measures eager passes and credits the compiled "
-        "layers' smaller growth per sample.",
+        False,
+        "Compiled decoder layers (a run's `compile`), which keep less for backward: the "
+        "estimate's activations row and the plan's growth per sample count them (plan's "
+        "default: as a run's `compile: auto`, compiled on CUDA where Triton is installed; "
+        "estimate's: off).",
         flag="--compile/--no-compile",
-        commands=("plan",),
+        cli_default={"estimate": False, "plan": None},
     )
+    """None only from `plan`'s command line (as a run's `compile: auto`), which resolves it for
+    the target device before anything reads it."""
     micro_batch_sizes: str = option(
         "powers_of_two",
         "powers_of_two (divisors of the effective batch that are powers of two) or divisors.",
@@ -147,6 +162,20 @@ class Settings:
         DEFAULT_CHUNK_TOKENS, "Tokens per chunk with --chunked-loss.", commands=("estimate",)
     )
     """`DEFAULT_CHUNK_TOKENS` says why 1,024."""
+    fused_loss: bool | None = option(
+        False,
+        "The chunked loss is the fused linear cross-entropy (Liger Kernel on CUDA), which holds "
+        "a few hundred tokens' logits in the compute dtype (default: where a run would use it, "
+        "CUDA with liger-kernel installed here).",
+        flag="--fused-loss/--no-fused-loss",
+        cli_default=None,
+    )
+    """Read only with the chunked loss (memory/fused_loss.py). None only from the command line,
+    which resolves it for the target before anything reads it."""
+
+    def __post_init__(self) -> None:
+        if self.offload and not self.checkpointing:  # offload is a way of checkpointing
+            object.__setattr__(self, "checkpointing", True)
 
     def check(self, command: str = "estimate") -> None:
         """Every problem of `command`'s options at once, each naming the flag, what was found
@@ -182,7 +211,28 @@ class Settings:
                 found.append(
                     (name, f"{flag_of(name)}: {getattr(self, name)} is not positive; {hint}")
                 )
-        return found + self._lora_and_budget_problems()
+        return found + self._offload_problems() + self._lora_and_budget_problems()
+
+    def _offload_problems(self) -> list[tuple[str, str]]:
+        """Offload on a device whose memory is the host's (refused like the config's
+        `activation_checkpointing: offload`); an unresolved device type is not judged yet."""
+        if self.device_type not in UNIFIED_MEMORY:
+            return []
+        why = (
+            f"needs a GPU with memory of its own (CUDA); on {self.device_type} host memory is "
+            "the same memory, so a copy there frees nothing"
+        )
+        found = []
+        if self.offload:
+            found.append(("offload", f"--offload: {why}; use --checkpointing"))
+        if self.activation_checkpointing == "offload":
+            found.append(
+                (
+                    "activation_checkpointing",
+                    f"--checkpointing: 'offload' {why}; use --checkpointing on",
+                )
+            )
+        return found
 
     def _lora_and_budget_problems(self) -> list[tuple[str, str]]:
         found = []
@@ -261,6 +311,12 @@ def options(command: str) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(Settings) if command in f.metadata["commands"]]
 
 
+def cli_default_of(f: dataclasses.Field, command: str) -> Any:
+    """The command-line default of field `f` in `command`."""
+    default = f.metadata["cli_default"]
+    return default.get(command, f.default) if isinstance(default, dict) else default
+
+
 def flag_of(name: str) -> str:
     """The command-line flag of a field (the first spelling of a --x/--no-x pair)."""
     meta = next(f.metadata for f in dataclasses.fields(Settings) if f.name == name)
@@ -272,7 +328,7 @@ def from_options(command: str, given: dict[str, Any]) -> Settings:
     options not given take their command-line defaults."""
     aliases = {**ALIASES, **(PLAN_ALIASES if command == "plan" else {})}
     shown = {f.name: f for f in options(command)}
-    values = {name: f.metadata["cli_default"] for name, f in shown.items()}
+    values = {name: cli_default_of(f, command) for name, f in shown.items()}
     for key, value in given.items():
         name = aliases.get(key, key)
         if name not in shown:

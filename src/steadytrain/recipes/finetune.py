@@ -26,10 +26,11 @@ import torch
 
 from steadytrain import run_files
 from steadytrain._durable import replace_dir, sync_tree, write_atomic
+from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, ConfigError
 from steadytrain.recipes.data import (
     Collator,
     LMLoss,
@@ -82,6 +83,9 @@ class FinetuneJob:
         if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
             say(memory_line(config, self.device.type, self.device.budget))
         _check_optimizer(config.optim, self.device.type)
+        if config.gradient_checkpointing == "offload" and not self.device.discrete_memory:
+            raise ConfigError([offload_problem(self.device.type, "gradient_checkpointing")])
+        _check_data_files(config)  # before the model and tokenizer, which may come from the hub
         self.model_path = resolve_model_path(config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_data, self.eval_data, stats = load_datasets(
@@ -94,6 +98,7 @@ class FinetuneJob:
             seed=config.seed,
         )
         say(stats.summary())
+        _check_one_batch(config, self.train_config, len(self.train_data))
         if self.base_load.message:
             say(self.base_load.message)
         base = load_base_model(config, self.model_path, self.base_load, self.device)
@@ -174,6 +179,38 @@ def run_finetune(
         job = FinetuneJob(config)  # a refusal here writes nothing
         log.start(Path(job.train_config.run_dir))
         return job.run()
+
+
+def _check_data_files(config: FinetuneConfig) -> None:
+    for field, name in (("train_file", config.train_file), ("eval_file", config.eval_file)):
+        if name is None or Path(name).is_file():
+            continue
+        problem = (
+            "is a directory; give the file inside it"
+            if Path(name).is_dir()
+            else "does not exist; check the path (a relative one is read from the directory "
+            "the command runs in)"
+        )
+        raise BadInputError(f"{field}: data file {name} {problem}")
+
+
+def _check_one_batch(config: FinetuneConfig, train: TrainConfig, samples: int) -> None:
+    """Fewer training samples than one optimizer batch, said in this config's own keys."""
+    if samples >= train.effective_batch_size or not train.drop_last:
+        return
+    packed = (
+        f" after packing into windows of max_seq_length {config.max_seq_length} tokens"
+        if config.packing
+        else ""
+    )
+    raise BadInputError(
+        f"train_file: {samples} training sample(s){packed}, fewer than one optimizer batch of "
+        f"{train.effective_batch_size} (per_device_train_batch_size "
+        f"{config.per_device_train_batch_size} × gradient_accumulation_steps "
+        f"{config.gradient_accumulation_steps} × {config.world_size} process(es)); "
+        + ("set packing: false or lower max_seq_length, or " if config.packing else "")
+        + "lower the batch keys, add records, or set drop_last: false"
+    )
 
 
 # -- optimizer and schedule ----------------------------------------------------------------

@@ -277,11 +277,12 @@ class FinetuneConfig(BaseModel):
         False, description="fp16 autocast with a grad scaler; the base loads in fp16."
     )
     bf16: bool = Field(False, description="bf16 autocast; the base loads in bf16.")
-    gradient_checkpointing: Literal["auto"] | bool = Field(
+    gradient_checkpointing: Literal["offload", "auto"] | bool = Field(
         "auto",
         description="Activation checkpointing through the model's own switch: true from the "
         "start, false never, 'auto' (default, not Hugging Face's false) only when one sample "
-        "does not fit otherwise, so the out-of-memory ladder keeps this step.",
+        "does not fit otherwise, so the out-of-memory ladder keeps this step; 'offload' "
+        "(CUDA only) from the start, with each layer's kept input in pinned host memory.",
     )
     torch_compile: Literal["auto"] | bool = Field(
         "auto",

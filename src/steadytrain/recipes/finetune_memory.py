@@ -38,7 +38,7 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
         "lora_r": config.lora.r,
         "lora_targets": targets if isinstance(targets, str) else ",".join(targets),
         "lora_dropout": config.lora.lora_dropout,
-        "checkpointing": config.gradient_checkpointing is True,
+        "checkpointing": config.gradient_checkpointing in (True, "offload"),  # an upper bound
         "optimizer": optimizer,
         "attention": ATTENTION[config.attn_implementation],
     }

@@ -10,6 +10,7 @@ model's own switch (`activation_checkpointing: true`, or when one sample does no
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import os
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from steadytrain.errors import BadInputError
+from steadytrain.memory.model_shape import hub_unreachable
 from steadytrain.recipes.finetune_config import FinetuneConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,7 +95,25 @@ def resolve_model_path(name_or_path: str) -> str:
             f"model_name_or_path: folder {name_or_path} does not exist; check the path, or give "
             "a Hugging Face hub id like 'meta-llama/Llama-3.2-1B'"
         )
+    _cached_or_reachable(name_or_path)
     return name_or_path
+
+
+def _cached_or_reachable(hub_id: str) -> None:
+    """A hub id that is not in the local cache, where the hub cannot be reached, is refused now
+    rather than after the hub client's retries (about a minute)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    with contextlib.suppress(ValueError):  # an id the cache cannot hold: transformers says why
+        if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+            return
+    why = hub_unreachable()
+    if why is not None:
+        raise BadInputError(
+            f"model_name_or_path: hub id {hub_id!r} is not in the local Hugging Face cache, and "
+            f"{why}; give a local folder (one save_pretrained wrote, or the model downloaded "
+            "where there is a network), or run once where the hub can be reached"
+        )
 
 
 def _hub_error(name: str, exc: Exception) -> BadInputError:

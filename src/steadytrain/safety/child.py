@@ -201,9 +201,16 @@ class ChildExit:
     @property
     def rank_fields(self) -> dict[str, Any]:
         """For the restart event under torchrun: the rank that failed first and its own code
-        (None: it wrote none, killed)."""
+        (None: it wrote none, killed); when several ranks ended without a word, none is named
+        (`failed_rank` None) and `silent_ranks` lists them."""
         if self.rank is None:
             return {}
+        if self.rank.silent_with:  # several ranks ended without a word: none is known first
+            return {
+                "failed_rank": None,
+                "rank_exit": None,
+                "silent_ranks": [*self.rank.silent_with],
+            }
         return {"failed_rank": self.rank.rank, "rank_exit": self.rank.exit_code}
 
     @property

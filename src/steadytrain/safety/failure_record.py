@@ -12,6 +12,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+from steadytrain.device import is_oom
 from steadytrain.errors import UserCodeError, user_code_error
 from steadytrain.safety.child import append_event
 from steadytrain.safety.failures import ERROR_EVENT
@@ -19,8 +20,9 @@ from steadytrain.safety.failures import ERROR_EVENT
 
 def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
     """Keep the traceback and record the error event. Returns the error as the user's
-    (`UserCodeError`, exit 5) when it was raised in their code, else None (a bug: exit 1)."""
-    theirs = user_code_error(exc)
+    (`UserCodeError`: exit 5, or 3 when it ran out of memory) when it was raised in their code,
+    else None (a bug: exit 1)."""
+    theirs = user_code_error(exc, out_of_memory=is_oom(exc))
     keep_traceback(run_dir, exc)
     if theirs is not None:
         record_error(run_dir, theirs, theirs.step, theirs.where, theirs.signature)
@@ -92,6 +94,7 @@ def record_error(
         "error": error.splitlines()[0][:500] if error else type(exc).__name__,
         "where": where,
         "signature": hashlib.sha256(signature.encode()).hexdigest()[:16],
+        "in_your_code": isinstance(exc, UserCodeError),
     }
     with contextlib.suppress(OSError):  # a full disk must not hide the error itself
         append_event(run_dir, record)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,9 @@ class RankEnd:
     """Its last oom / hang / error / exit / fit_end event of the attempt; None: it wrote none
     (killed by a signal, or it never started)."""
     started: bool
+    silent_with: tuple[int, ...] = ()
+    """When several ranks ended without a record, all of them (itself included): none of them
+    can be told to have failed first. Empty otherwise."""
 
     @property
     def exit_code(self) -> int | None:
@@ -183,6 +186,13 @@ class RankEnd:
         """How it ended, in words, for the supervisor's line."""
         who = f"rank {self.rank} of {self.world_size} failed first"
         record = self.record
+        if record is None and self.silent_with:
+            ranks = ", ".join(str(r) for r in self.silent_with)
+            return (
+                f"ranks {ranks} of {self.world_size} ended without an exit record in their "
+                "events (killed by a signal: SIGKILL, the OS out-of-memory killer, or a crash "
+                "in native code), so which failed first is not known"
+            )
         if record is None:
             return (
                 f"{who}: it ended without an exit record in its events (killed by a signal: "
@@ -246,13 +256,15 @@ def rank_ends(run_dir: Path | None, since: float) -> list[RankEnd]:
 def failed_rank(ends: list[RankEnd]) -> RankEnd | None:
     """The rank that failed first: the earliest failure of a rank that was not waiting for
     another (a hang in its own code, an error, an out-of-memory); else a started rank that wrote
-    no end (killed: its peers' collectives then break); else the earliest of those that failed
-    waiting. None when no rank says it failed."""
+    no end (killed: its peers' collectives then break), carrying `silent_with` when several
+    did; else the earliest of those that failed waiting. None when no rank says it failed."""
     failed = [e for e in ends if e.failed and (e.record is not None or e.started)]
     own = [e for e in failed if e.record is not None and not e.waiting]
     if own:
         return min(own, key=lambda e: e.record.get("time") or 0.0)
     silent = [e for e in failed if e.record is None]
+    if len(silent) > 1:
+        return replace(silent[0], silent_with=tuple(e.rank for e in silent))
     if silent:
         return silent[0]
     return min(failed, key=lambda e: e.record.get("time") or 0.0) if failed else None

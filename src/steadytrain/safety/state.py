@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import io
+import pickle
 from collections.abc import Collection
 from typing import Any
 
@@ -93,7 +95,38 @@ def to_host(obj: Any, buffers: HostBuffers | None = None, key: str = "", copy: b
         return [to_host(v, buffers, f"{key}/{i}", copy) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         return tuple(to_host(v, buffers, f"{key}/{i}", copy) for i, v in enumerate(obj))
+    if type(obj) not in _LOADABLE and not _loads_back(obj):
+        raise BadInputError(_not_loadable(obj, key))
     return obj
+
+
+_LOADABLE = {int, float, complex, bool, str, bytes, type(None), torch.Size, torch.dtype}
+_OWNERS = {"opt": "optimizer", "scheduler": "scheduler", "scaler": "grad scaler"}
+
+
+def _loads_back(obj: Any) -> bool:
+    """Whether torch.load(weights_only=True), as a resume reads a checkpoint, accepts `obj`."""
+    file = io.BytesIO()
+    try:
+        torch.save(obj, file)
+        file.seek(0)
+        torch.load(file, weights_only=True)
+    except (pickle.PickleError, TypeError, AttributeError, ValueError, RuntimeError):
+        # torch's refusal (UnpicklingError), or an object that does not pickle at all
+        return False
+    return True
+
+
+def _not_loadable(obj: Any, key: str) -> str:
+    owner, *path = key.split("/")
+    where = "".join(f"[{int(p)}]" if p.isdigit() else f"[{p!r}]" for p in path)
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}".removeprefix("builtins.")
+    return (
+        f"{_OWNERS.get(owner, owner)}: its state_dict() holds a {kind} at {where or 'its top'}; "
+        "checkpoints are read back with torch.load(weights_only=True), which refuses it, so no "
+        "checkpoint of this run could be resumed. Keep tensors, numbers, strings and lists, "
+        "tuples and dicts of them in the state (float(x) for a numpy number, list(d) for a deque)"
+    )
 
 
 def frozen_base(model: torch.nn.Module) -> bool:
@@ -293,9 +326,9 @@ def capture_payload(
         OPTIMIZER_FILE: to_host(optimizer.state_dict(), buffers, "opt", copy)
     }
     if scheduler is not None:
-        objects[SCHEDULER_FILE] = to_host(scheduler.state_dict())
+        objects[SCHEDULER_FILE] = to_host(scheduler.state_dict(), key="scheduler")
     if scaler is not None:
-        objects[SCALER_FILE] = to_host(scaler.state_dict())
+        objects[SCALER_FILE] = to_host(scaler.state_dict(), key="scaler")
     model_copy = model_tensors(model, buffers, copy)
     if buffers is not None:
         buffers.finish()

@@ -558,14 +558,23 @@ def startup_phase(phase: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def waiting_in(collective: str) -> Iterator[None]:
-    """This rank waits in a collective of the process group (`HangWatchdog.waiting`); a no-op
-    when no watchdog runs. Given to `engine.distributed.name_waits` by the trainer."""
+    """This rank waits in a collective of the process group (`HangWatchdog.waiting`, when a
+    watchdog runs). An error raised in it carries the collective's name out
+    (`steadytrain_collective`) whether or not a watchdog runs: the rank's exit event says it
+    failed waiting for a peer, so `steadytrain run` names the peer that failed first. Given to
+    `engine.distributed.name_waits` by the trainer."""
     watchdog = _active
-    if watchdog is None:
-        yield
-        return
-    with watchdog.waiting(collective):
-        yield
+    try:
+        if watchdog is None:
+            yield
+        else:
+            with watchdog.waiting(collective):
+                yield
+    except BaseException as exc:
+        with contextlib.suppress(AttributeError):
+            if getattr(exc, "steadytrain_collective", None) is None:
+                exc.steadytrain_collective = collective  # type: ignore[attr-defined]
+        raise
 
 
 @contextlib.contextmanager

@@ -334,7 +334,7 @@ def describe_note(name: str, info: dict) -> str:
         line = (
             f"plan: micro-batch {micro} × {steps} (effective batch "
             f"{info.get('effective_batch_size')}), activation checkpointing "
-            f"{'on' if info.get('activation_checkpointing') else 'off'}"
+            f"{_checkpointing(info.get('activation_checkpointing'))}"
             + (", chunked loss" if info.get("chunked_loss") else "")
             + f", predicted peak {format_bytes(info.get('predicted_peak'))} of "
             f"{format_bytes(info.get('limit'))} allowed"
@@ -349,6 +349,11 @@ def describe_note(name: str, info: dict) -> str:
         return f"{name.replace('_', ' ')}: {info['message']}"
     fields = ", ".join(f"{k} {_short(v)}" for k, v in info.items() if k not in ("time", "event"))
     return f"{name.replace('_', ' ')}: {fields}" if fields else name.replace("_", " ")
+
+
+def _checkpointing(value: Any) -> str:
+    """A plan's `activation_checkpointing` (false, true, "offload") in words."""
+    return "on, inputs offloaded to host memory" if value == "offload" else "on" if value else "off"
 
 
 def _used(mem: dict) -> int | None:

@@ -192,9 +192,22 @@ def _status(events: list[dict]) -> str:
         return f"{end.get('reason') or 'ended'} (exit {end.get('exit_code')})"
     if "supervisor_end" in after:
         return f"supervisor: {after['supervisor_end'].get('reason')}"
+    errors = [e for e in events[last_start + 1 :] if e["event"] == "error"]
+    if errors:  # an error before fit_start (the plan, the data) or one that left no fit_end
+        return _error_status(errors[-1], started=last_start >= 0)
     if last_start < 0:
         return "not started: no fit_start recorded yet"
     return "no fit_end after the last start: still running, or killed"
+
+
+def _error_status(error: dict, started: bool) -> str:
+    code = error.get("exit_code")
+    whose = "an error"
+    if code == 5 or error.get("in_your_code"):
+        kind = "out of memory" if code == 3 else "an error"
+        whose = f"{kind} in your code ({error.get('where')})"
+    when = f"at step {error.get('step')}" if started else "before the first step"
+    return f"stopped by {whose} {when}: {error.get('error')} (exit {code})"
 
 
 def find_estimate(run_dir: Path, events: list[dict]) -> dict[str, Any] | None:

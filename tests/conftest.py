@@ -19,6 +19,16 @@ WORKLOADS = Path(__file__).resolve().parent / "workloads"
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
 
+def real_oom(message: str) -> bool:
+    """True when `message` is an out-of-memory error the product itself recognises. The CPU has
+    more than one real text (the allocator's own, oneDNN's when a kernel's scratchpad is what
+    fails): which comes first depends on the machine and its load, so a test that names one of
+    them fails where the product works."""
+    from steadytrain.device.oom import oom_kind
+
+    return oom_kind(RuntimeError(message)) is not None
+
+
 def run_workload(script: str, *args: str, env: dict | None = None, timeout: float = 300):
     """Run tests/workloads/SCRIPT in a fresh interpreter; returns the CompletedProcess."""
     return subprocess.run(

@@ -15,8 +15,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import MALLOC_ENV, ROOT, WORKLOADS
+from conftest import MALLOC_ENV, ROOT, WORKLOADS, real_oom
 
+from steadytrain import Callback
 from steadytrain.telemetry.files import read_jsonl
 from steadytrain.trainer import BatchDependentModelWarning
 
@@ -37,6 +38,16 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
         torch.equal(x, y)
         for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     )
+
+
+class MicroAt(Callback):
+    """Run each step at the micro-batch size `sizes[step]` (a shrinking run's schedule)."""
+
+    def __init__(self, sizes: dict[int, int]):
+        self.sizes = sizes
+
+    def on_step_start(self, state, control, info) -> None:
+        state.micro_batch_size = self.sizes[state.step + 1]
 
 
 def rows(run_dir, kind=None):
@@ -107,19 +118,25 @@ def test_the_port_survives_a_real_out_of_memory_and_two_sigkills(tmp_path, progr
     assert sorted(p.name for p in markers.iterdir()) == ["killed-at-3", "killed-at-5"]
     events = read_jsonl(run_dir / "events.jsonl")
     ooms = [e for e in events if e["event"] == "oom"]
-    assert ooms and all("DefaultCPUAllocator" in e["error"] for e in ooms)
+    assert ooms and all(real_oom(e["error"]) for e in ooms)
     assert [e["step"] for e in events if e["event"] == "resume"] == [2, 4]
     result = json.loads((run_dir / "result.json").read_text())
     ported = importlib.import_module("ported")
     sizes = dataclasses.replace(example(program).Sizes(), **ported.BIG[program])
-    assert result["micro_batch_size"] == sizes.batch_size // 2  # shrunk once, in the first step
+    assert result["micro_batch_size"] < sizes.batch_size
+    # The micro-batch each step ended at. A busy machine can move the shrink to a later step,
+    # and a step summed over halves differs in the last bits from one over the whole batch: the
+    # reference takes the same sizes at the same steps.
+    schedule = {r["step"]: r["micro_batch_size"] for r in rows(run_dir)}
+    assert schedule[max(schedule)] == result["micro_batch_size"]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BatchDependentModelWarning)
         reference, _ = example(program).port(
             str(tmp_path / "reference"),
             sizes,
-            micro_batch_size=sizes.batch_size // 2,
+            callbacks=[MicroAt(schedule)],
+            micro_batch_size=sizes.batch_size,
             device="cpu",
             progress="off",
             save_every_steps=2,

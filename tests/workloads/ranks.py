@@ -3,7 +3,7 @@
     python ranks.py RUN_DIR [--loss mean|tokens|wide] [--micro N] [--steps S] [--batch B]
                             [--limit-mib M --limit-rank R] [--save-every N]
                             [--kill-rank R --kill-at S] [--block-rank R --block-at S]
-                            [--hang-timeout T]
+                            [--hang-timeout T] [--micro-at M1,M2,...]
     python -m torch.distributed.run --nproc_per_node 2 ranks.py RUN_DIR ...
 
 --loss mean: a sample-mean loss; tokens: a token-weighted loss over padded sequences of uneven
@@ -13,7 +13,8 @@ micro-batch (for the out-of-memory test). With --limit-mib, rank R's address spa
 SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0).
 With --block-at, rank R sleeps forever after its first micro-batch of step S of the first
 attempt (the other ranks then wait for it in the step's agreement); --hang-timeout sets the
-watchdog's limit (seconds).
+watchdog's limit (seconds). --micro-at runs step i at micro-batch Mi, as a run that shrank
+at those steps did (a shrink redoes the whole step at the smaller size).
 Rank 0 writes RUN_DIR/params.pt and RUN_DIR/result.json.
 """
 
@@ -115,6 +116,16 @@ class BlockAt(Callback):
                 time.sleep(3600)
 
 
+class MicroAt(Callback):
+    """Run step i at micro-batch sizes[i - 1]: the schedule a shrinking run took, replayed."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+
+    def on_step_start(self, state, control, info) -> None:
+        state.micro_batch_size = self.sizes[state.step]
+
+
 @entrypoint
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -131,6 +142,7 @@ def main() -> None:
     parser.add_argument("--block-rank", type=int, default=1)
     parser.add_argument("--block-at", type=int)
     parser.add_argument("--hang-timeout", type=float)
+    parser.add_argument("--micro-at", type=lambda s: [int(m) for m in s.split(",")])
     args = parser.parse_args()
     model, data, loss_fn = build(args.loss)
     if args.limit_mib:
@@ -152,6 +164,8 @@ def main() -> None:
     callbacks = [KillAt(args.kill_rank, args.kill_at)] if args.kill_at else []
     if args.block_at:
         callbacks.append(BlockAt(args.block_rank, args.block_at))
+    if args.micro_at:
+        callbacks.append(MicroAt(args.micro_at))
     optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
     result = Trainer(model, optimizer, loss_fn, data, config, callbacks=callbacks).fit()
     if dist.is_initialized():  # the script's own group (--limit-mib); the Trainer's is closed

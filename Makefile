@@ -35,7 +35,9 @@ quickstart: $(VENV)/.demo-installed  ## train through the engine, surviving a re
 # more workers than cores pays; `make test TEST_WORKERS=0` runs in one process. A short fresh
 # base folder keeps the workers' paths short: messages that name a file must fit a console line.
 TEST_WORKERS ?= 4
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --basetemp=$$(mktemp -d /tmp/st.XXXXXX)
+# PYTEST_ARGS adds pytest options, e.g. `make test PYTEST_ARGS=--durations=30`.
+PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --basetemp=$$(mktemp -d /tmp/st.XXXXXX) $(PYTEST_ARGS)
 
 test: $(VENV)/.installed  ## lint and the test suite (GPU tests skip without CUDA; slow sweeps: test-all)
 	$(VENV)/bin/ruff check src tests bench examples

@@ -178,3 +178,55 @@ def test_the_planner_s_trial_runs_say_how_the_chunked_loss_is_computed(reference
     assert savers.trial_run(lambda size: None, None).method == "plain"
     assert savers.trial_run(lambda size: None, 1024).method == "fused"
     assert MemorySavers(model, CausalLMLoss(fused=False)).chunked_method() == "chunked"
+
+
+def _switchable_losses():
+    """Every switchable loss the product ships: the `Trainer`'s `CausalLMLoss` and the
+    fine-tune's `LMLoss` (recipes/data.py), which the planner switches alike."""
+    from steadytrain.recipes.data import LMLoss
+
+    return [CausalLMLoss, LMLoss]
+
+
+@pytest.mark.parametrize("loss_class", _switchable_losses(), ids=lambda c: c.__name__)
+def test_a_loss_whose_chunked_mode_says_fused_computes_with_the_kernel(
+    reference_kernel, loss_class
+):
+    """The planner reads `chunked_method` for its reasons and measures the chunked mode by
+    calling the loss: a subclass that drops `fused` on the way to `causal_lm_loss` (the
+    fine-tune's `LMLoss` did) is measured and trained with the checkpointed chunks while the
+    plan says "fused"."""
+    model, data = llama(tied=False), batch()
+    loss = loss_class()
+    assert loss.fused
+    loss.set_chunking(16)
+    assert loss.chunked_method(model, "cpu") == "fused"
+    fused, fused_grads = loss_and_grads(model, loss, data)
+    assert len(reference_kernel) == 1
+    plain, plain_grads = loss_and_grads(model, causal_lm_loss, data)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    reference_kernel.clear()
+    off = loss_class(chunk_tokens=16, fused=False)
+    assert off.chunked_method(model, "cpu") == "chunked"
+    off(model, data)
+    assert reference_kernel == []  # asked off, the kernel is not taken either
+
+
+def test_the_fine_tune_s_planner_trial_of_the_chunked_loss_runs_the_kernel(reference_kernel):
+    """The fine-tune's plan measures the chunked loss it will train with: the trial run that
+    says "fused" computes through the kernel, on a collated batch (trimmed to its longest
+    sample), the same pass as a `Trainer` given `CausalLMLoss`."""
+    from steadytrain.memory.savers import MemorySavers, trial_pass
+    from steadytrain.recipes.data import LMLoss, collate
+
+    model = llama(tied=False)
+    samples = [{"input_ids": ids, "labels": ids} for ids in batch(rows=2)["input_ids"]]
+    collated = collate(samples, pad_id=0)
+    loss = LMLoss()
+    savers = MemorySavers(model, loss)
+    run = savers.trial_run(lambda size: trial_pass(model, loss, collated), 1024)
+    assert run.method == "fused"
+    run(2, False)
+    assert len(reference_kernel) == 1

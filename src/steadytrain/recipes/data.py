@@ -397,7 +397,11 @@ def lm_inputs(batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], torch.Ten
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, batch: dict[str, Any], *, chunk_tokens: int | None = None
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    *,
+    chunk_tokens: int | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of token losses, number of target tokens)`` of a Hugging Face causal LM on a batch
     from `collate`: the engine divides the summed gradient by the batch's total count, so every
@@ -406,21 +410,26 @@ def causal_lm_loss(
     The batch is first trimmed to its longest sample (`lm_inputs`); the loss itself is
     `steadytrain.memory.chunked_loss.causal_lm_loss` (position t predicts label t+1,
     `use_cache=False` so packed windows keep their per-sample `position_ids`), chunked over the
-    tokens when `chunk_tokens` is given."""
+    tokens when `chunk_tokens` is given, with the fused linear cross-entropy kernel where it runs
+    when `fused` is true (memory/fused_loss.py)."""
     inputs, labels = lm_inputs(batch)
     return chunked_loss.causal_lm_loss(
-        model, {**inputs, "labels": labels}, chunk_tokens=chunk_tokens
+        model, {**inputs, "labels": labels}, chunk_tokens=chunk_tokens, fused=fused
     )
 
 
 class LMLoss(chunked_loss.CausalLMLoss):
     """`causal_lm_loss` as the engine's switchable loss (`CausalLMLoss`): the fine-tune's
-    `loss_fn`, so that the planner and the out-of-memory ladder can chunk it."""
+    `loss_fn`, so that the planner and the out-of-memory ladder can chunk it. Only the batch
+    differs (trimmed by `lm_inputs`): the call is `CausalLMLoss`'s own, so every mode the
+    planner switches and measures (`chunk_tokens`, `fused`: the kernel on CUDA) is the one the
+    run trains with, as in a `Trainer` given `CausalLMLoss`."""
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return causal_lm_loss(model, batch, chunk_tokens=self.chunk_tokens)
+        inputs, labels = lm_inputs(batch)
+        return super().__call__(model, {**inputs, "labels": labels})
 
 
 __all__: list[str] = [

@@ -28,6 +28,12 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
   chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
   default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
+* steadytrain-finetune-cli: cap, the user's path: `steadytrain finetune --config` (the CLI's own
+  `main`, in the arm's process after the cap is set) on the same model saved as a folder (with a
+  word-level tokenizer of its vocabulary) and the same token ids written as text records, with
+  `micro_batch_size: auto`, per_device_train_batch_size 16 × gradient_accumulation_steps 4, bf16,
+  adamw_torch_fused, LoRA r16 / alpha 32 / dropout 0 on the 7 projections, constant lr 2e-4, and
+  nothing else: figures from the run's own metrics.jsonl and events.jsonl.
 * steadytrain-cap-m4/m8-fused-compile: cap, the micro size set by hand, the fused loss, compiled,
   no checkpointing: the hand-tuned runs the planner's choice is measured against.
 * steadytrain-cap-m16-ckpt/offload-fused-compile: Unsloth's capped setting (micro 16 × 4) by
@@ -127,10 +133,11 @@ ARMS: dict[str, dict[str, Any]] = {
         "compile": True,
         "checkpointing": "offload",
     },
+    "steadytrain-finetune-cli": {"cap": True, "micro": "auto"},
     "steadytrain-cap-m4-fused-compile": {"cap": True, "micro": 4, "chunk": 1024, "compile": True},
     "steadytrain-cap-m8-fused-compile": {"cap": True, "micro": 8, "chunk": 1024, "compile": True},
 }
-SMOKE_ARMS = "plain,steadytrain,steadytrain-fused,steadytrain-auto"
+SMOKE_ARMS = "plain,steadytrain,steadytrain-fused,steadytrain-auto,steadytrain-finetune-cli"
 KERNEL_KINDS = (  # (kind, lower-case pieces of a kernel's name), first match wins
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma", "splitk")),
@@ -401,21 +408,27 @@ def run_steadytrain(
 # -- the anchors' models ------------------------------------------------------------------------
 
 
-def save_model_folder(spec, folder: Path, seed: int) -> None:
+def save_model_folder(
+    spec, folder: Path, seed: int, device: str = "cuda", dtype=torch.bfloat16
+) -> None:
     """The random tied Llama of `spec` (the same weights `lora_llama` builds) in bf16, and a
-    word-level tokenizer of its vocabulary built offline: what Unsloth's from_pretrained reads."""
+    word-level tokenizer of its vocabulary built offline (token i is the word "t<i>", words split
+    on whitespace): what Unsloth's from_pretrained and `steadytrain finetune` read."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(C.llama_config(spec, tied=True)).to(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(C.llama_config(spec, tied=True)).to(dtype)
     model.save_pretrained(folder)
     del model
     vocab = {f"t{i}": i for i in range(spec.vocab)}
+    words = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+        tokenizer_object=words,
         unk_token="t0",
         bos_token="t1",
         eos_token="t2",
@@ -462,6 +475,80 @@ def liger_model(args, spec, device):
     return C.lora_llama(spec, device, torch.bfloat16, args.seed)
 
 
+def run_finetune_cli(args, spec, device, data, effective: int, work: Path) -> dict[str, Any]:
+    """`steadytrain finetune --config` (the CLI's `main`, in this process, after the cap) on the
+    model saved as a folder and the arm's token ids as text records; its own run's figures."""
+    from steadytrain.cli import main as steadytrain_main
+
+    folder, run_dir = work / "model", work / "run"
+    on_cuda = device.type == "cuda"
+    save_model_folder(
+        spec, folder, args.seed, str(device), torch.bfloat16 if on_cuda else torch.float32
+    )
+    C.free_device_memory(device)
+    train = work / "train.jsonl"
+    with train.open("w") as f:
+        for sample in data:
+            text = " ".join(f"t{int(i)}" for i in sample["input_ids"])
+            f.write(json.dumps({"text": text}) + "\n")
+    micro = 16 if not args.smoke else 4
+    config = {
+        "model_name_or_path": str(folder),
+        "train_file": str(train),
+        "max_seq_length": spec.seq,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": effective // micro,
+        "micro_batch_size": "auto",
+        "max_steps": total_steps(args),
+        "save_steps": total_steps(args),
+        "logging_steps": 1,
+        "learning_rate": 2e-4,
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 1.0,
+        "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": PROJECTIONS},
+        "output_dir": str(run_dir),
+        "seed": args.seed,
+        **({"bf16": True, "optim": "adamw_torch_fused"} if on_cuda else {}),
+    }
+    path = work / "finetune.json"
+    path.write_text(json.dumps(config, indent=1))
+    C.reset_peak(device)
+    code = 0
+    try:
+        steadytrain_main(["finetune", "--config", str(path)])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    metrics = [m for m in C.read_jsonl(run_dir / "metrics.jsonl") if "micro_batch_size" in m]
+    events = C.read_jsonl(run_dir / "events.jsonl")
+    offset = time.perf_counter() - time.time()
+    plan = next((e for e in events if e["event"] == "plan"), None)
+    peaks = [m["mem_peak"] for m in metrics if m.get("mem_peak") is not None]
+    return {
+        "exit_code": code,
+        "config": config,
+        "marks": [m["time"] + offset for m in metrics],
+        "losses": [m["loss"] for m in metrics],
+        "micro": metrics[-1]["micro_batch_size"] if metrics else None,
+        "accumulation": metrics[-1]["micro_steps"] if metrics else None,
+        "samples_per_step": sorted({m["samples"] for m in metrics}),
+        "oom_count": sum(1 for e in events if e["event"] == "oom"),
+        "loss_method": _plan_loss(plan),
+        "steps_peak": max(peaks) if peaks else None,
+        "plan": plan,
+        "events": [e for e in events if e["event"] in ("oom", "shrink", "memory_saver", "compile")],
+    }
+
+
+def _plan_loss(plan: dict | None) -> str:
+    """The loss mode the plan chose, from its event ("chunked"/"plain", with the method)."""
+    if not plan:
+        return "-"
+    text = json.dumps(plan)
+    if "fused linear cross-entropy" in text:
+        return "fused (plan)"
+    return "chunked (plan)" if plan.get("chunked_loss") else "plain (plan)"
+
+
 # -- one arm in this process --------------------------------------------------------------------
 
 
@@ -480,7 +567,10 @@ def child(args) -> None:
     effective = args.effective_cap if arm["cap"] else args.effective
     data = C.synthetic_tokens(effective * total_steps(args), spec.seq, spec.vocab, args.seed + 1)
     with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
-        if name.startswith("unsloth"):
+        model = None
+        if name == "steadytrain-finetune-cli":
+            pass  # the CLI loads the model itself
+        elif name.startswith("unsloth"):
             model = unsloth_model(args, spec, arm, Path(work))
         elif name.startswith("liger"):
             model = liger_model(args, spec, device)
@@ -492,7 +582,9 @@ def child(args) -> None:
         loaded = time.perf_counter()
         trace = args.trace_dir / f"{name}.json.gz" if args.trace_dir else None
         profile = StepProfile(args.steps, args.profile, device, trace) if args.profile else None
-        if name.startswith("steadytrain"):
+        if model is None:
+            result = run_finetune_cli(args, spec, device, data, effective, Path(work))
+        elif name.startswith("steadytrain"):
             result = run_steadytrain(args, arm, model, data, device, effective, profile)
         else:
             micro = arm["micro"] if not args.smoke else min(arm["micro"], 4)
@@ -505,8 +597,13 @@ def child(args) -> None:
         arm=name,
         cap_bytes=cap,
         effective_batch_size=effective,
-        peak_allocated=C.peak_allocated(device),
-        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        peak_allocated=max(
+            (p for p in (C.peak_allocated(device), result.get("steps_peak")) if p is not None),
+            default=None,
+        ),
+        trainable=None
+        if model is None
+        else sum(p.numel() for p in model.parameters() if p.requires_grad),
         versions=anchor_versions(),
         environment=C.environment(device),
     )

@@ -43,6 +43,7 @@ ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"  # "1": a supervisor restarts this pro
 ENV_RESTART = "STEADYTRAIN_RESTART"  # how many times the supervisor has restarted it
 ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"  # cap after the OS killed it for memory
 ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"  # where the supervisor looks for progress
+ENV_MEMORY_SAVERS = "STEADYTRAIN_MEMORY_SAVERS"  # rungs of the saver ladder to have in force
 # A pipe's write end, open in the child while the supervisor does not know the run directory:
 # a Trainer writes its run_dir there, one line, when fit() starts (safety.child.announce_run_dir).
 ENV_ANNOUNCE_FD = "STEADYTRAIN_ANNOUNCE_FD"
@@ -53,6 +54,7 @@ __all__ = [
     "CONFIG",
     "ENV_ANNOUNCE_FD",
     "ENV_MAX_MICRO_BATCH",
+    "ENV_MEMORY_SAVERS",
     "ENV_RESTART",
     "ENV_RUN_DIR",
     "ENV_SUPERVISED",

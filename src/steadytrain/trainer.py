@@ -47,7 +47,11 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
 from steadytrain.safety.checkpoint import CheckpointStore, Payload
-from steadytrain.safety.child import announce_run_dir, micro_cap_from_supervisor
+from steadytrain.safety.child import (
+    announce_run_dir,
+    micro_cap_from_supervisor,
+    savers_from_supervisor,
+)
 from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.failure_record import record_exit, record_failure
 from steadytrain.safety.lock import RunLock
@@ -218,6 +222,9 @@ class Trainer:
                     planned.events = self._plan(run, compiled, eager)
             elif not run.resumed and cfg.micro_batch_size == "auto":
                 self._notes.append(_UNPLANNED_SHARDS)
+            # the savers the supervisor asks for after an OS kill: after the plan, which may
+            # choose fewer
+            savers_from_supervisor(run.savers, files.record, run.state.step)
             if compiled and not eager:  # after the plan: its probe measures eager passes
                 with startup_phase("compile"):
                     compile_event = compile_blocks(run.model, run.device.type)

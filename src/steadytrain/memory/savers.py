@@ -200,6 +200,44 @@ class MemorySavers:
             return {"saver": CHUNKED_LOSS, "chunk_tokens": DEFAULT_CHUNK_TOKENS, "reason": reason}
         return None
 
+    def in_force(self) -> list[str]:
+        """The rungs of the ladder in force, by their `memory_saver` event names."""
+        on = self.state.activation_checkpointing
+        rungs = [CHECKPOINTING] if on else []
+        if on == OFFLOAD:
+            rungs.append(OFFLOADING)
+        if self.state.chunked_loss is not None:
+            rungs.append(CHUNKED_LOSS)
+        return rungs
+
+    def left(self) -> list[str]:
+        """The rungs `next_rung` could still turn on, in its order, without switching any."""
+        on = self.state.activation_checkpointing
+        rungs = []
+        if (
+            not on
+            and self.checkpointing is not False
+            and checkpointing_switch(self.model, True) is not None
+        ):
+            rungs.append(CHECKPOINTING)
+        if on != OFFLOAD and self.can_offload and (on or rungs):
+            rungs.append(OFFLOADING)
+        if self.state.chunked_loss is None and self.can_chunk_loss:
+            rungs.append(CHUNKED_LOSS)
+        return rungs
+
+    def climb_to(self, count: int, reason: str) -> list[dict[str, Any]]:
+        """Turn on rungs of the ladder until `count` of them are in force or none is left (the
+        supervisor's escalation after the OS killed a run at micro-batch 1); returns the
+        `memory_saver` events' infos."""
+        turned = []
+        while len(self.in_force()) < count:
+            rung = self.next_rung(reason)
+            if rung is None:
+                break
+            turned.append(rung)
+        return turned
+
     def describe(self) -> str:
         """The savers in force, for a does-not-fit message."""
         if self.state.activation_checkpointing == OFFLOAD:

@@ -343,6 +343,83 @@ def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | 
         ) from None
 
 
+# ---- escalation: the memory savers the supervisor asks for --------------------------------
+
+SAVERS_EVENT = "memory_savers"
+"""The child's record, at each supervised start, of the savers in force and those left."""
+SAVER_NAMES = {
+    "activation_checkpointing": "activation checkpointing",
+    "activation_offload": "activation checkpointing with its inputs offloaded to host memory",
+    "chunked_loss": "the chunked loss",
+}
+
+
+def savers_from_supervisor(
+    savers: Any,
+    record: Any,
+    step: int,
+    environ: Mapping[str, str] = os.environ,
+) -> None:
+    """The child's side of the escalation: under `steadytrain run`, climb the memory savers'
+    ladder (`memory.savers.MemorySavers`) until as many rungs are in force as
+    ENV_MEMORY_SAVERS asks (the OS killed an earlier attempt at micro-batch 1), recording a
+    `memory_saver` event for each one turned on; then record which are in force and which are
+    left (`memory_savers`), which the supervisor reads when this attempt is killed too."""
+    if environ.get(run_files.ENV_SUPERVISED) != "1":
+        return
+    asked = _count(environ.get(run_files.ENV_MEMORY_SAVERS))
+    if asked:
+        reason = (
+            f"{run_files.ENV_MEMORY_SAVERS}={asked} (supervisor: the OS killed an earlier "
+            "attempt with no smaller micro-batch left)"
+        )
+        for info in savers.climb_to(asked, reason):
+            record("memory_saver", {"step": step, **info})
+    record(
+        SAVERS_EVENT,
+        {"step": step, "in_force": savers.in_force(), "left": savers.left(), "asked": asked},
+    )
+
+
+def _count(text: str | None) -> int | None:
+    try:
+        value = int(text) if text else None
+    except ValueError:
+        return None
+    return value if value and value >= 1 else None
+
+
+def savers_record(run_dir: Path | None, since: float) -> dict[str, Any] | None:
+    """The newest `memory_savers` record in RUN_DIR/events.jsonl written at or after `since`
+    (the attempt started then): None when that attempt wrote none (it was killed before its
+    start-up ended, or it does not train through the Trainer). Reads the whole file: a long
+    attempt writes many events after its start."""
+    if run_dir is None:
+        return None
+    found = None
+    try:
+        with open(run_dir / run_files.EVENTS, "rb") as handle:
+            for line in handle:
+                if SAVERS_EVENT.encode() not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                stamp = event.get("time") if isinstance(event, dict) else None
+                if (
+                    event.get("event") == SAVERS_EVENT
+                    and isinstance(stamp, (int, float))
+                    and stamp >= since
+                    and isinstance(event.get("in_force"), list)
+                    and isinstance(event.get("left"), list)
+                ):
+                    found = event
+    except OSError:
+        return None
+    return found
+
+
 def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:
     """Tell a supervising `steadytrain run` where this run writes (the child's side of
     ENV_ANNOUNCE_FD); nothing happens when no supervisor asked."""

@@ -6,7 +6,8 @@ must outlive whatever kills the trainer. One pass of its loop::
 
     read the checkpoint step (RUN_DIR/checkpoints/latest) and the cgroup oom_kill counter
     start CMD in its own session (process group), with STEADYTRAIN_SUPERVISED=1,
-      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill or exit 76)
+      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill or exit 76;
+      STEADYTRAIN_MEMORY_SAVERS=m after a memory kill with no smaller micro-batch left)
     wait; SIGINT / SIGTERM (SIGHUP as SIGTERM) to us are forwarded to the child's group, and
       no restart follows; SIGKILL if the child is still there --stop-timeout later
     while waiting, RUN_DIR/heartbeat (rewritten every second or so by the child's hang watchdog)
@@ -21,7 +22,10 @@ must outlive whatever kills the trainer. One pass of its loop::
                                  (75), out of memory in a library's loop (76), an error in the
                                  user's code (5): the same error as the attempt before, at the
                                  same step (the trainer's "error" event): exit with that code, a
-                                 restart fails the same way; else read the checkpoint step
+                                 restart fails the same way; a memory kill (SIGKILL) at
+                                 micro-batch 1: the next memory saver the attempt's
+                                 "memory_savers" record says is left, or exit 3 when none
+                                 is; else read the checkpoint step
                                  again; a newer one is progress and resets the count and the
                                  backoff; after more than max_restarts failures in a row
                                  without progress, exit 4;
@@ -50,22 +54,25 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from steadytrain import run_files
-from steadytrain.errors import DISK_FULL_EXIT, BadInputError, RunDiskFullError
+from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
 from steadytrain.run_files import (
     ENV_ANNOUNCE_FD,
     ENV_MAX_MICRO_BATCH,
+    ENV_MEMORY_SAVERS,
     ENV_RESTART,
     ENV_RUN_DIR,
     ENV_SUPERVISED,
 )
 from steadytrain.safety.child import (
     HANG,
+    SAVER_NAMES,
     SHRINK,
     ChildExit,
     append_event,
     checkpoint_step,
     last_micro_batch_size,
     read_oom_kill_count,
+    savers_record,
 )
 from steadytrain.safety.failures import (
     failed_rank,
@@ -178,6 +185,7 @@ class Supervisor:
         self._next_beat_check = 0.0
         self._announced: int | None = None  # read end of the ENV_ANNOUNCE_FD pipe
         self._said_unlocated = False
+        self._escalations: list[str] = []  # what each escalation turned on, for the last word
 
     # -- the loop, top to bottom --
 
@@ -199,6 +207,7 @@ class Supervisor:
 
     def _supervise(self) -> int:
         max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
+        savers_asked = _positive_int(self.environ.get(ENV_MEMORY_SAVERS))
         no_progress = 0  # failures in a row without a newer checkpoint
         delay = self.options.backoff_initial
         error_before: dict[str, Any] | None = None  # the error the attempt before recorded
@@ -207,7 +216,7 @@ class Supervisor:
             step_before = checkpoint_step(self.options.run_dir)
             oom_before = self._oom_kill_count()
             started, started_wall = time.monotonic(), time.time()
-            returncode = self._run_child(max_micro)
+            returncode = self._run_child(max_micro, savers_asked)
             ran_s = time.monotonic() - started
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
@@ -220,13 +229,19 @@ class Supervisor:
             error_before = error
 
             progressed = step is not None and (step_before is None or step > step_before)
-            no_progress = 0 if progressed else no_progress + 1
+            savers = self._saver_left(death, max_micro, started_wall)
+            if savers is not None and not savers["left"]:
+                return self._no_saver_left(death, step, savers, max_micro)
+            # a restart with one more saver on is not the same restart again: not counted
+            no_progress = 0 if progressed else no_progress + (savers is None)
             if progressed or ran_s >= self.options.healthy_run_s:
                 delay = self.options.backoff_initial
             if no_progress > self.options.max_restarts:
                 return self._give_up(death, step)
             if death.memory_kill_suspected:
                 max_micro = self._smaller_micro_batch(max_micro, death)
+            if savers is not None:
+                savers_asked = self._escalate(savers, step)
             self._kill_leftovers()
 
             self.restarts += 1
@@ -240,6 +255,7 @@ class Supervisor:
                 oom_kill_delta=death.oom_kill_delta,
                 delay_s=delay,
                 max_micro_batch=max_micro,
+                memory_savers=savers_asked,
                 progressed=progressed,
                 restarts_without_progress=no_progress,
                 **death.rank_fields,
@@ -249,6 +265,7 @@ class Supervisor:
                 f"starting attempt {self.restarts + 1} in {_seconds(delay)} s after "
                 f"{_short(death)}; {self._progress_note(progressed, step, no_progress)}"
                 + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
+                + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
             )
             if not self._sleep(delay):
                 name = signal.Signals(self._stop_signal).name
@@ -329,12 +346,14 @@ class Supervisor:
 
     # -- one child --
 
-    def _run_child(self, max_micro: int | None) -> int:
+    def _run_child(self, max_micro: int | None, savers: int | None = None) -> int:
         env = {**self.environ, ENV_SUPERVISED: "1", ENV_RESTART: str(self.restarts)}
         self._hang, self._beat_key = None, None
         self._child_started = time.monotonic()
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
+        if savers is not None:
+            env[ENV_MEMORY_SAVERS] = str(savers)
         write_end = None
         if self._announced is not None:  # a grandchild of the last attempt kept it open
             os.close(self._announced)
@@ -570,6 +589,73 @@ class Supervisor:
         known = [v for v in known if v is not None]
         return max(1, min(known) // 2) if known else None
 
+    def _saver_left(self, death: ChildExit, cap: int | None, since: float) -> dict[str, Any] | None:
+        """After an OS memory kill (SIGKILL, memory high or no counter to tell) with no smaller
+        micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
+        force and those left, as it recorded them at its start (`child.savers_from_supervisor`);
+        None when there is no escalation to decide: another end, a shrink is left, or the
+        attempt recorded none (killed before its start-up ended, or not a Trainer's run)."""
+        if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
+            return None
+        folder = death.rank.folder if death.rank is not None else self.options.run_dir
+        known = [v for v in (last_micro_batch_size(folder), cap) if v is not None]
+        if known and min(known) > 1:
+            return None  # halving the micro-batch is the next step
+        return savers_record(folder, since)
+
+    def _escalate(self, savers: dict[str, Any], step: int | None) -> int:
+        """Ask the next attempt for one more saver than this one had in force; record it."""
+        saver = str(savers["left"][0])
+        asked = len(savers["in_force"]) + 1
+        self._escalations.append(f"{_saver_name(saver)} (attempt {self.restarts + 2})")
+        self._record(
+            "memory_escalation",
+            step,
+            saver=saver,
+            in_force=savers["in_force"],
+            left=savers["left"],
+            memory_savers=asked,
+        )
+        self._say(
+            "the OS killed the child for memory with no smaller micro-batch left: the next "
+            f"attempt turns on {_saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})"
+        )
+        return asked
+
+    def _no_saver_left(
+        self, death: ChildExit, step: int | None, savers: dict[str, Any], cap: int | None
+    ) -> int:
+        """Killed for memory at micro-batch 1 with every saver it can use in force: a restart
+        is killed the same way, so stop with exit 3 and say what was tried and what would
+        help."""
+        in_force = ", ".join(_saver_name(s) for s in savers["in_force"]) or "none it can use"
+        folder = death.rank.folder if death.rank is not None else self.options.run_dir
+        known = [v for v in (last_micro_batch_size(folder), cap) if v is not None]
+        micro = f"micro-batch {min(known)}" if known else "before its first step"
+        tried = [micro, *self._escalations]
+        reason = (
+            f"killed for memory at {micro} with no memory saver left to turn on (in force: "
+            f"{in_force}): it does not fit this machine's memory"
+        )
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
+            f"{'; '.join(tried)}. What would help: shorter sequences, 16-bit weights (precision: "
+            "bf16, or a fine-tune's bf16: true), a smaller model or LoRA rank, closing other "
+            "programs that hold memory, or a machine with more memory; `steadytrain estimate` "
+            f"gives the peak of each. Run again to resume from {resume}"
+        )
+        self._record(
+            "supervisor_end",
+            step,
+            exit_code=DOES_NOT_FIT_EXIT,
+            restarts=self.restarts,
+            reason=reason,
+            tried=tried,
+            in_force=savers["in_force"],
+        )
+        return DOES_NOT_FIT_EXIT
+
     def _give_up(self, death: ChildExit, step: int | None) -> int:
         run_dir = self.options.run_dir
         n = self.options.max_restarts
@@ -659,6 +745,10 @@ def _in_group(pid: Any, proc: subprocess.Popen) -> bool:
         return os.getpgid(pid) == proc.pid
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def _saver_name(name: str) -> str:
+    return SAVER_NAMES.get(name, name)
 
 
 def _short(death: ChildExit) -> str:

@@ -121,7 +121,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 # Written by the next attempt before its own fit_start (it restores, then starts): when an attempt
 # died, these belong to the one after it.
-BEFORE_START = ("resume", "resume_override", "micro_batch_cap")
+BEFORE_START = ("resume", "resume_override", "micro_batch_cap", "memory_savers")
 
 
 def _place_restarts(events: list[dict], lines: list[dict]) -> None:

@@ -9,6 +9,7 @@ from steadytrain.errors import (
     DeviceUnavailableError,
     DoesNotFitError,
     SteadytrainError,
+    Stopped,
 )
 from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
 
@@ -43,6 +44,7 @@ __all__ = [
     "FitResult",
     "SteadytrainError",
     "StepMetrics",
+    "Stopped",
     "TrainConfig",
     "TrainState",
     "Trainer",

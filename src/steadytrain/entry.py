@@ -17,7 +17,9 @@ def entrypoint(fn: F) -> F:
     """Run `fn`; a `SteadytrainError` prints its message (no traceback) and exits with its code;
     a returned `FitResult` exits with its `exit_code`; Ctrl-C outside the training steps (while
     `fit()` starts, before it installs its handler) exits 130 with one line, as the CLI does.
-    Anything else returns as usual."""
+    A signal during training ends `fit()` with `steadytrain.Stopped` (130 / 143), which passes
+    through: the process exits with it, with or without this wrapper. Anything else returns as
+    usual."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -106,6 +106,26 @@ class RNGStateError(BadInputError, RuntimeError):
     """A saved RNG snapshot cannot be restored on this machine."""
 
 
+SIGNAL_EXITS = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class Stopped(SystemExit):
+    """`fit()` (or an integration's loop) was stopped by SIGINT or SIGTERM after committing a
+    checkpoint. A `SystemExit` carrying the code (`code`: 130 for SIGINT, 143 for SIGTERM):
+    uncaught, the process ends with it and without a traceback, so the lines after `fit()` (a
+    final ``torch.save``) do not run as if training had finished, and `steadytrain run` or a
+    cluster sees a stop, not a success. Catch it to do something first, then re-raise:
+    ``except steadytrain.Stopped as stop: ...; raise``. `result` is fit()'s `FitResult` (None
+    from an integration); `signal` the signal's name."""
+
+    def __init__(self, signal: str, result: object = None):
+        super().__init__(SIGNAL_EXITS[signal])
+        self.signal, self.result = signal, result
+
+    def __str__(self) -> str:
+        return f"stopped by {self.signal} after saving a checkpoint (exit {self.code})"
+
+
 class DemoFailed(SteadytrainError):
     """A step of the demo ended with the code of the command it ran."""
 

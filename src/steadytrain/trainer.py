@@ -35,10 +35,12 @@ from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
 from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import (
+    SIGNAL_EXITS,
     BadInputError,
     ConfigError,
     RankOutOfMemory,
     SteadytrainError,
+    Stopped,
     UserCodeError,
 )
 from steadytrain.events import Callback, Control, Dispatcher, TrainState
@@ -88,7 +90,8 @@ OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], tor
 
 @dataclass(frozen=True)
 class FitResult:
-    """What `fit()` did. `exit_code` follows DESIGN.md (0 finished, 130/143 stopped by a signal)."""
+    """What `fit()` did. `exit_code` follows DESIGN.md (0 finished, 130/143 stopped by a signal:
+    then `fit()` raises `steadytrain.Stopped` carrying this result)."""
 
     steps: int
     final_loss: float | None
@@ -143,10 +146,17 @@ class Trainer:
         self.user_state = check_user_state(user_state)
         self._notes: list[str] = []
         self._distributed: dict[str, Any] = {}  # the mode `_set_up` chose (engine/sharding.py)
+        self._stopped_by: str | None = None  # the signal that stopped the last fit ("SIGTERM")
 
     def fit(self) -> FitResult:
-        """Train to the end (or a stop request) and return what happened."""
+        """Train to the end (or a stop request) and return what happened.
+
+        Stopped by SIGINT or SIGTERM, it finishes the optimizer step, commits a checkpoint and
+        raises `steadytrain.Stopped` (a `SystemExit` with code 130 / 143, its `result` this
+        FitResult): uncaught, the process ends with that code, so the lines after `fit()` do not
+        run as if training had finished. Rerunning resumes from the checkpoint."""
         run_dir = Path(self.config.run_dir)
+        self._stopped_by = None
         announce_run_dir(run_dir)  # to a supervising `steadytrain run` that asked for it
         try:
             group = Group.from_env()
@@ -157,7 +167,7 @@ class Trainer:
             raise
         own_dir = group.own_dir(run_dir)  # rank 0 holds RUN_DIR; rank N its own folder
         try:
-            return self._fit(run_dir, group)
+            result = self._fit(run_dir, group)
         except (SteadytrainError, KeyboardInterrupt) as exc:
             if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
                 record_failure(own_dir, exc)
@@ -173,6 +183,9 @@ class Trainer:
             raise theirs from exc
         finally:
             group.close()
+        if self._stopped_by is not None:  # the checkpoint is committed, the lock released
+            raise Stopped(self._stopped_by, result)
+        return result
 
     def _fit(self, run_dir: Path, group: Group) -> FitResult:
         # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
@@ -240,6 +253,9 @@ class Trainer:
                 run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
+            signals = next(c for c in run.emit.callbacks if isinstance(c, SignalStop))
+            if signals.stopping is not None and code == SIGNAL_EXITS[signals.stopping]:
+                self._stopped_by = signals.stopping
             return _result(run.state, reason, code, run_dir, store)
         finally:  # both ended at fit_end already; this covers a refusal before it
             watchdog.stop()

@@ -46,7 +46,7 @@ from steadytrain.events import Control, TrainState
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.signals import SignalStop
+from steadytrain.safety.signals import SignalStop, stop_exit
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.files import RunFiles
 
@@ -167,7 +167,7 @@ class RunGuard:
         code = self.exit_code
         self.finish(self.control.stop_reason or "finished", code)
         if code:
-            raise SystemExit(code)
+            raise stop_exit(code)  # steadytrain.Stopped for 130 / 143
 
     def start(
         self,

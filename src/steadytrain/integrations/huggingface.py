@@ -37,6 +37,7 @@ from steadytrain.integrations.guard import (
     module_sizes,
 )
 from steadytrain.integrations.manifest import newest_verified
+from steadytrain.safety.signals import stop_exit
 
 try:
     from transformers import TrainerCallback as _Base
@@ -131,7 +132,7 @@ class SteadytrainCallback(_Base):
         code = self.guard.exit_code
         self.guard.finish(self.guard.control.stop_reason or "finished", code)
         if code:
-            raise SystemExit(code)
+            raise stop_exit(code)  # steadytrain.Stopped for 130 / 143
         return result
 
     # -- the loop Hugging Face retries -------------------------------------------------------

@@ -43,6 +43,7 @@ from steadytrain.integrations.guard import (
     max_micro_batch,
 )
 from steadytrain.integrations.manifest import newest_verified, read_manifest, write_manifest
+from steadytrain.safety.signals import stop_exit
 
 try:
     from keras.callbacks import Callback as _Base
@@ -122,7 +123,7 @@ class SteadytrainCallback(_Base):
         code = guard.exit_code
         guard.finish(guard.control.stop_reason or "finished", code)
         if code:
-            raise SystemExit(code)
+            raise stop_exit(code)  # steadytrain.Stopped for 130 / 143
 
     # -- steps -------------------------------------------------------------------------------
 

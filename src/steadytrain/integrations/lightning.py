@@ -41,6 +41,7 @@ from steadytrain.integrations.manifest import (
     remove_manifest,
     write_manifest,
 )
+from steadytrain.safety.signals import stop_exit
 
 try:
     from lightning.pytorch import Callback as _Base
@@ -210,7 +211,7 @@ class SteadytrainCallback(_Base):
         code = guard.exit_code
         guard.finish(guard.control.stop_reason or "finished", code)
         if code:
-            raise SystemExit(code)
+            raise stop_exit(code)  # steadytrain.Stopped for 130 / 143
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         guard = self.guard

@@ -1,5 +1,8 @@
 """Ctrl-C and SIGTERM: finish the optimizer step, commit a checkpoint, exit 130 / 143.
 
+The exit is `steadytrain.Stopped`, a `SystemExit` that `fit()` (and each integration) raises
+once the checkpoint is committed: the process ends with the code unless the program catches it.
+
 The handlers only set flags (nothing else is safe inside a signal handler); the loop acts on them
 at the next step boundary, so a signal during a data wait or a long step is not lost. A second
 Ctrl-C while the checkpoint is being written is acknowledged and ignored: the save completes, or,
@@ -13,15 +16,26 @@ import sys
 import threading
 from collections.abc import Callable
 
+from steadytrain.errors import SIGNAL_EXITS, Stopped
 from steadytrain.events import Callback, Control, TrainState
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_CODES = {signal.SIGINT: SIGNAL_EXITS["SIGINT"], signal.SIGTERM: SIGNAL_EXITS["SIGTERM"]}
+
+
+def stop_exit(code: int, result: object = None) -> SystemExit:
+    """What ends a process that stopped with `code`: `Stopped` for a signal's 130 / 143 (the
+    program may catch it), a plain `SystemExit` for any other code."""
+    for name, signal_code in SIGNAL_EXITS.items():
+        if code == signal_code:
+            return Stopped(name, result)
+    return SystemExit(code)
 
 
 class SignalStop(Callback):
     def __init__(self, record: Callable[[str, dict], None]):
         self.record = record
         self.received: list[int] = []
+        self.stopping: str | None = None  # the signal whose stop this run makes ("SIGTERM")
         self._logged = 0
         self._control: Control | None = None
         self._previous: dict[int, object] = {}
@@ -37,6 +51,7 @@ class SignalStop(Callback):
         self.received.append(signum)
         name = signal.Signals(signum).name
         if len(self.received) == 1 and self._control is not None:
+            self.stopping = name
             self._control.request_save()
             self._control.request_stop(EXIT_CODES[signum], f"stopped by {name}")
             print(

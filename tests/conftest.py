@@ -47,3 +47,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# STEADYTRAIN_TEST_CPU=FILE appends one JSON line per test: the CPU seconds it cost, the worker's
+# own and its child processes' (reaped children count their own reaped descendants). Unlike
+# wall time, this does not grow when the machine is busy, so it says where the suite's time goes
+# on any machine: `STEADYTRAIN_TEST_CPU=/tmp/cpu.jsonl make test`, then bench/test_cpu.py.
+_CPU_REPORT = os.environ.get("STEADYTRAIN_TEST_CPU")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_REPORT:
+        return (yield)
+    import json
+    import resource
+    import time
+
+    def cpu() -> tuple[float, float]:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    own0, kids0 = cpu()
+    start = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        own1, kids1 = cpu()
+        row = {
+            "test": item.nodeid,
+            "own": round(own1 - own0, 3),
+            "children": round(kids1 - kids0, 3),
+            "wall": round(time.monotonic() - start, 3),
+        }
+        with open(_CPU_REPORT, "a") as out:
+            out.write(json.dumps(row) + "\n")

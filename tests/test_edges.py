@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -267,23 +268,35 @@ def test_a_bad_manifest_is_skipped_and_the_resume_falls_back(tmp_path, kind):
 # -- 6. a checkpoint is announced when committed; a background failure surfaces at once -----------
 
 
-class SlowSteps(Callback):
-    def on_step_end(self, state, control, info):
-        time.sleep(0.2)  # room for the background writer to fail before the next step ends
+class WaitForTheWriter(Callback):
+    """Step 5 starts only once the background writer of step 4's save has failed: the test is
+    about what the next step does with that failure, whatever the machine's load."""
+
+    def __init__(self, failed: threading.Event):
+        self.failed = failed
+
+    def on_step_start(self, state, control, info):
+        if state.step == 4:
+            assert self.failed.wait(timeout=120), "the background save of step 4 never failed"
+            for thread in threading.enumerate():
+                if thread.name == "steadytrain-checkpoint-4":
+                    thread.join(timeout=120)  # its error is recorded when the thread ends
 
 
 def test_a_failed_background_save_is_never_announced_and_stops_the_next_step(tmp_path, monkeypatch):
     real_write = checkpoint_module._write
+    failed = threading.Event()
 
     def write(handle, data):
         if "step-00000004" in getattr(handle, "name", ""):
+            failed.set()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(handle, data)
 
     monkeypatch.setattr(checkpoint_module, "_write", write)
     run_dir = tmp_path / "run"
     with pytest.raises(RunDiskFullError) as info:
-        fit(run_dir, [SlowSteps()], max_steps=20, async_save=True, keep_last=2)
+        fit(run_dir, [WaitForTheWriter(failed)], max_steps=20, async_save=True, keep_last=2)
     assert info.value.exit_code == DISK_FULL
     assert "step-00000004" in str(info.value) and "step-00000002 is untouched" in str(info.value)
     events = read_jsonl(run_dir / "events.jsonl")

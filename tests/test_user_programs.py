@@ -588,3 +588,137 @@ def test_a_gan_s_optimizers_by_name_are_refused_as_several_optimizers(tmp_path):
     trainer = Trainer(generator, lambda p: None, classify, labelled(), config(tmp_path))
     with pytest.raises(BadInputError, match="the function returned NoneType"):
         trainer.fit()
+
+
+def loss_as_a_float(model, batch):  # the loss logged the way it is printed
+    return classify(model, batch).item()
+
+
+def loss_as_numpy(model, batch):
+    return np.float32(classify(model, batch).item())
+
+
+def loss_detached(model, batch):
+    return classify(model, batch).detach()
+
+
+@pytest.mark.parametrize("micro", ["auto", 8])
+@pytest.mark.parametrize(
+    ("loss_fn", "words"),
+    [
+        (loss_as_a_float, "returned the loss as float ("),
+        (loss_as_numpy, "returned the loss as float32 ("),
+        (loss_detached, "a tensor that does not require grad"),
+    ],
+)
+def test_a_loss_fn_returning_a_number_backward_cannot_run_on_is_told_what_to_return(
+    tmp_path, micro, loss_fn, words
+):
+    """`loss.item()`, a numpy number or a detached tensor: exit 5 naming loss_fn, what it
+    returned and what to return, from the planner's pass and the step alike (not a traceback
+    from autograd)."""
+    trainer = Trainer(
+        torch.nn.Linear(6, 3),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn,
+        labelled(),
+        config(tmp_path, micro_batch_size=micro),
+    )
+    with pytest.raises(UserCodeError) as info:
+        trainer.fit()
+    text = str(info.value)
+    assert info.value.exit_code == 5 and text.startswith("error in your code (loss_fn)")
+    assert words in text
+    assert "not `loss.item()`" in text or "Return the loss as the model's forward" in text
+
+
+def token_samples(lengths) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in lengths:
+        tokens = torch.randint(0, 11, (n,), generator=g)
+        samples.append({"input_ids": tokens, "labels": tokens.clone()})
+    return samples
+
+
+class TinyLM(torch.nn.Module):
+    """A language model whose forward takes the batch's keywords, as a Hugging Face one does."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.embed(input_ids))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("micro", ["auto", 4])
+def test_token_samples_of_different_lengths_without_padding_name_two_samples_and_the_fix(
+    tmp_path, micro
+):
+    """No collate_fn, samples of 5 to 12 tokens: exit 5 naming the field, two samples by their
+    dataset index and their lengths, and Collator, not the internal PerSample type."""
+    lengths = [5 + (i * 7) % 8 for i in range(16)]  # 5, 12, 11, ... tokens
+    trainer = Trainer(
+        TinyLM(),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda model, batch: model(**batch),
+        token_samples(lengths),
+        config(tmp_path, effective_batch_size=16, micro_batch_size=micro, shuffle=False),
+    )
+    with pytest.raises(UserCodeError) as info:
+        trainer.fit()
+    text = str(info.value)
+    assert info.value.exit_code == 5 and "PerSample" not in text
+    assert text.startswith("error in your code (data) ")
+    words = "'input_ids' of each sample: samples 0 and 1 have 5 and 12 tokens (this batch: 5 to 12"
+    assert words in text
+    assert "collate_fn=Collator(pad_id)" in text
+
+
+def test_a_sample_of_another_shape_is_named_by_its_dataset_index_and_both_shapes(tmp_path):
+    data = [(x.clone(), y) for x, y in labelled(32)]
+    data[21] = (torch.randn(7), 1)
+    trainer = Trainer(
+        torch.nn.Linear(6, 3),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        classify,
+        data,
+        config(tmp_path, micro_batch_size=16),
+    )
+    with pytest.raises(UserCodeError) as info:
+        trainer.fit()
+    text = str(info.value)
+    assert info.value.exit_code == 5 and "PerSample" not in text
+    assert (
+        "item 0 of each sample: sample 21 has shape (7,) where the 15 other samples of its " in text
+    )
+    assert "batch have shape (6,)" in text
+
+
+class DiesInAWorker(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None and index == 5:
+            os._exit(3)
+        return torch.zeros(6), 0
+
+
+def test_a_data_loader_worker_that_dies_is_one_line_naming_it_and_num_workers_0(tmp_path):
+    trainer = Trainer(
+        torch.nn.Linear(6, 3),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        classify,
+        DiesInAWorker(),
+        config(tmp_path, micro_batch_size=16, num_workers=2),
+    )
+    with pytest.raises(UserCodeError) as info:
+        trainer.fit()
+    error = info.value
+    assert error.exit_code == 5 and error.where == "DataLoader worker" and not error.frames
+    text = str(error)
+    assert "a DataLoader worker (pid " in text and "rerun with num_workers=0" in text
+    assert "Traceback" not in text and len(text.splitlines()) == 2

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import site
 import sysconfig
@@ -228,6 +229,13 @@ class UserCodeError(SteadytrainError):
         return hashlib.sha256(f"{self.where}|{self.error}|{self.frames}".encode()).hexdigest()[:16]
 
 
+class UnstackedSamplesError(UserCodeError, AttributeError, TypeError):
+    """Samples of different shapes (token lists of different lengths) that the default
+    collation could not stack, used as one tensor: the message names two samples, their shapes
+    and the fix (a collate_fn that pads). An AttributeError and a TypeError too, as the error it
+    replaces was, so that `hasattr` and `except TypeError` see what they saw before. Exit 5."""
+
+
 class OutOfMemoryInYourCode(UserCodeError):
     """Out of memory in the user's code outside a training step (the optimizer or scheduler
     factory, a callback, the dataset before the first batch): the out-of-memory ladder only
@@ -286,6 +294,9 @@ def user_code_error(
         return exc
     if not isinstance(exc, Exception) or isinstance(exc, SteadytrainError):
         return None
+    died = _worker_died(exc, step)
+    if died is not None:
+        return died
     frames = traceback.extract_tb(exc.__traceback__)
     owners = [_owner(f.filename) for f in frames]
     last_ours = max((i for i, o in enumerate(owners) if o == "ours"), default=-1)
@@ -325,3 +336,34 @@ def _theirs_class(original: type, base: type[UserCodeError] = UserCodeError) -> 
         except TypeError:  # a final class, or a layout that cannot be combined
             _THEIRS[key] = base
     return _THEIRS[key]
+
+
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (.*?)\.?(?: Details .*)?")
+"""torch's words for a DataLoader worker process that ended (from its SIGCHLD handler, which
+raises wherever the main thread is, or from the loader's own check)."""
+
+
+def _worker_died(exc: BaseException, step: int | None) -> UserCodeError | None:
+    """A DataLoader worker that died (exited, or killed by a signal) in `exc` or the errors it
+    interrupted, as one line naming the worker and how to see its error; else None."""
+    seen: list[BaseException] = []
+    while exc is not None and len(seen) < 8 and exc not in seen:
+        seen.append(exc)
+        found = _WORKER_DIED.fullmatch(str(exc).strip()) if isinstance(exc, RuntimeError) else None
+        if found is not None:
+            pids, how = found.groups()
+            how = how.replace("is killed by signal:", "was killed by signal")
+            oom = ""
+            if how.endswith(("Killed", "unexpectedly")):  # SIGKILL, or not known
+                oom = (
+                    "; a worker killed by SIGKILL may have been ended by the kernel's "
+                    "out-of-memory killer (`dmesg` says), where fewer num_workers help"
+                )
+            return UserCodeError(
+                f"a DataLoader worker (pid {pids}) {how} while loading samples, and its own "
+                f"error went with it: rerun with num_workers=0 to see that error{oom}",
+                where="DataLoader worker",
+                step=step,
+            )
+        exc = exc.__cause__ or exc.__context__
+    return None

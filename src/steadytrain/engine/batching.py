@@ -54,7 +54,7 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[start:stop] if batch.dim() else batch
     if isinstance(batch, PerSample):
-        return PerSample(batch[start:stop])
+        return batch.like(batch[start:stop])
     if isinstance(batch, Mapping):
         return {k: slice_batch(v, start, stop) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
@@ -76,6 +76,8 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
         return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, PerSample):
+        return batch.like(to_device(v, device, non_blocking) for v in batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, list | tuple):

@@ -136,18 +136,27 @@ class SeededFetch(torch.utils.data.Dataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         seed = getattr(indices, "seed", None)
         if seed is None:
-            return [self.dataset[i] for i in indices]
+            return Fetched(self.dataset, indices)
         if get_worker_info() is not None:  # a worker process: its streams serve only loading
             _seed_host(seed)
-            return [self.dataset[i] for i in indices]
+            return Fetched(self.dataset, indices)
         saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
         try:
             _seed_host(seed)
-            return [self.dataset[i] for i in indices]
+            return Fetched(self.dataset, indices)
         finally:
             random.setstate(saved[0])
             np.random.set_state(saved[1])
             torch.set_rng_state(saved[2])
+
+
+class Fetched(list):
+    """The samples of `indices`, a list that knows their dataset indices (`indices`): the
+    default collation names them when samples of different shapes meet (engine/collate.py)."""
+
+    def __init__(self, dataset: Any, indices: Sequence[int]):
+        self.indices = [int(i) for i in indices]
+        super().__init__(dataset[i] for i in self.indices)
 
 
 def _seed_host(seed: int) -> None:

@@ -175,12 +175,26 @@ def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
     if is_pair and length != 2:
         problem = f"returned a {length}-tuple; a pair (loss_sum, count) or one mean loss tensor"
     elif not isinstance(loss, torch.Tensor):
-        problem = f"returned {form} as {type(loss).__name__}, not a tensor{_held_loss(loss)}"
+        found = type(loss).__name__
+        if isinstance(loss, numbers.Real):
+            found += f" ({loss:.6g})"
+        problem = f"returned {form} as {found}, not a tensor" + (
+            _held_loss(loss)
+            or ": return the loss tensor itself (a 0-dim tensor that backward() runs on, as "
+            "`F.cross_entropy(...)` gives; not `loss.item()`), or a pair (loss_sum, count)"
+        )
     elif loss.numel() != 1:
         problem = (
             f"returned {form} as a tensor of shape {tuple(loss.shape)}, not one number: reduce "
             'it to a 0-dim tensor (e.g. `reduction="mean"` or `.mean()`'
             + (", or `.sum()` for loss_sum)" if is_pair else ")")
+        )
+    elif torch.is_grad_enabled() and not loss.requires_grad:  # a training pass: backward next
+        problem = (
+            f"returned {form} as a tensor that does not require grad (no grad_fn), so "
+            "backward() cannot compute gradients from it: it was detached (`.detach()`, "
+            "`torch.tensor(loss.item())`) or computed under `torch.no_grad()`. Return the loss "
+            "as the model's forward computed it"
         )
     else:
         return
@@ -503,17 +517,20 @@ class StepRunner:
         skipped = scaler._scale < scale_before if scale_before is not None else False
         return grad_norm, skipped
 
-    def evaluate(self, batch: Any) -> float | None:
+    def evaluate(self, batch: Any, autograd: bool = False) -> float | None:
         """The loss `run(batch)` would report, without a backward or an update: the same split,
         autocast and weighting. Random draws (dropout) are the caller's to save and restore.
-        None when it runs out of memory (the caller's check is then skipped, not the step)."""
+        None when it runs out of memory (the caller's check is then skipped, not the step).
+        `autograd`: the forward records its graph as the step's does (dropped after each
+        micro-batch), so kernels that differ with and without autograd (nn.LSTM on the CPU)
+        give the step's very numbers; the resume check needs that, the evaluation does not."""
 
         micro, size = self.state.micro_batch_size, batch_len(batch)
         n = self.group.total(size)  # several ranks: `batch` is this rank's share
 
         def forward_only() -> _BatchLoss:
             loss = _BatchLoss(n)
-            with torch.no_grad():
+            with torch.enable_grad() if autograd else torch.no_grad():
                 for i, piece in enumerate(split_batch(batch, micro)):
                     select(self.user_state, i * micro, min((i + 1) * micro, size), n)
                     piece = to_device(piece, self.device.torch_device, self.non_blocking)

@@ -3,7 +3,7 @@ real child processes and real signals.
 
 Every child is CHILD below, a tiny Python script that follows a plan of one action string per
 attempt (the last one repeats): `exit:N`, `kill:SIGNAME` (itself), `ckpt:STEP` (commit a
-checkpoint pointer), `handle` (SIGINT/SIGTERM write a marker and exit 128 + N), `ignore`
+checkpoint pointer), `ckpt-event:STEP` (a library's checkpoint event, no pointer), `handle` (SIGINT/SIGTERM write a marker and exit 128 + N), `ignore`
 (SIGTERM), `spawn` (a grandchild that sleeps), `probe` (is that grandchild still running?),
 `ready` (a marker file), `sleep:S`, `error:X` (the trainer's error event for error X, exit 5),
 `ranks` (the ranks' events of a torchrun group, from state/ranks.json);
@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 
 from steadytrain.errors import BadInputError
+from steadytrain.safety.child import checkpoint_step, progress_step
 from steadytrain.safety.failures import RankEnd, failed_rank, rank_ends
 from steadytrain.safety.supervisor import (
     ChildExit,
     Supervisor,
     SupervisorOptions,
     append_event,
-    checkpoint_step,
     last_micro_batch_size,
     read_oom_kill_count,
 )
@@ -72,6 +72,12 @@ for action in plan[min(k, len(plan) - 1)].split("+"):
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         (run_dir / "checkpoints" / "tmp").write_text(f"step-{int(arg):08d}")
         os.replace(run_dir / "checkpoints" / "tmp", run_dir / "checkpoints" / "latest")
+    elif verb == "ckpt-event":  # a library's verified save: a checkpoint event, no pointer
+        run_dir.mkdir(parents=True, exist_ok=True)
+        event = {"time": time.time(), "event": "checkpoint", "step": int(arg),
+                 "checkpoint": str(run_dir / f"checkpoint-{arg}")}
+        with open(run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
     elif verb == "handle":
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
@@ -825,3 +831,152 @@ def test_a_stale_heartbeat_of_our_child_is_killed_as_a_hang(tmp_path):
         e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "supervisor_gave_up"
     ]
     assert gave_up[0]["last_exit_code"] == 75
+
+
+# ---- a library's checkpoint is progress (issue 24 item 2) ----------------------------------
+
+
+def test_a_librarys_checkpoint_events_are_progress_without_a_latest_pointer(job):
+    """Hugging Face, Lightning, Keras and RunGuard record a `checkpoint` event after each
+    verified save and write no checkpoints/latest: killed three times, each after a newer one,
+    under --max-restarts 2, the run is restarted every time and finishes."""
+    plan = [f"ckpt-event:{step}+kill:SIGKILL" for step in (2, 4, 6)]
+    code, out = supervise(job, *plan, "exit:0", max_restarts=2)
+    assert code == 0, out
+    restarts = job.events("restart")
+    assert [(r["step"], r["progressed"]) for r in restarts] == [(2, True), (4, True), (6, True)]
+    assert "new checkpoint at step 6, so the count without progress starts again" in out
+
+
+def test_progress_is_the_latest_pointer_or_any_integrations_checkpoint_event(tmp_path):
+    from steadytrain.integrations import RunGuard
+
+    run = tmp_path / "run"
+    assert progress_step(None) is None
+    assert progress_step(run) is None
+    with RunGuard(run, config={}, memory_watch=False) as guard:  # the own-loop integration
+        saved = run / "checkpoints" / "step-00000004.pt"
+        saved.parent.mkdir(parents=True)
+        saved.write_bytes(b"weights")
+        guard.checkpoint_saved(saved, 4)
+    assert progress_step(run) == 4
+    # what the Hugging Face, Lightning and Keras callbacks record after their manifest
+    for step, where in ((6, "out/checkpoint-6"), (9, "epoch=0-step=9.ckpt"), (12, "step-12")):
+        append_event(
+            run, {"time": time.time(), "event": "checkpoint", "step": step, "checkpoint": where}
+        )
+        assert progress_step(run) == step
+    append_event(run, {"time": time.time(), "event": "checkpoint_skipped", "step": 99})
+    with open(run / "events.jsonl", "a") as handle:
+        handle.write('{"event": "checkpoint", "step": 50')  # torn by a kill
+    assert progress_step(run) == 12
+    (run / "checkpoints" / "latest").write_text("step-00000020")  # the Trainer's pointer
+    assert progress_step(run) == 20
+
+
+def report_line(run_dir: Path) -> str:
+    from steadytrain.telemetry.run_reading import load_run, summary_line
+
+    return summary_line(load_run(run_dir))
+
+
+def test_the_report_counts_a_resume_no_event_records_and_its_lost_steps(tmp_path):
+    """A program of its own under RunGuard records no `resume`: the attempt whose first step
+    follows a checkpoint resumed, and the steps the killed attempt had gone past it are lost."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines, events = [], []
+    events.append({"time": 1.0, "event": "fit_start", "step": 0})
+    lines += [{"time": 1.0 + s, "step": s, "loss": 1.0} for s in range(1, 11)]
+    events.append({"time": 2.5, "event": "checkpoint", "step": 2, "checkpoint": "step-2.pt"})
+    events.append({"time": 20.0, "event": "fit_start", "step": 0})
+    lines += [{"time": 20.0 + s, "step": s, "loss": 1.0} for s in range(3, 13)]
+    events.append({"time": 40.0, "event": "fit_end", "step": 12, "exit_code": 0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    line = report_line(run)
+    assert "1 resume(s)" in line
+    assert "8 lost step(s)" in line
+
+
+def test_the_report_counts_the_lost_steps_a_checkpoint_event_shows(tmp_path):
+    """The killed attempt's last lines were not written (a step's line waits for the next step;
+    a library logs every few steps), but its checkpoint event says it reached step 8; the next
+    attempt took up at step 5 (resumed from step 4): steps 5 to 8 were lost."""
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [
+        {"time": 1.0, "event": "fit_start", "step": 0},
+        {"time": 5.0, "event": "checkpoint", "step": 4},
+        {"time": 9.0, "event": "checkpoint", "step": 8},
+        {"time": 20.0, "event": "resume", "step": 4},
+        {"time": 21.0, "event": "fit_start", "step": 4},
+    ]
+    lines = [{"time": 1.0 + s, "step": s} for s in (1, 2, 3, 4)]
+    lines += [{"time": 21.0 + s, "step": s} for s in (5, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    line = report_line(run)
+    assert "1 resume(s)" in line
+    assert "4 lost step(s)" in line
+
+
+OWN_LOOP = r"""
+import os, signal, sys
+from pathlib import Path
+import torch
+from steadytrain.integrations import RunGuard
+
+# Saves every 2 steps; attempt k (STEADYTRAIN_RESTART) is killed one step after its save of
+# step 2k + 2, so each kill comes after a newer checkpoint and loses one step.
+run_dir, restart = Path(sys.argv[1]), int(os.environ["STEADYTRAIN_RESTART"])
+model = torch.nn.Linear(2, 1)
+with RunGuard(run_dir, config={}, memory_watch=False) as guard:
+    start = 0
+    found = guard.newest_checkpoint()
+    if found is not None:
+        start = torch.load(found, weights_only=True)["step"]
+    for step in range(start + 1, 11):
+        with guard.step(step) as row:
+            row.update(loss=1.0 / step, micro_batch_size=1)
+        if step % 2 == 0:
+            path = run_dir / "checkpoints" / f"step-{step:08d}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step}, path)
+            guard.checkpoint_saved(path, step)
+        if restart < 3 and step == 2 * restart + 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_runguard_loop_killed_three_times_after_newer_checkpoints_finishes(tmp_path):
+    """Under `steadytrain run --max-restarts 2` with no --run-dir: the guard announces its run
+    dir, each kill follows a newer checkpoint, so the run finishes (exit 4 before: only
+    checkpoints/latest counted); the report counts its 3 resumes and 3 lost steps."""
+    script, run_dir = tmp_path / "own_loop.py", tmp_path / "run"
+    script.write_text(OWN_LOOP)
+    result = subprocess.run(
+        [
+            *CLI,
+            "--max-restarts",
+            "2",
+            "--backoff-initial",
+            "0.05",
+            "--",
+            sys.executable,
+            str(script),
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_environ(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(announced by the child); counting progress there" in result.stderr
+    restarts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [(r["step"], r["progressed"]) for r in restarts] == [(2, True), (4, True), (6, True)]
+    line = report_line(run_dir)
+    assert "10 steps" in line
+    assert "3 resume(s), 3 restart(s), 3 lost step(s)" in line

@@ -45,6 +45,7 @@ from steadytrain.errors import SHRINK_EXIT as SHRINK
 from steadytrain.events import Control, TrainState
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
+from steadytrain.safety.child import announce_run_dir
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop, stop_exit
 from steadytrain.safety.watchdog import HangWatchdog
@@ -182,6 +183,7 @@ class RunGuard:
         self.started = True
         self.config.update(config or {})
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        announce_run_dir(self.run_dir)  # to a supervising `steadytrain run` that asked for it
         self.device = resolve_device(self.device_spec, self.budget_spec)
         self.watchdog.device = self.device
         write_atomic(

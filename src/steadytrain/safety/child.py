@@ -61,6 +61,33 @@ def checkpoint_step(run_dir: Path | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def progress_step(run_dir: Path | None) -> int | None:
+    """The step of the newest checkpoint the run says it committed and verified: the Trainer's
+    `checkpoints/latest` pointer, or the newest `checkpoint` event in RUN_DIR/events.jsonl,
+    which the Trainer and every integration (Hugging Face, Lightning, Keras, `RunGuard`'s
+    `checkpoint_saved`) append after each save is committed and hashed. None when neither says
+    one. Reads the whole file (a line per event, not per step)."""
+    steps = [checkpoint_step(run_dir)]
+    if run_dir is not None:
+        with contextlib.suppress(OSError), open(run_dir / run_files.EVENTS, "rb") as handle:
+            for line in handle:
+                if b'"checkpoint"' not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # torn by a kill
+                step = event.get("step") if isinstance(event, dict) else None
+                if (
+                    event.get("event") == "checkpoint"
+                    and isinstance(step, int)
+                    and not isinstance(step, bool)
+                ):
+                    steps.append(step)
+    found = [s for s in steps if s is not None]
+    return max(found) if found else None
+
+
 def last_micro_batch_size(
     run_dir: Path | None, file: str = run_files.METRICS, event: str | None = None
 ) -> int | None:

@@ -4,7 +4,8 @@
 The supervisor is a separate process that imports nothing of the training loop (no torch): it
 must outlive whatever kills the trainer. One pass of its loop::
 
-    read the checkpoint step (RUN_DIR/checkpoints/latest) and the cgroup oom_kill counter
+    read the checkpoint step (RUN_DIR/checkpoints/latest, or the newest "checkpoint" event in
+      RUN_DIR/events.jsonl: the integrations' verified saves) and the cgroup oom_kill counter
     start CMD in its own session (process group), with STEADYTRAIN_SUPERVISED=1,
       STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill or exit 76;
       STEADYTRAIN_MEMORY_SAVERS=m after a memory kill with no smaller micro-batch left)
@@ -69,8 +70,8 @@ from steadytrain.safety.child import (
     SHRINK,
     ChildExit,
     append_event,
-    checkpoint_step,
     last_micro_batch_size,
+    progress_step,
     read_oom_kill_count,
     savers_record,
 )
@@ -213,7 +214,7 @@ class Supervisor:
         error_before: dict[str, Any] | None = None  # the error the attempt before recorded
         self._say_start()
         while True:
-            step_before = checkpoint_step(self.options.run_dir)
+            step_before = progress_step(self.options.run_dir)
             oom_before = self._oom_kill_count()
             started, started_wall = time.monotonic(), time.time()
             returncode = self._run_child(max_micro, savers_asked)
@@ -221,7 +222,7 @@ class Supervisor:
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
             death = self._death(returncode, oom_before, started_wall)
-            step = checkpoint_step(self.options.run_dir)
+            step = progress_step(self.options.run_dir)
             error = self._recorded_error(death, started_wall)
             final = self._final_code(death, step, error, error_before)
             if final is not None:
@@ -399,8 +400,10 @@ class Supervisor:
         elif not self._said_unlocated:
             self._said_unlocated = True
             self._say(
-                "the child announced no run dir (it does not train through steadytrain's "
-                "Trainer): pass --run-dir to count its checkpoints as progress"
+                "the child announced no run dir (it trains through neither steadytrain's "
+                "Trainer nor an integration's RunGuard): pass --run-dir to count its "
+                "checkpoints as progress (checkpoints/latest, or checkpoint events in "
+                "events.jsonl)"
             )
 
     def _wait(self, proc: subprocess.Popen) -> int:
@@ -483,7 +486,7 @@ class Supervisor:
         if not (self._beats_known or (run_dir is not None and (run_dir / "config.json").exists())):
             return  # not (yet) known to be a steadytrain run: it may never write one
         waited = now - self._child_started
-        beat = {"pid": proc.pid, "step": checkpoint_step(run_dir), "phase": "start-up"}
+        beat = {"pid": proc.pid, "step": progress_step(run_dir), "phase": "start-up"}
         self._hang = _FrozenChild(proc.pid, beat, waited, now)
         self._say(
             f"no heartbeat from the child (pid {proc.pid}) {waited:.0f} s after it started, "
@@ -712,8 +715,8 @@ class Supervisor:
         if opts.run_dir is None:
             self._say(
                 "run dir not known yet (no --run-dir, $STEADYTRAIN_RUN_DIR or fine-tune "
-                "output_dir): a Trainer in the child announces its run_dir; until it does, "
-                "checkpoints cannot be seen"
+                "output_dir): a Trainer or an integration in the child announces its "
+                "run_dir; until it does, checkpoints cannot be seen"
             )
         elif not opts.run_dir.exists():
             self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")

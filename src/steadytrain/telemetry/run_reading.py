@@ -50,6 +50,10 @@ class Run:
     start: float | None = None
     end: float | None = None
     lost_steps: int = 0
+    resumes: int = 0
+    """Attempts that took up from a checkpoint: `resume` events, or (a program that records
+    none, such as one of its own under `RunGuard`) attempts whose first step follows one an
+    earlier attempt recorded."""
     status: str = ""
     counts: Counter = field(default_factory=Counter)
     evals: list[dict[str, Any]] = field(default_factory=list)
@@ -93,13 +97,55 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         estimate=find_estimate(path, events),
         start=min(times) if times else None,
         end=max(times) if times else None,
-        lost_steps=len(lines) - len(last),
         counts=Counter(e["event"] for e in events),
         evals=[evals[s] for s in sorted(evals)],
         ranks=_other_ranks(path),
     )
+    redone, resumed = _attempts_redone(events, lines)
+    run.lost_steps = max(len(lines) - len(last), redone)
+    run.resumes = max(run.counts["resume"], resumed)
     run.status = _status(events)
     return run
+
+
+def _attempts_redone(events: list[dict], lines: list[dict]) -> tuple[int, int]:
+    """(steps lost, attempts that resumed), read attempt by attempt (each `fit_start` begins
+    one): an attempt whose first metrics line is step s took up after step s - 1, so the steps
+    earlier attempts had reached beyond it (their metrics lines, or a `checkpoint` event: a step
+    whose line a kill kept from being written) were lost and computed again. Independent of
+    which library wrote the run and of whether it records `resume` events (a program of its
+    own under `RunGuard` need not; Hugging Face's and Lightning's are recorded before the
+    step is known)."""
+    starts = sorted(
+        t
+        for e in events
+        if e["event"] == "fit_start"
+        if (t := as_number(e.get("time"))) is not None
+    )
+
+    def attempt(record: dict) -> int:
+        when = as_number(record.get("time"))
+        return 0 if when is None else max(0, sum(1 for t in starts if t <= when) - 1)
+
+    firsts: dict[int, int] = {}
+    reached: dict[int, int] = {}
+    for line in lines:
+        index = attempt(line)
+        firsts.setdefault(index, line["step"])
+        reached[index] = max(reached.get(index, 0), line["step"])
+    for event in events:
+        if event["event"] == "checkpoint" and is_int(event.get("step")):
+            index = attempt(event)
+            reached[index] = max(reached.get(index, 0), event["step"])
+    lost = resumed = 0
+    before = 0  # the highest step the earlier attempts reached
+    for index in sorted(set(firsts) | set(reached)):
+        first = firsts.get(index)
+        if first is not None and index > 0:
+            lost += max(0, before - (first - 1))
+            resumed += first > 1
+        before = max(before, reached.get(index, 0))
+    return lost, resumed
 
 
 def _other_ranks(path: Path) -> dict[int, list[dict[str, Any]]]:
@@ -315,7 +361,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     rows.append(
         (
             "restarts",
-            f"{run.counts['restart']} by the supervisor; {run.counts['resume']} resume(s) from "
+            f"{run.counts['restart']} by the supervisor; {run.resumes} resume(s) from "
             f"a checkpoint; {run.counts['fit_start']} attempt(s)"
             + (f"; {killed} attempt(s) killed without fit_end" if killed else ""),
         )
@@ -374,7 +420,7 @@ def summary_line(run: Run) -> str:
         f"{last} steps",
         f"{run.counts['oom']} out-of-memory",
         f"{run.counts['shrink']} shrink(s)",
-        f"{run.counts['resume']} resume(s)",
+        f"{run.resumes} resume(s)",
         f"{run.counts['restart']} restart(s)",
         f"{run.lost_steps} lost step(s)",
     ]

@@ -602,6 +602,10 @@ def loss_detached(model, batch):
     return classify(model, batch).detach()
 
 
+def loss_not_returned(model, batch):
+    classify(model, batch)
+
+
 @pytest.mark.parametrize("micro", ["auto", 8])
 @pytest.mark.parametrize(
     ("loss_fn", "words"),
@@ -609,12 +613,13 @@ def loss_detached(model, batch):
         (loss_as_a_float, "returned the loss as float ("),
         (loss_as_numpy, "returned the loss as float32 ("),
         (loss_detached, "a tensor that does not require grad"),
+        (loss_not_returned, "returned the loss as None (is its `return` missing?)"),
     ],
 )
 def test_a_loss_fn_returning_a_number_backward_cannot_run_on_is_told_what_to_return(
     tmp_path, micro, loss_fn, words
 ):
-    """`loss.item()`, a numpy number or a detached tensor: exit 5 naming loss_fn, what it
+    """`loss.item()`, a numpy number, a detached tensor or None: exit 5 naming loss_fn, what it
     returned and what to return, from the planner's pass and the step alike (not a traceback
     from autograd)."""
     trainer = Trainer(

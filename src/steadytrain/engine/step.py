@@ -176,7 +176,9 @@ def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
         problem = f"returned a {length}-tuple; a pair (loss_sum, count) or one mean loss tensor"
     elif not isinstance(loss, torch.Tensor):
         found = type(loss).__name__
-        if isinstance(loss, numbers.Real):
+        if loss is None:
+            found = "None (is its `return` missing?)"
+        elif isinstance(loss, numbers.Real):
             found += f" ({loss:.6g})"
         problem = f"returned {form} as {found}, not a tensor" + (
             _held_loss(loss)

@@ -4,8 +4,8 @@ left the supervisor stops with exit 3 and says what was tried and what would hel
 
 The end-to-end test runs real Trainer children that SIGKILL themselves at micro-batch 1 after a
 checkpoint (the kill the OS sends cannot be told from this one), under the supervisor in this
-process with no readable OOM-kill counter: macOS, whose jetsam leaves none, the device layer's
-`FakeSystem` default. The cheap tests use the scripted child of test_supervisor.py, which writes
+process with no readable OOM-kill counter (macOS, whose jetsam leaves none), the child's
+memory readings those of the device double (`FakeSystem`: a 16 GiB Mac at critical pressure). The cheap tests use the scripted child of test_supervisor.py, which writes
 what a Trainer writes at its start (its `memory_savers` record) and a metrics line whose memory
 reading is high or not.
 """
@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from test_supervisor import supervise
 
-from steadytrain.device.testing import FakeSystem
 from steadytrain.memory.savers import MemorySavers
 from steadytrain.safety.child import savers_from_supervisor
 from steadytrain.telemetry.files import read_jsonl
@@ -30,7 +29,16 @@ TRAINER_CHILD = r"""
 import os, signal, sys
 import torch
 from torch.utils.checkpoint import checkpoint
+import steadytrain.trainer
 from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.device.testing import GiB, FakeSystem
+
+# The device double: the memory readings of a 16 GiB Mac at critical memory pressure, the state
+# in which jetsam kills (the trainer computes on this machine's CPU).
+real_resolve = steadytrain.trainer.resolve_device
+steadytrain.trainer.resolve_device = lambda spec, budget: real_resolve(
+    spec, budget, system=FakeSystem(pressure=(4,), available=GiB // 2)
+)
 
 
 class Net(torch.nn.Module):
@@ -86,10 +94,10 @@ Trainer(Net(), optimizer, Loss(), data, config, callbacks=[KilledAfterCheckpoint
 
 
 def test_os_kills_at_micro_batch_1_turn_on_each_saver_then_stop_with_exit_3(tmp_path):
-    """The macOS path (no OOM-kill counter, `FakeSystem`'s Mac): killed at micro-batch 1, the
-    run is restarted with activation checkpointing, then with the chunked loss too, then the
-    supervisor stops with exit 3, naming what was tried, without a fourth attempt."""
-    assert FakeSystem().os_name() == "Darwin"  # the double's Mac has no cgroup counter to read
+    """The macOS path: no OOM-kill counter to read, the child's memory readings those of the
+    device double's Mac at critical pressure. Killed at micro-batch 1, the run is restarted with
+    activation checkpointing, then with the chunked loss too, then the supervisor stops with
+    exit 3, naming what was tried, without a fourth attempt."""
     script, run_dir = tmp_path / "train.py", tmp_path / "run"
     script.write_text(TRAINER_CHILD)
 
@@ -100,6 +108,9 @@ def test_os_kills_at_micro_batch_1_turn_on_each_saver_then_stop_with_exit_3(tmp_
     Job.run_dir = run_dir
     code, out = supervise(Job(), oom_kill_count=lambda: None, max_restarts=5)
     assert code == 3, out
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    assert lines and {(r["micro_batch_size"], r["mem_pressure"]) for r in lines} == {(1, 4)}
+    assert "macOS memory pressure (jetsam)" in out
     events = read_jsonl(run_dir / "events.jsonl")
     names = [e["event"] for e in events]
     assert names.count("fit_start") == 3  # three attempts, no fourth

@@ -63,6 +63,7 @@ def test_defaults():
         "eval_mode": "min",
         "keep_best": False,
         "resume_overrides": [],
+        "continuity_strict": False,
     }
 
 

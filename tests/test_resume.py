@@ -123,10 +123,11 @@ def test_resume_with_a_changed_run_is_refused_naming_each_change(tmp_path):
 
 
 def test_changed_data_behind_an_unchanged_fingerprint_is_caught_by_the_loss_check(tmp_path):
+    """Recorded and shown, not a stop (continuity_strict: false, the default)."""
     assert run_workload("resumable.py", str(tmp_path), "--kill-at", "7").returncode == -9
     proc = run_workload("resumable.py", str(tmp_path), "--perturb-data")
-    assert proc.returncode == 2
-    assert "state not fully restored" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "has loss" in proc.stderr and "going on" in proc.stderr
     check = events(tmp_path, "continuity")[0]
     assert check["checked"] and not check["equal"]
 

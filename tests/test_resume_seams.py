@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +25,10 @@ from integration_helpers import events, finish, steps_logged, wait_for, workload
 
 import steadytrain
 from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.errors import StateNotRestoredError
+from steadytrain.safety.checkpoint import MANIFEST
+from steadytrain.safety.state import STATE_FILE
+from steadytrain.telemetry.run_reading import load_run, summary_rows
 
 PLAIN_SCRIPT = """
 import sys, torch
@@ -81,7 +88,7 @@ class _SignalAt(Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def _tiny_fit(run_dir: Path, callbacks=(), max_steps: int = 6) -> steadytrain.FitResult:
+def _tiny_fit(run_dir: Path, callbacks=(), max_steps: int = 6, **settings) -> steadytrain.FitResult:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
@@ -89,7 +96,7 @@ def _tiny_fit(run_dir: Path, callbacks=(), max_steps: int = 6) -> steadytrain.Fi
     )
     config = TrainConfig(
         run_dir=str(run_dir), effective_batch_size=8, micro_batch_size=8, max_steps=max_steps,
-        save_every_steps=max_steps, device="cpu", progress="off", memory_watch=False,
+        save_every_steps=max_steps, device="cpu", progress="off", memory_watch=False, **settings,
     )  # fmt: skip
     return Trainer(
         torch.nn.Linear(4, 2),
@@ -112,3 +119,124 @@ def test_sigint_raises_stopped_with_130_that_a_program_can_catch(tmp_path: Path)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     assert _tiny_fit(tmp_path).steps == 6  # and the next fit resumes
     assert events(tmp_path, "resume")[0]["step"] == 2
+
+
+# -- a resume is never refused for being exact ----------------------------------------------
+
+
+class TinyLSTM(torch.nn.Module):
+    """nn.LSTM on the CPU runs another kernel under no_grad than with autograd on."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 16)
+        self.lstm = torch.nn.LSTM(16, 16)
+        self.head = torch.nn.Linear(16, 11)
+
+    def forward(self, tokens, hidden):
+        out, new = self.lstm(self.embed(tokens.t()), hidden)
+        return self.head(out).transpose(0, 1), new
+
+
+class _StopAt(Callback):
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_step_end(self, state, control, info):
+        if state.step in self.steps:
+            control.request_stop(143, "stopped by the test")
+
+
+def lstm_fit(run_dir: Path, stop_at=(), seed: int = 1, **settings):
+    """A word-language-model port in small: an LSTM whose hidden state is carried across steps
+    and starts again each epoch; 3 steps an epoch, a checkpoint at each epoch's end."""
+    torch.manual_seed(seed)
+    model = TinyLSTM()
+    hidden = steadytrain.CarriedState(
+        init=lambda n: (torch.zeros(1, n, 16), torch.zeros(1, n, 16)),
+        batch_dim=1,
+        reset_each_epoch=True,
+    )
+
+    def loss_fn(model, batch):
+        tokens, targets = batch
+        logits, new = model(tokens, hidden.get())
+        hidden.set(new)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, 11, (12, 7), generator=g)
+    config = TrainConfig(
+        run_dir=str(run_dir), effective_batch_size=4, micro_batch_size=4, epochs=4,
+        save_every_steps=3, shuffle=False, device="cpu", progress="off", memory_watch=False,
+        **settings,
+    )  # fmt: skip
+    result = Trainer(
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.5),
+        loss_fn,
+        torch.utils.data.TensorDataset(text[:, :6], text[:, 1:]),
+        config,
+        user_state={"hidden": hidden},
+        callbacks=[_StopAt(stop_at)],
+    ).fit()
+    return model, result
+
+
+def test_an_lstm_stopped_at_each_epoch_end_resumes_to_the_uninterrupted_run(tmp_path: Path):
+    """Seed 1: the checkpoint at step 3 is one whose loss computed under no_grad is an ulp off
+    the step's (measured: a probe without autograd records another loss there)."""
+    whole, _ = lstm_fit(tmp_path / "whole")
+    run_dir = tmp_path / "resumed"
+    for stop in (3, 6, 9):  # right after each epoch-end checkpoint, then resumed
+        _, stopped = lstm_fit(run_dir, stop_at=[stop])
+        assert stopped.steps == stop
+    resumed, result = lstm_fit(run_dir)
+    assert result.exit_code == 0 and result.steps == 12
+    checks = [e for e in events(run_dir, "continuity")]
+    assert [c["step"] for c in checks] == [4, 7, 10]
+    assert all(c["checked"] and c["equal"] for c in checks), checks
+    for name, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def resign(folder: Path) -> None:
+    """Make the manifest match the folder's files again, as a bug or a hand edit could."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"] = {
+        f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+        for f in folder.iterdir()
+        if f.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def edit_state(folder: Path, edit) -> None:
+    """Change the checkpoint's trainer_state.json with `edit(doc)` and re-sign the folder."""
+    doc = json.loads((folder / STATE_FILE).read_text())
+    edit(doc)
+    (folder / STATE_FILE).write_text(json.dumps(doc))
+    resign(folder)
+
+
+def test_a_resume_whose_first_loss_differs_goes_on_and_says_so(tmp_path: Path, capsys):
+    _tiny_fit(tmp_path, [_StopAt([2])])
+    folder = tmp_path / "checkpoints" / "step-00000002"
+    edit_state(folder, lambda doc: doc.update(next_loss=doc["next_loss"] + 0.5))
+    strict = tmp_path.parent / f"{tmp_path.name}-strict"
+    shutil.copytree(tmp_path, strict)
+    capsys.readouterr()
+
+    result = _tiny_fit(tmp_path)
+    assert (result.exit_code, result.steps) == (0, 6)  # went on to the end
+    (check,) = events(tmp_path, "continuity")
+    assert check["step"] == 3 and check["checked"] and not check["equal"]
+    assert check["expected"] == check["loss"] + 0.5
+    assert "going on" in check["message"]
+    assert "has loss" in capsys.readouterr().err  # on the console
+    rows = dict(summary_rows(load_run(tmp_path)))
+    assert rows["resume check"].startswith("1 resume(s) whose first step's loss differed")
+
+    with pytest.raises(StateNotRestoredError, match="continuity_strict"):
+        _tiny_fit(strict, continuity_strict=True)
+    assert not events(strict, "continuity")[0]["equal"]

@@ -320,6 +320,13 @@ class TrainConfig(BaseModel):
         "each difference is recorded as an event. Any other difference stops the resume with "
         "a list of what changed, old -> new.",
     )
+    continuity_strict: bool = Field(
+        False,
+        description="What a resume does when its first step does not reproduce the loss the "
+        "checkpoint recorded for that step (data, code or random state differ from the run that "
+        "wrote it). false: record it (a continuity event with both losses, shown on the console "
+        "and in the report) and go on. true: stop with exit 2 instead.",
+    )
 
     def __init__(self, /, **data: Any) -> None:
         try:

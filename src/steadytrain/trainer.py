@@ -425,7 +425,11 @@ class Trainer:
         continuity = None
         if expected_loss is not None:
             continuity = ContinuityCheck(
-                expected_loss, state.micro_batch_size, run.device.type, record
+                expected_loss,
+                state.micro_batch_size,
+                run.device.type,
+                record,
+                strict=cfg.continuity_strict,
             )
         callbacks = [
             watchdog,
@@ -545,7 +549,10 @@ class Trainer:
 
     def _probe_next_loss(self, run: _Run, state: TrainState) -> float | None:
         """The loss the next step will report, computed now without changing anything, so that a
-        resume from this checkpoint can prove it restored everything (see ContinuityCheck)."""
+        resume from this checkpoint can prove it restored everything (see ContinuityCheck). It
+        computes what the resumed step computes: the next epoch's first batch after the epoch's
+        end hooks of the program's state (`CarriedState(reset_each_epoch=True)`), its forward
+        with autograd on as the step's (some kernels, nn.LSTM's on the CPU, differ without)."""
         if state.step >= state.max_steps:
             return None
         epoch, position = state.epoch, state.batch_in_epoch
@@ -563,7 +570,7 @@ class Trainer:
                 for obj in self.user_state.values():
                     if isinstance(obj, Callback):
                         obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
-            return run.runner.evaluate(batch)
+            return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
         finally:
             restore(self.user_state, carried)
             set_rng_state(rng)

@@ -1,11 +1,14 @@
-"""The loss-continuity guard: a resumed run proves it restored everything.
+"""The loss-continuity guard: a resumed run shows whether it restored everything.
 
 When a checkpoint is written, the loss of the next optimizer batch is computed with the saved
-parameters and random state (forward only, everything put back). The first step after a resume
-computes that same loss for real; if it differs, something was not restored (data position, RNG,
-parameters, optimizer) and the run stops instead of silently becoming another run. On the CPU
-the two are equal bit for bit; accelerators may pick other kernels with and without autograd,
-so there the tolerance is 1e-3 relative.
+parameters and random state, as the step will compute it (the next epoch's first batch after the
+epoch-end hooks, autograd on; everything put back). The first step after a resume computes that
+same loss for real. If it differs, something was not restored as it was (data position, RNG,
+parameters, optimizer, the program's code): the difference is recorded as a `continuity` event
+(both losses), shown on the console and in the report, and the run goes on; with
+`continuity_strict` it stops instead (exit 2). On the CPU the two are equal bit for bit;
+accelerators may pick other kernels between a probe and a step, so there the tolerance is 1e-3
+relative.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class ContinuityCheck(Callback):
         micro_batch_size: int,
         device_type: str,
         record: Callable[[str, dict], None],
+        strict: bool = False,
     ):
         self.expected, self.micro, self.device_type, self.record = (
             expected,
@@ -33,6 +37,7 @@ class ContinuityCheck(Callback):
             device_type,
             record,
         )
+        self.strict = strict
         self.done = False
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
@@ -53,20 +58,27 @@ class ContinuityCheck(Callback):
         got = metrics["loss"]
         rtol = 0.0 if self.device_type == "cpu" else ACCELERATOR_RTOL
         same = got == self.expected or math.isclose(got, self.expected, rel_tol=rtol, abs_tol=0.0)
-        self.record(
-            "continuity",
-            {
-                "step": state.step,
-                "checked": True,
-                "loss": got,
-                "expected": self.expected,
-                "equal": same,
-            },
+        found = (
+            f"the first step after resuming (step {state.step}) has loss {got!r}, but the "
+            f"checkpoint recorded {self.expected!r} for it"
         )
+        event = {"step": state.step, "checked": True, "loss": got, "expected": self.expected}
+        event["equal"] = same
         if not same:
+            event["strict"] = self.strict
+            event["message"] = (
+                f"{found}: the data, the code or its random state differ from the run that wrote "
+                "the checkpoint, so from here on this run may not be the one an uninterrupted run "
+                + (
+                    "would have been; stopping (continuity_strict: true)"
+                    if self.strict
+                    else "would have been; going on (continuity_strict: true stops here instead)"
+                )
+            )
+        self.record("continuity", event)
+        if not same and self.strict:
             raise StateNotRestoredError(
-                f"state not fully restored: the first step after resuming (step {state.step}) "
-                f"has loss {got!r}, but the checkpoint recorded {self.expected!r} for it. The "
-                "data, the model or its random state differ from the run that wrote the "
-                "checkpoint. Resume with the same data and code, or start a new run_dir."
+                f"state not fully restored: {found}. The data, the model or its random state "
+                "differ from the run that wrote the checkpoint. Resume with the same data and "
+                "code, start a new run_dir, or set continuity_strict: false to go on."
             )

@@ -366,6 +366,17 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
             + (f"; {killed} attempt(s) killed without fit_end" if killed else ""),
         )
     )
+    if differed := continuity_differences(run):
+        first = differed[0]
+        rows.append(
+            (
+                "resume check",
+                f"{len(differed)} resume(s) whose first step's loss differed from what its "
+                f"checkpoint recorded (first at step {first.get('step')}: "
+                f"{first.get('loss')!r}, recorded {first.get('expected')!r}): the data, code or "
+                "random state differ from the run that wrote it; see the continuity events",
+            )
+        )
     rows.append(("out of memory", _oom_text(run)))
     peak, limit = peak_memory(run), budget(run)
     if peak is not None:
@@ -385,6 +396,15 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if loss is not None:
         rows.append(("final loss", f"{loss:.4g}"))
     return rows
+
+
+def continuity_differences(run: Run) -> list[dict[str, Any]]:
+    """The `continuity` events of resumes whose first loss was not the one recorded."""
+    return [
+        e
+        for e in run.events
+        if e.get("event") == "continuity" and e.get("checked") and not e.get("equal")
+    ]
 
 
 def fp16_skipped(run: Run) -> int:

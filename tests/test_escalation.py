@@ -211,6 +211,17 @@ def test_a_plain_kill_9_with_memory_not_high_restarts_unchanged(tmp_path):
     assert "memory_escalation" not in (job.run_dir / "events.jsonl").read_text()
 
 
+def test_without_a_counter_a_kill_with_memory_not_high_is_restarted_unchanged(tmp_path):
+    """macOS (no counter): a `kill -9` while the last reading showed memory plentiful is not
+    taken for jetsam's at micro-batch 1: no saver is asked for, no exit 3."""
+    job = SaversJob(tmp_path, "", finish_at=99)
+    memory_high(job.run_dir, high=False)
+    code, out = supervise(job, oom_kill_count=lambda: None, max_restarts=1)
+    assert code == 4, out
+    assert job.asked() == [0, 0]
+    assert "no memory saver left" not in out
+
+
 def test_with_no_saver_the_run_can_use_the_first_os_kill_stops_with_exit_3(tmp_path):
     job = SaversJob(tmp_path, "", finish_at=99)
     code, out = supervise(job, oom_kill_count=lambda: None)

@@ -593,13 +593,16 @@ class Supervisor:
         return max(1, min(known) // 2) if known else None
 
     def _saver_left(self, death: ChildExit, cap: int | None, since: float) -> dict[str, Any] | None:
-        """After an OS memory kill (SIGKILL, memory high or no counter to tell) with no smaller
+        """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
+        step, or no counter and no reading to tell) with no smaller
         micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
         force and those left, as it recorded them at its start (`child.savers_from_supervisor`);
         None when there is no escalation to decide: another end, a shrink is left, or the
         attempt recorded none (killed before its start-up ended, or not a Trainer's run)."""
         if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
             return None
+        if not death.oom_kill_delta and death.memory is not None and not death.memory.high:
+            return None  # no counter to tell, and memory was not high: maybe a plain kill -9
         folder = death.rank.folder if death.rank is not None else self.options.run_dir
         known = [v for v in (last_micro_batch_size(folder), cap) if v is not None]
         if known and min(known) > 1:

@@ -154,8 +154,8 @@ class Fetched(list):
     """The samples of `indices`, a list that knows their dataset indices (`indices`): the
     default collation names them when samples of different shapes meet (engine/collate.py)."""
 
-    def __init__(self, dataset: Any, indices: Sequence[int]):
-        self.indices = [int(i) for i in indices]
+    def __init__(self, dataset: Any, indices: Sequence[Any]):
+        self.indices = list(indices)  # as the sampler gave them: ints, or a custom sampler's keys
         super().__init__(dataset[i] for i in self.indices)
 
 

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -41,37 +42,174 @@ def sync_dir(path: Path) -> None:
 
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_AT = os.name != "nt" and os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd
 
 
 def refuse_link(path: str | os.PathLike) -> None:
     """BadInputError when `path` is a symbolic link: a link planted in a run directory could send
     a write anywhere (steadytrain often runs as root), so no write goes through one."""
     if os.path.islink(path):
+        raise _link_error(path)
+
+
+def _link_error(path: str | os.PathLike) -> BadInputError:
+    try:
+        to = f" (to {os.readlink(path)})"
+    except OSError:
+        to = ""
+    return BadInputError(
+        f"{os.fspath(path)} is a symbolic link{to}; steadytrain never writes through a link in "
+        "a run directory; remove the link and run again"
+    )
+
+
+# -- the one writer of the files a run writes ---------------------------------------------------
+#
+# Every file under a run directory is written through `open_in_run` (a stream: a JSONL file, a
+# log, a hang report) or `write_atomic` (a file replaced whole). Both take the run directory as
+# `root`: the folders from `root` down to the file are opened one by one without following a
+# link (openat with O_NOFOLLOW | O_DIRECTORY, created when missing), and the file itself is
+# opened with O_NOFOLLOW relative to its folder's descriptor, so a link planted at the file or
+# at any folder on the way (hangs/, errors/, ranks/rank-1/) is refused, not written through,
+# with no window between the check and the write. `root` itself may be a link: it is the folder
+# the user named. A file replaced whole goes through a fresh temporary and a rename, so a hard
+# link planted at its name is replaced, never written into; a stream refuses a hard link.
+
+
+def _run_root(path: Path, root: str | os.PathLike | None) -> Path:
+    root = Path(root) if root is not None else path.parent
+    try:
+        path.relative_to(root)
+    except ValueError:
+        raise ValueError(f"{path} is not inside the run directory {root}") from None
+    return root
+
+
+def _open_folder(folder: Path, root: Path, create: bool = True) -> int:
+    """A descriptor of `folder` (inside `root`), reached from `root` one folder at a time
+    without following a link; missing folders are made when `create`. A link (or a file) on
+    the way is BadInputError naming it."""
+    if create:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise write_error(root, exc) from None
+    if not _AT:  # Windows: a check per folder (no openat there)
+        here = root
+        for part in folder.relative_to(root).parts:
+            here = here / part
+            refuse_link(here)
+            if create:
+                try:
+                    here.mkdir(exist_ok=True)
+                except OSError as exc:
+                    raise write_error(here, exc) from None
+        return -1
+    fd = os.open(root, os.O_RDONLY | DIRECTORY)
+    here = root
+    try:
+        for part in folder.relative_to(root).parts:
+            here = here / part
+            inner = _open_dir_at(part, fd, here, create)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dir_at(name: str, fd: int, path: Path, create: bool) -> int:
+    for _ in range(2):
+        try:
+            return os.open(name, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass  # made meanwhile (another rank): open it
+            except OSError as exc:
+                raise write_error(path, exc) from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                if os.path.islink(path):
+                    raise _link_error(path) from None
+                raise BadInputError(
+                    f"{path} is not a folder; steadytrain writes its files in a folder there; "
+                    "move it away and run again"
+                ) from None
+            raise write_error(path, exc) from None
+    return os.open(name, os.O_RDONLY | DIRECTORY | NOFOLLOW, dir_fd=fd)
+
+
+def make_folder(path: str | os.PathLike, *, root: str | os.PathLike) -> Path:
+    """Make the folder `path` inside the run directory `root` (and those on the way), never
+    through a link."""
+    path = Path(path)
+    fd = _open_folder(path, _run_root(path, root))
+    if fd >= 0:
+        os.close(fd)
+    return path
+
+
+def open_in_run(path: str | os.PathLike, how: str = "append", *, root: str | os.PathLike) -> int:
+    """A write descriptor of the file `path` inside the run directory `root`, never through a
+    link. `how`: "append" (read and append; created if missing; a file with a second name, a
+    hard link, is refused), "new" (made afresh: a file at the name is removed first) or
+    "exclusive" (the name must be free: FileExistsError otherwise). A link at the file or at a
+    folder on the way is BadInputError (exit 2), a full disk RunDiskFullError (exit 6)."""
+    path = Path(path)
+    flags = os.O_CREAT | NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    flags |= {
+        "append": os.O_RDWR | os.O_APPEND,
+        "new": os.O_WRONLY | os.O_EXCL,
+        "exclusive": os.O_WRONLY | os.O_EXCL,
+    }[how]
+    folder = _open_folder(path.parent, _run_root(path, root))
+    at = {"dir_fd": folder} if folder >= 0 else {}
+    name = path.name if folder >= 0 else path
+    try:
+        if how == "new":
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISLNK(os.stat(name, follow_symlinks=False, **at).st_mode):
+                    raise _link_error(path)
+                os.unlink(name, **at)
+        fd = os.open(name, flags, 0o644, **at)
+    except OSError as exc:
+        if how == "exclusive" and isinstance(exc, FileExistsError):
+            if os.path.islink(path):
+                raise _link_error(path) from None
+            raise
+        raise write_error(path, exc) from None
+    finally:
+        if folder >= 0:
+            os.close(folder)
+    if how == "append" and os.fstat(fd).st_nlink > 1:
+        os.close(fd)
         raise BadInputError(
-            f"{os.fspath(path)} is a symbolic link (to {os.readlink(path)}); steadytrain never "
-            "writes through a link in a run directory; remove the link and run again"
+            f"{path} has another name (a hard link); steadytrain never appends to a file "
+            "that is also somewhere else; remove it and run again"
         )
+    return fd
 
 
 def write_error(path: str | os.PathLike, exc: OSError) -> Exception:
     """The error to raise for a failed write of `path`: a planted link (exit 2), a full disk
     (exit 6), else `exc` itself."""
     if exc.errno == errno.ELOOP or os.path.islink(path):
-        try:
-            refuse_link(path)
-        except BadInputError as refused:
-            return refused
+        return _link_error(path)
     if is_disk_full(exc):
         return RunDiskFullError(path, exc)
     return exc
 
 
-def open_for_append(path: str | os.PathLike) -> int:
-    """A descriptor appending to `path` (created if missing), never through a symbolic link."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise write_error(path, exc) from None
+def open_for_append(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> int:
+    """A descriptor appending to `path` (created if missing), never through a symbolic link:
+    `open_in_run(path, "append", root=root)`; `root` defaults to the file's folder."""
+    return open_in_run(path, "append", root=root if root is not None else Path(path).parent)
 
 
 def write_all(fd: int, data: bytes, path: str | os.PathLike) -> None:
@@ -85,35 +223,56 @@ def write_all(fd: int, data: bytes, path: str | os.PathLike) -> None:
         raise write_error(path, exc) from None
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes, durable: bool = True) -> None:
+def write_atomic(
+    path: str | os.PathLike,
+    data: str | bytes,
+    durable: bool = True,
+    *,
+    root: str | os.PathLike | None = None,
+) -> None:
     """Replace `path` with `data`: a temporary file in the same folder (created afresh, never
     through a link), flushed, renamed over `path`, then the folder flushed. A reader sees the old
-    file or the new one; a failure leaves the old file and no temporary. A link at `path` is
-    refused; a full disk is RunDiskFullError. `durable=False` skips the flushes."""
+    file or the new one; a failure leaves the old file and no temporary. A link at `path`, or at
+    a folder between the run directory `root` and it, is refused (exit 2); a full disk is
+    RunDiskFullError. `root` defaults to the file's folder (only the file itself checked).
+    `durable=False` skips the flushes."""
     path = Path(path)
     refuse_link(path)
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp_name = f".{path.name}.{os.getpid()}.tmp"
+    folder = _open_folder(path.parent, _run_root(path, root))
+    at = {"dir_fd": folder} if folder >= 0 else {}
+    tmp = tmp_name if folder >= 0 else path.with_name(tmp_name)
+    name = path.name if folder >= 0 else path
     try:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # a leftover of a killed writer with this PID, or a planted link
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
         try:
-            write_all(fd, payload, path)
-            if durable:
-                sync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise write_error(path, exc) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        with contextlib.suppress(OSError):  # the file is in place; the folder flush is best effort
-            sync_dir(path.parent)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, **at)  # a leftover of a killed writer with this PID, or a link
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, **at)
+            try:
+                write_all(fd, payload, path)
+                if durable:
+                    sync(fd)
+            finally:
+                os.close(fd)
+            if folder >= 0:
+                os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            else:
+                os.replace(tmp, name)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, **at)
+            raise write_error(path, exc) from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, **at)
+            raise
+        if durable:
+            with contextlib.suppress(OSError):  # the file is in place; the flush is best effort
+                sync(folder) if folder >= 0 else sync_dir(path.parent)
+    finally:
+        if folder >= 0:
+            os.close(folder)
 
 
 def sync_tree(folder: Path) -> None:

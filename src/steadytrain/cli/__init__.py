@@ -373,13 +373,15 @@ def report_command(
         None,
         "--out",
         metavar="PATH",
-        help="Where to write the HTML page (default RUN_DIR/report.html); the PNGs go in the "
-        "folder named after it (RUN_DIR/report/).",
+        help="Where to write the HTML page: a .html path or a folder (DIR/report.html; default "
+        "RUN_DIR/report.html); the PNGs go in the folder named after it (RUN_DIR/report/). A "
+        "read-only run directory needs it.",
     ),
 ) -> None:
     """Write an HTML page with plots (loss, learning rate, step time, memory, events) for a run.
 
     Works on a finished run, a killed one, and one still being written; reads the files only.
+    Exit 0; 2 when RUN_DIR is not a run or the page cannot be written there (give --out DIR).
     """
     from steadytrain.telemetry.report import write_report
 

@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain._durable import write_atomic
+from steadytrain._durable import make_folder, write_atomic
 from steadytrain._units import format_bytes, parse_bytes
 from steadytrain.device import is_oom, oom_kind, resolve_device
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain
@@ -182,12 +182,14 @@ class RunGuard:
             return self
         self.started = True
         self.config.update(config or {})
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(self.run_dir, root=run_files.top(self.run_dir))  # no link on the way
         announce_run_dir(self.run_dir)  # to a supervising `steadytrain run` that asked for it
         self.device = resolve_device(self.device_spec, self.budget_spec)
         self.watchdog.device = self.device
         write_atomic(
-            self.run_dir / run_files.CONFIG, json.dumps(self.config, indent=1, default=str)
+            self.run_dir / run_files.CONFIG,
+            json.dumps(self.config, indent=1, default=str),
+            root=run_files.top(self.run_dir),
         )
         reading = self.device.memory().to_dict()
         info = {

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from steadytrain import run_files
-from steadytrain._durable import sync_dir, write_atomic
+from steadytrain._durable import make_folder, sync_dir, write_atomic
 from steadytrain.device import get_rng_state, is_oom, set_rng_state
 from steadytrain.integrations.guard import (
     DOES_NOT_FIT,
@@ -166,11 +166,11 @@ class SteadytrainCallback(_Base):
         step = self.guard.state.step
         final = self.checkpoints / f"step-{step:08d}"
         staging = self.checkpoints / f".staging-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
-        staging.mkdir(parents=True)
+        make_folder(staging, root=run_files.top(self.run_dir))  # never through a link
         with self.guard.allowance("checkpoint save"):
             self.model.save_weights(str(staging / WEIGHTS_FILE))
             state = {"epoch": next_epoch, "step": step, "rng": _plain(get_rng_state())}
-            write_atomic(staging / STATE_FILE, json.dumps(state))
+            write_atomic(staging / STATE_FILE, json.dumps(state), root=staging)
             write_manifest(staging, step)
             if final.exists():
                 shutil.rmtree(final)

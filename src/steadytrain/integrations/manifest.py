@@ -64,7 +64,7 @@ def write_manifest(target: Path, step: int, extra: dict[str, Any] | None = None)
         **(extra or {}),
     }
     final = manifest_path(target)
-    write_atomic(final, json.dumps(manifest, indent=1))
+    write_atomic(final, json.dumps(manifest, indent=1), root=target.parent)
     return final
 
 

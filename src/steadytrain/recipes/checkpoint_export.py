@@ -68,8 +68,7 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     payload = CheckpointStore(run_dir).load(folder)  # verified against its manifest
     model, tokenizer = _rebuild(config)
     load_model_tensors(model, payload.tensors[MODEL_FILE])
-    target.parent.mkdir(exist_ok=True)
-    return export_adapter(model, tokenizer, config, target)
+    return export_adapter(model, tokenizer, config, target, root=run_dir)
 
 
 def export_checkpoint_folder(folder: Path) -> Path:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
+from steadytrain._durable import make_folder, write_atomic
 from steadytrain.errors import BadInputError, DemoFailed
 
 STEPS = 7
@@ -154,13 +155,13 @@ class Demo:
         if replace:
             shutil.rmtree(self.run_dir)
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            make_folder(self.run_dir, root=self.run_dir)
         except OSError as exc:
             raise BadInputError(
                 f"RUN_DIR: cannot create {self.run_dir} ({exc.strerror}); choose a folder you "
                 "can write to"
             ) from None
-        (self.run_dir / MARKER).write_text("written by steadytrain demo\n")
+        write_atomic(self.run_dir / MARKER, "written by steadytrain demo\n", root=self.run_dir)
         self.summary = {
             "run_dir": str(self.run_dir),
             "device": str(self.dev.torch_device),
@@ -216,12 +217,12 @@ class Demo:
         train_docs = [d for i, d in enumerate(docs) if i % EVAL_EVERY != 0]
         eval_docs = [d for i, d in enumerate(docs) if i % EVAL_EVERY == 0]
         folder = self.run_dir / "data"
-        folder.mkdir(parents=True, exist_ok=True)
         paths = []
         for name, part in (("train", train_docs), ("eval", eval_docs)):
             chunks = [c for doc in part for c in chunk_text(doc, SEQ - 2)]
             path = folder / f"{name}.jsonl"
-            path.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
+            text = "".join(json.dumps({"text": c}) + "\n" for c in chunks)
+            write_atomic(path, text, root=self.run_dir)
             paths.append(path)
             self.summary[f"{name}_records"] = len(chunks)
             self.summary[f"{name}_docstrings"] = len(part)
@@ -283,7 +284,7 @@ class Demo:
             "lora": {**LORA, "target_modules": "all-linear"},
         }
         path = self.run_dir / "finetune.json"
-        path.write_text(json.dumps(config, indent=2) + "\n")
+        write_atomic(path, json.dumps(config, indent=2) + "\n", root=self.run_dir)
         self.summary["config"] = str(path)
         self.summary["save_steps"] = save_steps
         return path
@@ -425,7 +426,8 @@ class Demo:
         seconds = time.monotonic() - self.started
         after = self.summary["after"]
         self.summary["seconds"] = round(seconds, 1)
-        (self.run_dir / "demo_summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        text = json.dumps(self.summary, indent=2) + "\n"
+        write_atomic(self.run_dir / "demo_summary.json", text, root=self.run_dir)
         self.console.rule(style="dim")
         killed = (
             f"killed at step {interruption.killed_at_step} and resumed from step "

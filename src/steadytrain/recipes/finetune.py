@@ -13,6 +13,7 @@ on the same output_dir resumes it.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -25,12 +26,12 @@ from typing import Any
 import torch
 
 from steadytrain import run_files
-from steadytrain._durable import replace_dir, sync_tree, write_atomic
+from steadytrain._durable import make_folder, refuse_link, replace_dir, sync_tree, write_atomic
 from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.device import resolve_device
 from steadytrain.engine import resolve_precision
 from steadytrain.entry import entrypoint
-from steadytrain.errors import BadInputError, ConfigError
+from steadytrain.errors import BadInputError, ConfigError, RunDiskFullError, is_disk_full
 from steadytrain.recipes.data import (
     Collator,
     LMLoss,
@@ -289,33 +290,80 @@ def scheduler_factory(name: str, warmup: int, total: int) -> Callable[[Any], Any
 def export_final(model: Any, tokenizer: Any, config: FinetuneConfig, run_dir: Path) -> Path:
     """Write RUN_DIR/final/ (adapter_model.safetensors, adapter_config.json, tokenizer files,
     training_config.json), atomically: see `export_adapter`."""
-    return export_adapter(model, tokenizer, config, run_dir / FINAL)
+    return export_adapter(model, tokenizer, config, run_dir / FINAL, root=run_dir)
 
 
-def export_adapter(model: Any, tokenizer: Any, config: FinetuneConfig, target: Path) -> Path:
+def export_adapter(
+    model: Any, tokenizer: Any, config: FinetuneConfig, target: Path, root: Path | None = None
+) -> Path:
     """Write the adapter, the tokenizer and the resolved config into a staging folder beside
     `target`, fsync it, and rename it into place, so a kill during export leaves either the old
-    folder or the new one, never half of one."""
+    folder or the new one, never half of one. `root`, the run directory (default: the folder
+    of `target`): no link on the way from it is followed (exit 2). A full disk is exit 6 naming
+    the file being written and the space left."""
+    root = root if root is not None else target.parent
+    make_folder(target.parent, root=root)
+    refuse_link(target)
     staging = target.parent / f".{target.name}.staging-{os.getpid()}"
+    if staging.is_symlink():
+        staging.unlink()
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    make_folder(staging, root=root)
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        (staging / TRAINING_CONFIG).write_text(json.dumps(config.resolved(), indent=2) + "\n")
+        text = json.dumps(config.resolved(), indent=2) + "\n"
+        write_atomic(staging / TRAINING_CONFIG, text, durable=False, root=root)
         sync_tree(staging)
         replace_dir(staging, target)
-    except BaseException:
+    except BaseException as exc:
+        full = _export_disk_full(exc, model, staging, target)
         shutil.rmtree(staging, ignore_errors=True)
+        if full is not None:
+            raise full from None
         raise
     return target
+
+
+def _export_disk_full(
+    exc: BaseException, model: Any, staging: Path, target: Path
+) -> RunDiskFullError | None:
+    """RunDiskFullError (exit 6) when `exc` says the disk is full: an OSError, or the error
+    safetensors raises (its text carries the OS error, "os error 28", but no file name: the
+    weights file is named after the model, peft's adapter or a whole model). It names the file
+    and the space left while the partial export still takes its room."""
+    seen, error, name = exc, None, None
+    while seen is not None and error is None:
+        if isinstance(seen, RunDiskFullError):
+            return seen
+        text = str(seen)
+        if is_disk_full(seen):
+            error = seen
+            name = getattr(seen, "filename", None)
+        elif type(seen).__name__ == "SafetensorError" and (
+            "os error 28" in text or "StorageFull" in text or "No space left" in text
+        ):
+            error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            name = "adapter_model" if hasattr(model, "peft_config") else "model"
+            name += ".safetensors"
+        seen = seen.__cause__ or seen.__context__
+    if error is None:
+        return None
+    if not name:  # an OSError without its file: the newest file of the export
+        files = [p for p in staging.glob("*") if p.is_file()] if staging.is_dir() else []
+        newest = max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
+        name = newest.name if newest is not None else ""
+    path = target / Path(name).name if name else target
+    full = RunDiskFullError(path, error, kept=f"the checkpoints (the export of {target} is not)")
+    full.detail = str(full)  # the space left now, before the partial export is removed
+    return full
 
 
 def record_config(config: FinetuneConfig, run_dir: Path) -> None:
     """RUN_DIR/training_config.json: the resolved config, written before training, so a
     checkpoint can be exported as an adapter while the run is still going."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / TRAINING_CONFIG, json.dumps(config.resolved(), indent=2) + "\n")
+    text = json.dumps(config.resolved(), indent=2) + "\n"
+    write_atomic(run_dir / TRAINING_CONFIG, text, root=run_files.top(run_dir))
 
 
 @torch.no_grad()

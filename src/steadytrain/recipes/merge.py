@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from steadytrain._durable import replace_dir, sync_tree
+from steadytrain._durable import make_folder, replace_dir, sync_tree
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import (
     dtype_name,
@@ -123,7 +123,7 @@ def _check_out_dir(out: Path, adapter: Path, base: str | None, force: bool) -> N
 
 
 def _save(model: Any, tokenizer: Any, folder: Path) -> None:
-    folder.mkdir(parents=True)
+    make_folder(folder, root=folder.parent)  # --out's staging folder, never through a link
     kwargs = {}
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         kwargs["safe_serialization"] = True  # transformers 4; 5 writes safetensors only

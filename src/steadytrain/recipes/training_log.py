@@ -8,12 +8,14 @@ nothing."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from steadytrain import run_files
+from steadytrain._durable import open_in_run
 from steadytrain.errors import SteadytrainError
 
 TRAINING_LOG = run_files.TRAINING_LOG
@@ -30,9 +32,9 @@ class TrainingLog:
     def start(self, run_dir: Path) -> Path:
         """Open RUN_DIR/training.log (appended: a resumed run continues it) and write what the
         console showed so far."""
-        run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / TRAINING_LOG
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        fd = open_in_run(path, "append", root=run_files.top(run_dir))  # never through a link
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._file.write("".join(self._held))
         self._file.flush()
         self._held = []

@@ -44,8 +44,8 @@ import torch
 from safetensors.torch import load_file
 
 from steadytrain import run_files
+from steadytrain._durable import make_folder, sync_dir
 from steadytrain._durable import sync as sync_fd
-from steadytrain._durable import sync_dir
 from steadytrain._units import format_bytes
 from steadytrain._version import __version__
 from steadytrain.errors import CheckpointError, DiskFullError
@@ -492,7 +492,7 @@ class CheckpointStore:
 
     def _commit(self, step: int, payload: Payload) -> Path:
         with self._commit_lock:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_folder(self.root, root=run_files.top(self.run_dir))  # checkpoints/ not a link
             self._clean_leftovers()
             name = _dir_name(step)
             final = self.root / name

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain._durable import NOFOLLOW, write_all, write_error
+from steadytrain._durable import open_in_run, write_all
 from steadytrain.errors import (
     DISK_FULL_EXIT,
     RESTARTABLE_EXIT,
@@ -122,12 +122,8 @@ def append_event(run_dir: Path, record: dict[str, Any]) -> None:
     cannot interleave with the child's own lines. A torn last line (the child was killed while
     writing it) is ended first, inside the same write."""
     path = run_dir / run_files.EVENTS
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(record, default=str) + "\n").encode()
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise write_error(path, exc) from None
+    fd = open_in_run(path, "append", root=run_files.top(run_dir))
     try:
         size = os.fstat(fd).st_size
         if size > 0 and os.pread(fd, 1, size - 1) != b"\n":

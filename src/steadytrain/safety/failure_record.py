@@ -12,6 +12,8 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
+from steadytrain import run_files
+from steadytrain._durable import open_in_run, write_all
 from steadytrain.device import is_oom
 from steadytrain.errors import UserCodeError, user_code_error
 from steadytrain.safety.child import append_event
@@ -71,13 +73,17 @@ def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = 
 
 def keep_traceback(run_dir: Path, exc: BaseException) -> None:
     """The whole traceback (the chain included) in RUN_DIR/errors/, for the report and for
-    whoever fixes it; the message on the console shows the user's frames only."""
+    whoever fixes it; the message on the console shows the user's frames only. A full disk
+    is passed over (the error itself matters more); a planted link is refused (exit 2)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    path = run_dir / run_files.ERRORS / f"{stamp}-{os.getpid()}.txt"
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        folder = run_dir / "errors"
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        (folder / f"{stamp}-{os.getpid()}.txt").write_text(text)
+        fd = open_in_run(path, "new", root=run_files.top(run_dir))
+        try:
+            write_all(fd, text.encode(errors="replace"), path)
+        finally:
+            os.close(fd)
     except OSError:
         pass
 

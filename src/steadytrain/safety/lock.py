@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from steadytrain import run_files
-from steadytrain._durable import NOFOLLOW
+from steadytrain._durable import NOFOLLOW, make_folder
 from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
 
 try:
@@ -48,8 +48,15 @@ class RunLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already held by this RunLock")
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            make_folder(self.run_dir, root=run_files.top(self.run_dir))  # no link on the way
             self._fd = self._acquire_flock() if fcntl is not None else self._acquire_exclusive()
+            if os.fstat(self._fd).st_nlink > 1:  # truncating it would truncate the other name
+                os.close(self._fd)  # not release(): that truncates
+                self._fd = None
+                raise BadInputError(
+                    f"{self.path} has another name (a hard link); steadytrain never writes a "
+                    "file that is also somewhere else; remove it and run again"
+                )
             os.ftruncate(self._fd, 0)
             os.write(self._fd, json.dumps(_holder()).encode())
         except OSError as exc:

@@ -64,8 +64,13 @@ from types import FrameType
 from typing import Any, TextIO
 
 from steadytrain import run_files
-from steadytrain._durable import write_atomic
-from steadytrain.errors import RESTARTABLE_EXIT, SteadytrainError
+from steadytrain._durable import NOFOLLOW, make_folder, open_in_run, refuse_link, write_atomic
+from steadytrain.errors import (
+    RESTARTABLE_EXIT,
+    BadInputError,
+    RunDiskFullError,
+    SteadytrainError,
+)
 from steadytrain.events import Callback, Control, TrainState
 
 HANG_EXIT = RESTARTABLE_EXIT
@@ -154,6 +159,7 @@ class HangWatchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop: TextIO | None = None
+        self._backstop_path = self.run_dir / run_files.HANGS / "backstop.txt"  # set at the start
         self._signal_registered = False
         self._armed_until = 0.0
 
@@ -309,9 +315,15 @@ class HangWatchdog(Callback):
         self._state = state
         self._fit_frame, self._fit_thread = frame, threading.get_ident()
         hangs = self.run_dir / run_files.HANGS
-        hangs.mkdir(parents=True, exist_ok=True)
+        root = run_files.top(self.run_dir)
+        # A link planted at the heartbeat would switch the supervisor's hang backstop off
+        # without a word: refused here (exit 2), like a link anywhere in the run directory.
+        self._write_heartbeat(0.0, strict=True)
+        make_folder(hangs, root=root)
         adopt_backstop_dumps(self.run_dir, self.record, skip_pid=os.getpid())
-        self._backstop = open(hangs / f"backstop-{os.getpid()}.txt", "w")  # noqa: SIM115
+        path = hangs / f"backstop-{os.getpid()}.txt"
+        self._backstop = os.fdopen(open_in_run(path, "new", root=root), "w")
+        self._backstop_path = path
         if DUMP_SIGNAL is not None and signal.getsignal(DUMP_SIGNAL) == signal.SIG_DFL:
             faulthandler.register(DUMP_SIGNAL, file=self._backstop, all_threads=True)
             self._signal_registered = True
@@ -410,9 +422,10 @@ class HangWatchdog(Callback):
                 deadline - time.monotonic(), exit=self.action == "exit", file=self._backstop
             )
 
-    def _write_heartbeat(self, stalled: float) -> None:
+    def _write_heartbeat(self, stalled: float, strict: bool = False) -> None:
         """RUN_DIR/heartbeat for the supervisor, replaced atomically. `stale_after_s`: how long
-        the file may stay unchanged before the supervisor may kill (limit + our own backstops)."""
+        the file may stay unchanged before the supervisor may kill (limit + our own backstops).
+        `strict` (the first one): a planted link is raised (exit 2), not passed over."""
         limit, phase = self.limit()
         poll = self.poll_s
         record = {
@@ -430,9 +443,19 @@ class HangWatchdog(Callback):
             "dump_file": f"{run_files.HANGS}/backstop-{os.getpid()}.txt",
             "written": time.time(),
         }
-        # A full disk (or a planted link, refused) must not end the watching.
-        with contextlib.suppress(OSError, SteadytrainError):
-            write_atomic(self.run_dir / run_files.HEARTBEAT, json.dumps(record), durable=False)
+        # A full disk must not end the watching; a link planted later is refused, not followed.
+        try:
+            write_atomic(
+                self.run_dir / run_files.HEARTBEAT,
+                json.dumps(record),
+                durable=False,
+                root=run_files.top(self.run_dir),
+            )
+        except BadInputError:
+            if strict:
+                raise
+        except (OSError, SteadytrainError):
+            pass
 
     # -- firing ------------------------------------------------------------------------------
 
@@ -481,8 +504,8 @@ class HangWatchdog(Callback):
         bounded). Returns (the file or None when it could not be written, the reading or None)."""
         memory = None
         try:
-            path = _new_hang_file(self.run_dir / run_files.HANGS)
-            with open(path, "w") as out:
+            path, fd = _new_hang_file(self.run_dir / run_files.HANGS, run_files.top(self.run_dir))
+            with os.fdopen(fd, "w") as out:
                 out.write(self._report_header(stalled, limit, phase, step, waiting))
                 out.flush()
                 faulthandler.dump_traceback(out, all_threads=True)
@@ -493,7 +516,7 @@ class HangWatchdog(Callback):
                 out.write("\nMemory reading:\n")
                 out.write(json.dumps(memory.to_dict(), indent=1) if memory is not None else note)
                 out.write("\n")
-        except OSError as exc:
+        except (OSError, SteadytrainError) as exc:  # a full disk, a planted link (refused)
             with contextlib.suppress(Exception):
                 sys.stderr.write(f"steadytrain: could not write the hang report: {exc}\n")
             return None, memory
@@ -537,7 +560,7 @@ class HangWatchdog(Callback):
             sys.stdout.flush()
         if self._backstop is not None:
             with contextlib.suppress(OSError):
-                Path(self._backstop.name).unlink()
+                self._backstop_path.unlink()
         os._exit(HANG_EXIT)
 
 
@@ -595,8 +618,11 @@ def allowance(phase: str) -> Iterator[None]:
 
 def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
     """RUN_DIR/heartbeat as a dict, or None when missing or unreadable."""
-    try:
-        record = json.loads((Path(run_dir) / run_files.HEARTBEAT).read_text())
+    path = Path(run_dir) / run_files.HEARTBEAT
+    try:  # a link planted there is not read: it could name a FIFO or a device
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            record = json.loads(handle.read(1 << 20))
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
@@ -617,16 +643,21 @@ def adopt_backstop_dumps(
     left alone; `only_pid`: only that process's file is looked at. Returns the reports made."""
     hangs = Path(run_dir) / run_files.HANGS
     made = []
+    if hangs.is_symlink():
+        refuse_link(hangs)
     for path in sorted(hangs.glob("backstop-*.txt")):
         pid_text = path.stem.removeprefix("backstop-")
         if pid_text == str(skip_pid) or (only_pid is not None and pid_text != str(only_pid)):
             continue
+        refuse_link(path)  # never read (and copied into a report) through a planted link
         try:
             size = path.stat().st_size
             if size == 0:
                 path.unlink()
                 continue
-            target = _new_hang_file(hangs, time.gmtime(path.stat().st_mtime))
+            target, fd = _new_hang_file(
+                hangs, run_files.top(run_dir), time.gmtime(path.stat().st_mtime)
+            )
             beat = read_heartbeat(Path(run_dir))
             beat = beat if beat is not None and str(beat.get("pid")) == pid_text else {}
             header = (
@@ -636,9 +667,10 @@ def adopt_backstop_dumps(
                 "The Python watchdog thread could not write this report: the process held the "
                 "GIL or could not run at all.\n\nEvery thread's stack, most recent call first:\n"
             )
-            target.write_text(header + path.read_text(errors="replace"))
+            with os.fdopen(fd, "w") as out:
+                out.write(header + path.read_text(errors="replace"))
             path.unlink()
-        except OSError:
+        except (OSError, RunDiskFullError):
             continue
         made.append(target)
         info = {
@@ -662,15 +694,19 @@ def _caller_of_dispatch() -> FrameType | None:
     return frame
 
 
-def _new_hang_file(folder: Path, when: time.struct_time | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
+def _new_hang_file(
+    folder: Path, root: Path, when: time.struct_time | None = None
+) -> tuple[Path, int]:
+    """A new hangs/<time>.txt (hangs/<time>-N.txt when taken) and its write descriptor, made
+    by the run's one writer: never through a link (BadInputError)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", when or time.gmtime())
-    path = folder / f"{stamp}.txt"
-    n = 1
-    while path.exists():
-        n += 1
-        path = folder / f"{stamp}-{n}.txt"
-    return path
+    path, n = folder / f"{stamp}.txt", 1
+    while True:
+        try:
+            return path, open_in_run(path, "exclusive", root=root)
+        except FileExistsError:
+            n += 1
+            path = folder / f"{stamp}-{n}.txt"
 
 
 def _tail_lines(path: Path, count: int) -> list[str]:

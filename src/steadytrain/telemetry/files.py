@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain._durable import open_for_append, write_all
+from steadytrain._durable import open_in_run, write_all
 from steadytrain.errors import RunDiskFullError
 from steadytrain.events import Callback, Control, TrainState
 
@@ -32,21 +32,16 @@ class JsonlFile:
     config found while the callbacks are built) leaves no open file behind. It is never opened
     through a symbolic link (BadInputError names it); a full disk is RunDiskFullError."""
 
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+    def __init__(self, path: Path, root: str | os.PathLike | None = None):
+        self.path = Path(path)
+        self.root = Path(root) if root is not None else self.path.parent
         self._fd: int | None = None
 
     def _open(self) -> None:
-        self._fd = open_for_append(self.path)
-        if os.fstat(self._fd).st_size > 0:
-            self._repair_torn_tail()
-
-    def _repair_torn_tail(self) -> None:
-        with open(self.path, "rb") as handle:
-            handle.seek(-1, os.SEEK_END)
-            if handle.read(1) != b"\n":
-                write_all(self._fd, b"\n", self.path)  # the next record starts clean
+        self._fd = open_in_run(self.path, "append", root=self.root)
+        size = os.fstat(self._fd).st_size
+        if size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
+            write_all(self._fd, b"\n", self.path)  # the next record starts clean
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fd is None:  # first, or late (after fit_end)
@@ -81,8 +76,9 @@ class RunFiles(Callback):
 
     def __init__(self, run_dir: str | os.PathLike):
         run_dir = Path(run_dir)
-        self.metrics = JsonlFile(run_dir / run_files.METRICS)
-        self.events = JsonlFile(run_dir / run_files.EVENTS)
+        root = run_files.top(run_dir)
+        self.metrics = JsonlFile(run_dir / run_files.METRICS, root)
+        self.events = JsonlFile(run_dir / run_files.EVENTS, root)
         self._pending = None
 
     def event(self, name: str, state: TrainState, info: dict) -> None:

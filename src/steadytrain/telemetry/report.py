@@ -32,6 +32,7 @@ What the reading rules are, and why:
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import os
 import time
@@ -93,10 +94,29 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     figure_class()  # a missing matplotlib is reported before anything is read
     run = load_run(run_dir)
     html_path = Path(out) if out is not None else run.run_dir / run_files.REPORT_HTML
+    if out is not None and html_path.is_dir():  # --out DIR: DIR/report.html and DIR/report/
+        html_path = html_path / run_files.REPORT_HTML
     if html_path.suffix.lower() not in (".html", ".htm"):
-        raise BadInputError(f"--out {html_path}: name an .html file (the PNGs go beside it)")
+        raise BadInputError(
+            f"--out {html_path}: name an .html file or a folder (the PNGs go beside it)"
+        )
     png_dir = html_path.with_suffix("")
-    png_dir.mkdir(parents=True, exist_ok=True)
+    root = html_path.parent  # the run directory, or the folder --out names
+    try:
+        return _write(run, html_path, png_dir, root)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        where = "--out" if out is not None else "the run directory"
+        raise BadInputError(
+            f"cannot write the report in {root} ({exc.strerror}): {where} is not writable here "
+            "(a read-only disk or another user's folder); the report only reads the run, so "
+            "write it elsewhere: steadytrain report RUN_DIR --out DIR (a folder you can write "
+            "to, or DIR/name.html)"
+        ) from None
+
+
+def _write(run: Run, html_path: Path, png_dir: Path, root: Path) -> Report:
     drawn = {
         "loss_lr": plot_loss_lr(run),
         "step_time": plot_step_time(run),
@@ -107,8 +127,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     for name, _ in PLOTS:
         images[name] = png_bytes(drawn[name])
         pngs.append(png_dir / f"{name}.png")
-        write_atomic(pngs[-1], images[name])
-    write_atomic(html_path, render_html(run, images).encode())
+        write_atomic(pngs[-1], images[name], root=root)
+    write_atomic(html_path, render_html(run, images).encode(), root=root)
     return Report(html=html_path, pngs=pngs, summary=summary_line(run))
 
 

@@ -12,9 +12,16 @@ Scenarios (each run in its own processes, each with a time limit so a hang is a 
   step has the 64 samples asked for.
 * kill: `steadytrain run -- torchrun --nproc_per_node 2 ...`, rank 1 SIGKILLed after step 3 of
   the first attempt (checkpoints every 2 steps): the group restarts, resumes, finishes.
-* fsdp: a full fine-tune of the 1B shape (fp32 weights, AdamW: 18.6 GiB of state) with each GPU
-  capped at 16 GiB, so one GPU cannot hold it: 2 ranks with `distributed: fsdp`, micro-batch 1,
+* fsdp: a full fine-tune of the 1B shape with untied embeddings (1.50 B parameters: fp32
+  weights, gradients and AdamW, 22.4 GiB of state) with each GPU capped at --fsdp-cap-gib, so
+  one GPU cannot hold it (at 16 GiB the sharded step 1 runs out of memory too: 24 GiB trains): 2 ranks with `distributed: fsdp`, micro-batch 1,
   checkpoints through torch.distributed.checkpoint; then one process, uncapped, resumes it.
+* fsdp_scale: the scale workload (1B LoRA, micro 8) sharded over 2 ranks (`distributed: fsdp`):
+  tokens/s against the one process of 'scale' (run 'scale' first in the same call).
+
+On GPUs, every scenario samples `nvidia-smi --query-compute-apps` twice a second while it runs:
+each process's memory on each GPU, and the processes seen on more than one GPU (a rank that
+works on another rank's GPU; there must be none).
 
     python bench/two_gpus.py --smoke                     # CPU, gloo, tiny model
     python bench/two_gpus.py --out $OUT/two_gpus.json    # two GPUs
@@ -28,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,51 @@ import torch
 import torchrun_one_gpu as one
 
 EFFECTIVE = 64
+
+
+class GpuProcesses:
+    """Each process's memory on each GPU while a scenario runs, from nvidia-smi (a thread
+    sampling twice a second): {pid: {gpu index: largest MiB seen}}."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.seen = period, {}
+        self.stop, self.lock = threading.Event(), threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.index = {}
+
+    def __enter__(self) -> GpuProcesses:
+        ids = self._query("--query-gpu=index,uuid")
+        self.index = {uuid: int(index) for index, uuid in ids}
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _query(self, what: str) -> list[list[str]]:
+        done = subprocess.run(
+            ["nvidia-smi", what, "--format=csv,noheader,nounits"], capture_output=True, text=True
+        )
+        return [[f.strip() for f in line.split(",")] for line in done.stdout.splitlines() if line]
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.period):
+            for row in self._query("--query-compute-apps=pid,gpu_uuid,used_memory"):
+                if len(row) != 3 or not row[2].isdigit():
+                    continue
+                with self.lock:
+                    gpus = self.seen.setdefault(row[0], {})
+                    gpu = self.index.get(row[1], row[1])
+                    gpus[gpu] = max(gpus.get(gpu, 0), int(row[2]))
+
+    def figures(self) -> dict[str, Any]:
+        with self.lock:
+            seen = {pid: dict(gpus) for pid, gpus in self.seen.items()}
+        return {
+            "per_process_mib": seen,
+            "processes_on_several_gpus": [p for p, g in seen.items() if len(g) > 1],
+        }
 
 
 def launch(command: list[str], limit: float) -> subprocess.CompletedProcess:
@@ -115,8 +168,8 @@ def kill(args, work: Path) -> dict[str, Any]:
 
 
 def fsdp(args, work: Path) -> dict[str, Any]:
-    """A full fine-tune whose state (fp32 weights, gradients, AdamW: 16 B a parameter, 18.6 GiB
-    for the 1B shape) does not fit one GPU capped at --fsdp-cap-gib: 2 ranks with
+    """A full fine-tune whose state (fp32 weights, gradients, AdamW: 16 B a parameter, 22.4 GiB
+    for the untied 1B shape) does not fit one GPU capped at --fsdp-cap-gib: 2 ranks with
     `distributed: fsdp` under that cap on each GPU, checkpoints through DCP; then one process,
     uncapped, resumes the run and trains 2 steps more."""
     run_dir, result = work / "fsdp-run", work / "fsdp.json"
@@ -150,6 +203,24 @@ def fsdp(args, work: Path) -> dict[str, Any]:
     }
 
 
+def fsdp_scale(args, work: Path) -> dict[str, Any]:
+    """The scale workload sharded over 2 ranks, against 'scale''s one process when it ran."""
+    result = work / "fsdp-scale.json"
+    command = one.child_command(
+        args, work / "fsdp-scale", result, effective=EFFECTIVE, distributed="fsdp"
+    )
+    command[command.index("--accumulation") + 1] = str(EFFECTIVE // 2 // args.micro)
+    checked(launch([*one.torchrun(2), *command], args.limit), "fsdp_scale, 2 ranks")
+    two = json.loads(result.read_text())
+    single = work / "scale-1.json"
+    alone = json.loads(single.read_text()) if single.exists() else None
+    return {
+        "two_ranks": two,
+        "speedup": two["tokens_per_s"] / alone["tokens_per_s"] if alone else None,
+        "one_rank_tokens_per_s": alone["tokens_per_s"] if alone else None,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     one.add_child_options(p)
@@ -168,32 +239,57 @@ def main() -> None:
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
         for name in args.scenarios.split(","):
-            scenario = {"scale": scale, "oom": oom, "kill": kill, "fsdp": fsdp}[name]
-            figures[name] = scenario(args, Path(work))
+            scenario = {
+                "scale": scale,
+                "oom": oom,
+                "kill": kill,
+                "fsdp": fsdp,
+                "fsdp_scale": fsdp_scale,
+            }[name]
+            if args.smoke:
+                figures[name] = scenario(args, Path(work))
+            else:
+                with GpuProcesses() as gpus:
+                    try:
+                        figures[name] = scenario(args, Path(work))
+                    finally:  # a failed or hung scenario's memory map is printed too
+                        seen = gpus.figures()
+                        print(f"{name}: gpu processes {json.dumps(seen)}", flush=True)
+                figures[name]["gpu_processes"] = seen
             print(f"{name}: {json.dumps(summary_of(name, figures[name]))}", flush=True)
-    device = torch.device("cpu" if args.smoke else "cuda")
-    out = args.out or C.default_out("two_gpus", args.smoke)
-    C.write_json(out, {"environment": C.environment(device), "settings": vars(args), **figures})
+        device = torch.device("cpu" if args.smoke else "cuda")
+        out = args.out or C.default_out("two_gpus", args.smoke)
+        # before the folder's removal, which can take minutes after the fsdp checkpoints
+        C.write_json(out, {"environment": C.environment(device), "settings": vars(args), **figures})
 
 
 def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
+    seen = f.get("gpu_processes")
+    several = {"processes on several GPUs": seen["processes_on_several_gpus"]} if seen else {}
     if name == "scale":
-        return {
+        return several | {
             "tokens/s 1 rank": round(f["runs"]["1 rank"]["tokens_per_s"]),
             "tokens/s 2 ranks": round(f["runs"]["2 ranks"]["tokens_per_s"]),
             "speedup": round(f["speedup"], 3),
             "largest relative loss difference": f["largest_loss_difference"],
         }
+    if name == "fsdp_scale":
+        two = f["two_ranks"]
+        return several | {
+            "tokens/s 2 ranks fsdp": round(two["tokens_per_s"]),
+            "speedup over 1 process": f["speedup"] and round(f["speedup"], 3),
+            "peak_allocated rank 0": two["peak_allocated"],
+        }
     if name == "fsdp":
         two, one_gpu = f["two_ranks"], f["one_gpu"]
-        return {
+        return several | {
             "2 ranks": {k: two[k] for k in ("steps", "peak_allocated", "process_group", "losses")},
             "checkpoint files": f["checkpoint"]["files"],
             "resumed_from": f["resumed_from"],
             "one GPU": {k: one_gpu[k] for k in ("steps", "peak_allocated", "losses")},
         }
     r = f["result"]
-    out = {k: r[k] for k in ("steps", "micro_batch_size", "oom_count", "samples")}
+    out = several | {k: r[k] for k in ("steps", "micro_batch_size", "oom_count", "samples")}
     if name == "kill":
         out |= {"restarts": len(f["restarts"]), "resumed_from": f["resumed_from"]}
     return out

@@ -123,6 +123,10 @@ class CUDABackend:
     def device_name(self, index: int) -> str:
         return torch.cuda.get_device_name(index)
 
+    def select(self, index: int) -> None:
+        """The current device: what torch means by "cuda" with no index (device/core.py)."""
+        torch.cuda.set_device(index)
+
     def probe(self, index: int) -> None:
         check_matmul(torch.device("cuda", index))
         torch.cuda.synchronize(index)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -196,20 +197,25 @@ def resolve_device(
     system = system or SystemProbe()
     backends = {**default_backends(system), **(backends or {})}
     check_budget_spec(budget_spec)
+    rank_gpu = rank_cuda_index()
     if spec == "auto":
         skipped = []
         for name in ACCELERATORS:
             backend = backends[name]
             if not backend.is_available() or backend.device_count() < 1:
                 continue
+            index = rank_gpu if name == "cuda" and rank_gpu is not None else 0
+            if index >= backend.device_count():
+                raise DeviceUnavailableError(_too_few_gpus(index, backend.device_count()))
             try:
-                backend.probe(0)
+                _select(backend, index)
+                backend.probe(index)
             except Exception as exc:  # noqa: BLE001 - a broken accelerator falls back to the next
                 skipped.append(
                     f"{name}: reports available but failed a small computation ({_one_line(exc)})"
                 )
                 continue
-            return Device(backend, 0, budget_spec, system, tuple(skipped))
+            return Device(backend, index, budget_spec, system, tuple(skipped))
         return Device(backends["cpu"], 0, budget_spec, system, tuple(skipped))
 
     match = _SPEC.match(spec)
@@ -218,10 +224,15 @@ def resolve_device(
             f"device: unknown device {spec!r}; use auto, cpu, mps, cuda or cuda:N"
         )
     name, index = match.group(1), int(match.group(2) or 0)
+    if name == "cuda" and match.group(2) is None and rank_gpu is not None:
+        index = rank_gpu  # "cuda" under torchrun: this rank's own GPU
     backend = backends[name]
     why = _why_unavailable(backend, index)
+    if why is not None and index == rank_gpu and match.group(2) is None and backend.is_available():
+        raise DeviceUnavailableError(_too_few_gpus(index, backend.device_count()))
     if why is None:
         try:
+            _select(backend, index)
             backend.probe(index)
         except Exception as exc:  # noqa: BLE001
             why = f"it reports available but failed a small computation ({_one_line(exc)})"
@@ -232,6 +243,46 @@ def resolve_device(
             f"'auto'{DOCTOR_HINT}."
         )
     return Device(backend, index, budget_spec, system)
+
+
+def rank_cuda_index() -> int | None:
+    """This process's GPU under a launcher of several processes (torchrun: WORLD_SIZE > 1), its
+    LOCAL_RANK; None for a single process. "auto" and "cuda" resolve to cuda:LOCAL_RANK there,
+    so that no rank computes, allocates or opens a communicator on another rank's GPU."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return None  # the process group's own check names the bad variable
+
+
+def wait_on_host(device: str | torch.device) -> None:
+    """Block this process until the collectives queued on `device` are done. NCCL's all-reduce
+    returns once it is queued on the GPU, so an all-reduce alone is no barrier there: rank 0
+    went on to hash a checkpoint's files before rank 1 had written its own (seen on two GPUs:
+    "extra ['rng-rank-1.safetensors']", and the resume refused the checkpoint). gloo's returns
+    when done."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _select(backend: Backend, index: int) -> None:
+    """Make `index` the backend's current device (CUDA: `torch.cuda.set_device`), before anything
+    touches it: whatever later runs on "the current device" (FSDP's device mesh, the pinning
+    thread of a DataLoader, a synchronize without an index, NCCL's communicators) runs on this
+    rank's GPU, not on cuda:0, which is rank 0's."""
+    select = getattr(backend, "select", None)
+    if callable(select):
+        select(index)
+
+
+def _too_few_gpus(index: int, count: int) -> str:
+    return (
+        f"device: this process is LOCAL_RANK {index} of a multi-process launch, but this machine "
+        f"has {count} CUDA device(s); start at most {count} process(es) per node "
+        "(torchrun --nproc_per_node), one per GPU"
+    )
 
 
 def available_devices(

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from steadytrain import run_files
+from steadytrain.device.core import wait_on_host
 from steadytrain.errors import BadInputError, SteadytrainError
 
 
@@ -126,8 +127,19 @@ class Group:
         if self.active and dist.is_initialized():
             with _waiting_in("all-reduce (end of fit)"):
                 for _ in range(2):  # one for each of gloo's two worker threads
-                    rendezvous(self.device)
+                    rendezvous(self.collective_device())
             released(RELEASE_S)
+
+    def collective_device(self) -> str:
+        """Where this group's collectives can take a tensor: its device; where that is the CPU
+        (the group as `from_env` made it, before the rank's device) and the backend serves no
+        CPU tensors (a script's NCCL-only group), this rank's current GPU, which device
+        resolution made its own (device/core.py), never a bare "cuda", which is cuda:0."""
+        if torch.device(self.device).type != "cpu" or not self.backend:
+            return self.device
+        if "cpu" in self.backend or "gloo" in self.backend or not torch.cuda.is_available():
+            return self.device
+        return f"cuda:{torch.cuda.current_device()}"
 
     @classmethod
     def _of_initialized(cls) -> Group:
@@ -270,8 +282,11 @@ def rendezvous(device: str | torch.device = "cpu") -> None:
     during interpreter exit frees tensors that need the interpreter, and the process aborts.
     This one all-reduces a tensor kept for the life of the process (on `device`: NCCL needs
     CUDA)."""
-    kept = _KEPT.setdefault(str(device), torch.zeros(1, device=device))
+    kept = _KEPT.get(str(device))
+    if kept is None:  # made once: setdefault would allocate a new one at every call
+        kept = _KEPT[str(device)] = torch.zeros(1, device=device)
     dist.all_reduce(kept)
+    wait_on_host(device)
 
 
 RELEASE_S = 2.0

@@ -94,9 +94,15 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     `Group.broadcast_module` first). Returns what was sharded, for the `sharding` event."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = torch.device(group.device).type
+    device = torch.device(group.device)
+    device_type = device.type
     gloo = device_type == "cpu"
     FSDPModule, fully_shard = _fsdp2(gloo)
+    if device_type == "cuda":
+        # The mesh names a device type only; it and fully_shard take "the current device" for
+        # every all-gather and reduce-scatter, which is cuda:0 unless this rank's GPU is made
+        # current: rank 1 then holds memory on GPU 0 and its NCCL communicator waits forever.
+        torch.cuda.set_device(device)
     mesh = init_device_mesh(device_type, (group.world_size,))
     atexit.unregister(_let_workers_release)  # once, however many fits
     atexit.register(_let_workers_release)

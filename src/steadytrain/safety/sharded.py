@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from steadytrain.device import set_rng_state
+from steadytrain.device.core import wait_on_host
 from steadytrain.safety.checkpoint import Payload, write_tensor_file
 from steadytrain.safety.state import (
     DCP_METADATA,
@@ -37,6 +38,7 @@ from steadytrain.safety.state import (
     STATE_FILE,
     HostBuffers,
     RunState,
+    capture_payload,
     check_identity,
     frozen_base,
     load_model_tensors,
@@ -55,8 +57,11 @@ def _rendezvous(device: torch.device) -> None:
     """Every rank's files are written. An all-reduce of a tensor kept for the life of the
     process, not gloo's barrier, which holds the works queued before it (DCP's, FSDP's) and
     can free them in a worker thread during interpreter exit (engine/distributed.py says more)."""
-    kept = _KEPT.setdefault(str(device), torch.zeros(1, device=device))
+    kept = _KEPT.get(str(device))
+    if kept is None:  # made once: setdefault would allocate a new one at every call
+        kept = _KEPT[str(device)] = torch.zeros(1, device=device)
     dist.all_reduce(kept)
+    wait_on_host(device)  # on NCCL the all-reduce alone returns before the other ranks arrive
 
 
 def rng_rank_file(rank: int) -> str:
@@ -107,6 +112,13 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
 
 
+class _NoOptimizerState:
+    """Stands for a sharded run's optimizer in rank 0's capture: its state goes through DCP."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+
 @dataclasses.dataclass
 class RanksState(RunState):
     """`RunState` of one rank: rank 0 writes the single-process files (less the model and
@@ -123,10 +135,16 @@ class RanksState(RunState):
     ) -> Payload:
         if self.world_size == 1:
             return super().capture(next_loss, buffers, copy)
-        if self.rank == 0:
+        if self.rank == 0 and self.sharded:
+            # The model and optimizer go through DCP (`_write_shards`): their sharded tensors
+            # (DTensors, which a host buffer cannot take on CUDA) are not copied here at all.
+            payload = capture_payload(
+                self.state, torch.nn.Module(), _NoOptimizerState(), self.scheduler, self.scaler,
+                self.identity, next_loss, buffers, copy=copy,
+            )  # fmt: skip
+            del payload.tensors[MODEL_FILE], payload.objects[OPTIMIZER_FILE]
+        elif self.rank == 0:
             payload = super().capture(next_loss, buffers, copy)
-            if self.sharded:  # through DCP instead
-                del payload.tensors[MODEL_FILE], payload.objects[OPTIMIZER_FILE]
         else:
             payload = Payload()
         own = rng_tensors()

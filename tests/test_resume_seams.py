@@ -25,7 +25,7 @@ from integration_helpers import events, finish, steps_logged, wait_for, workload
 
 import steadytrain
 from steadytrain import Callback, TrainConfig, Trainer
-from steadytrain.errors import StateNotRestoredError
+from steadytrain.errors import CheckpointError, StateNotRestoredError
 from steadytrain.safety.checkpoint import MANIFEST
 from steadytrain.safety.state import STATE_FILE
 from steadytrain.telemetry.run_reading import load_run, summary_rows
@@ -96,7 +96,8 @@ def _tiny_fit(run_dir: Path, callbacks=(), max_steps: int = 6, **settings) -> st
     )
     config = TrainConfig(
         run_dir=str(run_dir), effective_batch_size=8, micro_batch_size=8, max_steps=max_steps,
-        save_every_steps=max_steps, device="cpu", progress="off", memory_watch=False, **settings,
+        device="cpu", progress="off", memory_watch=False,
+        **{"save_every_steps": max_steps, **settings},
     )  # fmt: skip
     return Trainer(
         torch.nn.Linear(4, 2),
@@ -240,3 +241,65 @@ def test_a_resume_whose_first_loss_differs_goes_on_and_says_so(tmp_path: Path, c
     with pytest.raises(StateNotRestoredError, match="continuity_strict"):
         _tiny_fit(strict, continuity_strict=True)
     assert not events(strict, "continuity")[0]["equal"]
+
+
+# -- a damaged checkpoint is a checkpoint error, never an internal one --------------------------
+
+
+class _Touch:
+    """A pickle that runs a command when loaded without weights_only."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _damage(folder: Path, how: str) -> None:
+    if how == "rng stream missing":  # a KeyError in rng_from_files before
+        edit_state(folder, lambda doc: doc["rng"].pop("numpy"))
+    elif how == "rng stream malformed":  # random.setstate's own error
+        edit_state(folder, lambda doc: doc["rng"]["python"].__setitem__(1, [1, 2, 3]))
+    elif how == "step of another folder":  # accepted as step 4 before
+        edit_state(folder, lambda doc: doc["state"].update(step=3))
+    elif how == "pickle weights_only refuses":  # stopped the run before
+        torch.save({"state": _Touch(folder.parent.parent / "marker")}, folder / "optimizer.pt")
+        resign(folder)
+
+
+DAMAGES = [
+    ("rng stream missing", "rng"),
+    ("rng stream malformed", "RNG streams"),
+    ("step of another folder", "the folder is step 4"),
+    ("pickle weights_only refuses", "optimizer.pt"),
+]
+
+
+@pytest.mark.parametrize(("how", "reason"), DAMAGES)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path: Path, how, reason):
+    _tiny_fit(tmp_path, [_StopAt([4])], save_every_steps=2)
+    _damage(tmp_path / "checkpoints" / "step-00000004", how)
+
+    result = _tiny_fit(tmp_path, save_every_steps=2)
+
+    assert (result.exit_code, result.steps) == (0, 6)
+    (skipped,) = events(tmp_path, "checkpoint_skipped")
+    assert skipped["checkpoint"] == "step-00000004"
+    assert reason in skipped["problems"][0]
+    (resume,) = events(tmp_path, "resume")
+    assert resume["step"] == 2  # the next older verified checkpoint
+    assert not (tmp_path / "marker").exists()
+
+
+def test_damaged_checkpoints_with_none_left_are_exit_2_naming_each(tmp_path: Path):
+    _tiny_fit(tmp_path, [_StopAt([4])], save_every_steps=2)
+    _damage(tmp_path / "checkpoints" / "step-00000004", "rng stream missing")
+    _damage(tmp_path / "checkpoints" / "step-00000002", "step of another folder")
+
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies") as info:
+        _tiny_fit(tmp_path, save_every_steps=2)
+
+    assert info.value.exit_code == 2
+    assert "step-00000004" in str(info.value) and "step-00000002" in str(info.value)
+    assert len(events(tmp_path, "checkpoint_skipped")) == 2

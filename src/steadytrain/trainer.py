@@ -37,6 +37,7 @@ from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import (
     SIGNAL_EXITS,
     BadInputError,
+    CheckpointError,
     ConfigError,
     RankOutOfMemory,
     SteadytrainError,
@@ -64,6 +65,7 @@ from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.state import (
     REQUIRED_FILES,
     HostBuffers,
+    loading,
     model_tensors_names,
     run_identity,
 )
@@ -374,15 +376,9 @@ class Trainer:
         """Load the newest verified checkpoint into the fresh objects, if there is one; put the
         memory savers in force; apply the supervisor's micro-batch cap. Returns the loss the
         first resumed step must reproduce (None when there is nothing to check)."""
-        expected_loss = None
-        found = store.latest()
+        found, overridden, expected_loss = self._load_newest(run, store, files)
         if found is not None:
             step, path = found
-            payload = store.load(path)
-            overridden, expected_loss = run.checkpoint.load(
-                payload, path, self.config.resume_overrides
-            )
-            restore_program_state(payload, run.sampler, self.user_state, run.device.torch_device)
             for difference in overridden:
                 files.record("resume_override", {"step": step, "change": difference})
             if run.checkpoint.rng_note is not None:
@@ -405,6 +401,38 @@ class Trainer:
             )
             run.state.micro_batch_size = cap
         return expected_loss
+
+    def _load_newest(
+        self, run: _Run, store: CheckpointStore, files: RunFiles
+    ) -> tuple[tuple[int, Path] | None, list[str], float | None]:
+        """The newest verified checkpoint that loads, loaded into the run's objects; a damaged
+        one (it verifies, but its content does not load: a pickle weights_only refuses, a
+        malformed RNG stream, a state of another step) is skipped with a `checkpoint_skipped`
+        event and the one before it is tried; none left is a CheckpointError (exit 2).
+        Returns the checkpoint, the identity differences allowed and the loss the first
+        resumed step must reproduce."""
+        refused: dict[str, list[str]] = {}
+        while (found := store.latest(refused)) is not None:
+            path = found[1]
+            try:
+                payload = store.load(path)
+                overridden, expected = run.checkpoint.load(
+                    payload, path, self.config.resume_overrides
+                )
+                with loading(path, lambda: "the data order or the program's state"):
+                    restore_program_state(
+                        payload, run.sampler, self.user_state, run.device.torch_device
+                    )
+            except CheckpointError as exc:
+                problems = [(str(exc).strip().splitlines() or [""])[0]]
+                files.record(
+                    "checkpoint_skipped",
+                    {"checkpoint": path.name, "path": str(path), "problems": problems},
+                )
+                refused[path.name] = problems
+                continue
+            return found, overridden, expected
+        return None, [], None
 
     def _callbacks(
         self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list

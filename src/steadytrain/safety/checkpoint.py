@@ -33,7 +33,7 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -685,15 +685,18 @@ class CheckpointStore:
         except FileNotFoundError:
             return []
 
-    def latest(self) -> tuple[int, Path] | None:
+    def latest(self, refused: Mapping[str, list[str]] | None = None) -> tuple[int, Path] | None:
         """The newest committed checkpoint that verifies; None when there is none at all.
 
         A checkpoint that fails is logged (`checkpoint_skipped`, with the file and what failed)
-        and the next older one is tried. Raises CheckpointError when checkpoints exist but none
-        verifies, and when the newest one was written by a newer steadytrain.
+        and the next older one is tried. `refused`: checkpoints (folder name -> problems) the
+        caller found damaged as it loaded them (and logged): passed over as failing. Raises
+        CheckpointError when checkpoints exist but none verifies, and when the newest one was
+        written by a newer steadytrain.
         """
         self._clean_leftovers()
         pointer = self._read_pointer()
+        refused = refused or {}
         failures: list[tuple[str, list[str]]] = []
         for entry in self._entries():  # symlinks and files under a checkpoint name
             if _step_of(entry.name) is not None and not entry.is_dir(follow_symlinks=False):
@@ -709,6 +712,9 @@ class CheckpointStore:
                 {"pointer": pointer, "reason": "names no committed checkpoint folder"},
             )
         for step, path in reversed(committed):
+            if path.name in refused:
+                failures.append((path.name, list(refused[path.name])))
+                continue
             problems = self._problems(path)
             if not problems:
                 if pointer is not None and pointer != path.name and pointer in names:

@@ -40,9 +40,11 @@ from steadytrain.safety.state import (
     RunState,
     capture_payload,
     check_identity,
+    checked_document,
     frozen_base,
     load_model_tensors,
     load_train_state,
+    loading,
     rng_from_files,
     rng_to_files,
 )
@@ -169,29 +171,37 @@ class RanksState(RunState):
     ) -> tuple[list[str], float | None]:
         """As `RunState.load`, reading a sharded checkpoint through DCP, and this rank's RNG
         streams when the world size is the one that wrote them."""
-        doc = payload.json[STATE_FILE]
+        doc = checked_document(payload, source)
         overridden = check_identity(doc["identity"], self.identity, allowed, source)
-        if DCP_METADATA in payload.sharded:
-            load_shards(self.model, self.optimizer, Path(source))
-        else:
-            load_model_tensors(self.model, payload.tensors[MODEL_FILE])
-            self.optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
-        if self.scaler is not None and SCALER_FILE in payload.objects:
-            self.scaler.load_state_dict(payload.objects[SCALER_FILE])
-        load_train_state(self.state, doc["state"])
-        saved_world = doc["identity"].get("world_size", 1)
-        own = payload.tensors.get(rng_rank_file(self.rank))
-        if own is not None and saved_world == self.world_size:
-            set_rng_state(rng_from_tensors(own))
-        else:
-            set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
-            if saved_world != self.world_size:
-                self.rng_note = (
-                    f"RNG streams: saved by {saved_world} rank(s), resumed on {self.world_size}: "
-                    "every rank takes rank 0's streams"
-                )
+        part = MODEL_FILE
+        with loading(source, lambda: part):
+            if DCP_METADATA in payload.sharded:
+                part = "the model and optimizer shards (DCP)"
+                load_shards(self.model, self.optimizer, Path(source))
+            else:
+                load_model_tensors(self.model, payload.tensors[MODEL_FILE])
+                part = OPTIMIZER_FILE
+                self.optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
+            part = SCHEDULER_FILE
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
+            part = SCALER_FILE
+            if self.scaler is not None and SCALER_FILE in payload.objects:
+                self.scaler.load_state_dict(payload.objects[SCALER_FILE])
+            part = f"{STATE_FILE} (state)"
+            load_train_state(self.state, doc["state"])
+            part = "the RNG streams"
+            saved_world = doc["identity"].get("world_size", 1)
+            own = payload.tensors.get(rng_rank_file(self.rank))
+            if own is not None and saved_world == self.world_size:
+                set_rng_state(rng_from_tensors(own))
+            else:
+                set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
+                if saved_world != self.world_size:
+                    self.rng_note = (
+                        f"RNG streams: saved by {saved_world} rank(s), resumed on "
+                        f"{self.world_size}: every rank takes rank 0's streams"
+                    )
         return overridden, None if overridden else doc.get("next_loss")
 
 

@@ -17,18 +17,20 @@ back into the same objects (torchtitan's `Stateful` state_dict / load_state_dict
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import io
 import pickle
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from steadytrain.device import get_rng_state, set_rng_state
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, CheckpointError, RNGStateError
 from steadytrain.safety.checkpoint import Payload
 from steadytrain.safety.fingerprint import data_fingerprint
 
@@ -407,6 +409,69 @@ def check_identity(
     return overridden
 
 
+# -- a checkpoint that verifies but does not load: damaged, skipped for the one before ---------
+
+
+_COUNTERS = ("step", "epoch", "batch_in_epoch")
+
+
+def checked_document(payload: Payload, source: Any) -> dict[str, Any]:
+    """`trainer_state.json` of the checkpoint at `source` (a folder step-NNNNNNNN), refused as a
+    `CheckpointError` when its shape is not the one `capture` writes or its step is not the
+    folder's: a checkpoint whose hashes match (re-signed by hand or by a bug) but whose state
+    would not load, or would load as another step."""
+    doc = payload.json.get(STATE_FILE)
+    problems = []
+    if not isinstance(doc, dict):
+        problems.append("not a JSON object")
+        doc = {}
+    state, rng = doc.get("state"), doc.get("rng")
+    if not isinstance(state, dict):
+        problems.append('"state" is missing or not an object')
+    else:
+        for name in _COUNTERS:
+            value = state.get(name)
+            if type(value) is not int or value < 0:
+                problems.append(f'"state.{name}" is {value!r}, not a count')
+        folder_step = _folder_step(source)
+        if type(state.get("step")) is int and folder_step not in (None, state["step"]):
+            problems.append(
+                f'"state.step" is {state["step"]}, but the folder is step {folder_step}'
+            )
+    if not isinstance(rng, dict) or not {"python", "numpy"} <= set(rng):
+        problems.append('"rng" lacks the python and numpy streams')
+    if not isinstance(doc.get("identity"), dict):
+        problems.append('"identity" is missing or not an object')
+    next_loss = doc.get("next_loss")
+    if next_loss is not None and type(next_loss) not in (int, float):
+        problems.append(f'"next_loss" is {next_loss!r}, not a number')
+    if problems:
+        raise CheckpointError(f"{source}/{STATE_FILE}: {'; '.join(problems)}")
+    return doc
+
+
+def _folder_step(source: Any) -> int | None:
+    name = Path(str(source)).name
+    digits = name[len("step-") :]
+    return int(digits) if name.startswith("step-") and digits.isdigit() else None
+
+
+@contextlib.contextmanager
+def loading(source: Any, what: Callable[[], str]) -> Iterator[None]:
+    """A checkpoint's content that the objects refuse as they load it (a malformed RNG stream,
+    an optimizer state of another shape) is a `CheckpointError` naming the checkpoint and the
+    part (`what()`), not an internal error: the caller skips it for the one before."""
+    try:
+        yield
+    except (BadInputError, RNGStateError):
+        raise  # a different run or machine: the same for every checkpoint, said as it is
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(
+            f"{source}: {what()} does not load ({type(exc).__name__}: {text})"
+        ) from exc
+
+
 @dataclasses.dataclass
 class RunState:
     """Everything a checkpoint holds, as one save/load pair over the run's live objects."""
@@ -441,15 +506,23 @@ class RunState:
     ) -> tuple[list[str], float | None]:
         """Read `payload` (written by `capture`) back into the objects, after checking that it
         belongs to this run. Returns the identity differences `allowed` let through, and the
-        loss the first resumed step must reproduce (None when it cannot be checked)."""
-        doc = payload.json[STATE_FILE]
+        loss the first resumed step must reproduce (None when it cannot be checked). Content
+        that does not load is a `CheckpointError` (see `loading`)."""
+        doc = checked_document(payload, source)
         overridden = check_identity(doc["identity"], self.identity, allowed, source)
-        load_model_tensors(self.model, payload.tensors[MODEL_FILE])
-        self.optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
-        if self.scaler is not None and SCALER_FILE in payload.objects:
-            self.scaler.load_state_dict(payload.objects[SCALER_FILE])
-        load_train_state(self.state, doc["state"])
-        set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
+        part = MODEL_FILE
+        with loading(source, lambda: part):
+            load_model_tensors(self.model, payload.tensors[MODEL_FILE])
+            part = OPTIMIZER_FILE
+            self.optimizer.load_state_dict(payload.objects[OPTIMIZER_FILE])
+            part = SCHEDULER_FILE
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(payload.objects[SCHEDULER_FILE])
+            part = SCALER_FILE
+            if self.scaler is not None and SCALER_FILE in payload.objects:
+                self.scaler.load_state_dict(payload.objects[SCALER_FILE])
+            part = f"{STATE_FILE} (state)"
+            load_train_state(self.state, doc["state"])
+            part = f"the RNG streams ({RNG_FILE}, {STATE_FILE})"
+            set_rng_state(rng_from_files(payload.tensors[RNG_FILE], doc["rng"]))
         return overridden, None if overridden else doc.get("next_loss")

@@ -29,7 +29,7 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypa
     path = tmp_path / "report.html"
     write_atomic(path, "old")
 
-    def refuse(src, dst):
+    def refuse(src, dst, **dir_fds):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_durable.os, "replace", refuse)

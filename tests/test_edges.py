@@ -189,6 +189,26 @@ def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path, name):
         ("yes.json", '{"effective_batch_size": 8, "async_save": "yes"}', "async_save: must be"),
         ("empty.json", '{"effective_batch_size": 8, "run_dir": ""}', "run_dir: must name"),
         ("nul.json", '{"effective_batch_size": 8, "run_dir": "a\\u0000b"}', "NUL"),
+        (
+            "huge.json",
+            '{"effective_batch_size": 1000000000000000000000000000000}',
+            "effective_batch_size: must be at most",
+        ),
+        (
+            "steps.json",
+            '{"effective_batch_size": 8, "max_steps": 100000000000000000000}',
+            "max_steps: must be at most",
+        ),
+        (
+            "every.json",
+            '{"effective_batch_size": 8, "save_every_steps": 10000000000000000000}',
+            "save_every_steps: must be at most 2,147,483,647",
+        ),
+        (
+            "budget.json",
+            '{"effective_batch_size": 8, "memory_budget": "9999999TiB"}',
+            "memory_budget: a size must be at most 1024TiB",
+        ),
     ],
 )
 def test_a_malformed_config_exits_2_naming_the_file_and_problem(

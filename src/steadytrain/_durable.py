@@ -255,10 +255,7 @@ def write_atomic(
                     sync(fd)
             finally:
                 os.close(fd)
-            if folder >= 0:
-                os.rename(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-            else:
-                os.replace(tmp, name)
+            os.replace(tmp, name, **({"src_dir_fd": folder, "dst_dir_fd": folder} if at else {}))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, **at)

@@ -54,6 +54,12 @@ RunDefiningField = Literal[
 ]
 
 
+MAX_COUNT = 2**31 - 1
+"""The most a count of the config (effective_batch_size, max_steps, save_every_steps) may be."""
+MAX_BUDGET_BYTES = 2**50
+"""The largest memory_budget size, 1 PiB: more than any machine has, far below int64 overflow."""
+
+
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
 
@@ -373,6 +379,20 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be {RULES['device']}")
         return value
 
+    @field_validator("effective_batch_size", "max_steps", "save_every_steps")
+    @classmethod
+    def _bounded_count(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # A count past this is a typo (1e30): refused here, not by an overflow in the loop later.
+        if isinstance(value, int) and value > MAX_COUNT:
+            what = "optimizer steps"
+            if info.field_name == "effective_batch_size":
+                what = "samples per optimizer step"
+            raise ValueError(
+                f"must be at most {MAX_COUNT:,} {what} (2³¹ − 1): a value this large is a typo, "
+                "not a training run"
+            )
+        return value
+
     @field_validator("memory_budget")
     @classmethod
     def _budget_spec(cls, value: str | float) -> str | float:
@@ -385,6 +405,11 @@ class TrainConfig(BaseModel):
                 raise ValueError(
                     "a size must be more than 0 bytes; a fraction is written as a number like "
                     "0.8, not as text"
+                )
+            if size > MAX_BUDGET_BYTES:
+                raise ValueError(
+                    "a size must be at most 1024TiB, more memory than any machine has; write "
+                    "the memory the run may use, like '12GiB', or 'auto'"
                 )
         elif isinstance(value, float) and not 0 < value <= 1:
             raise ValueError(

@@ -160,7 +160,4 @@ __all__ = [
     "REPORT_PLOTS",
     "TRAINING_CONFIG",
     "TRAINING_LOG",
-    "WRITTEN",
-    "listed",
-    "top",
 ]

@@ -148,7 +148,7 @@ class _StopAt(Callback):
             control.request_stop(143, "stopped by the test")
 
 
-def lstm_fit(run_dir: Path, stop_at=(), seed: int = 1, **settings):
+def lstm_fit(run_dir: Path, stop_at=(), seed: int = 1, callbacks=(), **settings):
     """A word-language-model port in small: an LSTM whose hidden state is carried across steps
     and starts again each epoch; 3 steps an epoch, a checkpoint at each epoch's end."""
     torch.manual_seed(seed)
@@ -179,7 +179,7 @@ def lstm_fit(run_dir: Path, stop_at=(), seed: int = 1, **settings):
         torch.utils.data.TensorDataset(text[:, :6], text[:, 1:]),
         config,
         user_state={"hidden": hidden},
-        callbacks=[_StopAt(stop_at)],
+        callbacks=[_StopAt(stop_at), *callbacks],
     ).fit()
     return model, result
 
@@ -197,6 +197,43 @@ def test_an_lstm_stopped_at_each_epoch_end_resumes_to_the_uninterrupted_run(tmp_
     checks = [e for e in events(run_dir, "continuity")]
     assert [c["step"] for c in checks] == [4, 7, 10]
     assert all(c["checked"] and c["equal"] for c in checks), checks
+    for name, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
+KILL_AFTER_EPOCH_END_SAVE = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from steadytrain import Callback
+from test_resume_seams import lstm_fit
+
+class Kill(Callback):  # after the checkpoint callback: step 3's save is committed (synchronous)
+    def on_step_end(self, state, control, info):
+        if state.step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+lstm_fit(sys.argv[1], callbacks=[Kill()], async_save=False)
+"""
+
+
+def test_an_lstm_killed_right_after_an_epoch_end_save_finishes_as_the_uninterrupted_run(
+    tmp_path: Path,
+):
+    run_dir = tmp_path / "killed"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_EPOCH_END_SAVE, str(run_dir), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=workload_env(),
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed, result = lstm_fit(run_dir, async_save=False)
+    assert (result.exit_code, result.steps) == (0, 12)
+    assert events(run_dir, "resume")[0]["step"] == 3
+    (check,) = events(run_dir, "continuity")
+    assert check["step"] == 4 and check["equal"], check
+    whole, _ = lstm_fit(tmp_path / "whole", async_save=False)
     for name, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
 

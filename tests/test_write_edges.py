@@ -143,3 +143,53 @@ def test_report_on_a_read_only_run_directory_is_exit_2_offering_out(tmp_path, ca
         assert sorted(p.name for p in (elsewhere / "report").iterdir())
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False, timeout=20)
+
+
+def test_disk_full_at_the_start_of_a_fine_tune_names_the_file_and_the_space_left(
+    tiny_disk, tmp_path, capsys
+):
+    """`steadytrain finetune` on a disk already full: exit 6 naming the file it could not write
+    and the space left (it said only "a write failed")."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from steadytrain.recipes.data import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    rows = [{"prompt": f"{i % 9}+1=", "completion": str(i % 9 + 1)} for i in range(32)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tiny_disk / "out"
+    config = {
+        "model_name_or_path": str(tmp_path / "tiny"),
+        "train_file": str(tmp_path / "train.jsonl"),
+        "output_dir": str(out),
+        "max_seq_length": 32,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "lora": {"r": 4},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    fill(tiny_disk / "filler")
+
+    with pytest.raises(SystemExit) as info:
+        cli_main(["finetune", "--config", str(tmp_path / "config.json")])
+    err = capsys.readouterr().err
+    assert info.value.code == DISK_FULL, err
+    assert f"could not write {out}" in err and "free on that filesystem" in err, err
+    assert "Traceback" not in err

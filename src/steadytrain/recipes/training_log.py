@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain._durable import open_in_run
-from steadytrain.errors import SteadytrainError
+from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
 
 TRAINING_LOG = run_files.TRAINING_LOG
 
@@ -28,15 +28,15 @@ class TrainingLog:
         self._console = console
         self._held: list[str] = []
         self._file: TextIO | None = None
+        self._path: Path | None = None
 
     def start(self, run_dir: Path) -> Path:
         """Open RUN_DIR/training.log (appended: a resumed run continues it) and write what the
         console showed so far."""
         path = run_dir / TRAINING_LOG
         fd = open_in_run(path, "append", root=run_files.top(run_dir))  # never through a link
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
-        self._file.write("".join(self._held))
-        self._file.flush()
+        self._file, self._path = os.fdopen(fd, "a", encoding="utf-8"), path
+        self._to_file("".join(self._held))
         self._held = []
         return path
 
@@ -44,9 +44,20 @@ class TrainingLog:
         if self._file is None:
             self._held.append(text)
         else:
+            self._to_file(text)
+        return self._console.write(text)
+
+    def _to_file(self, text: str) -> None:
+        """Append and flush; a full disk is RunDiskFullError naming the log (exit 6), after
+        which only the console is written (the error message itself goes there)."""
+        try:
             self._file.write(text)
             self._file.flush()
-        return self._console.write(text)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.close()
+            raise RunDiskFullError(self._path, exc) from None
 
     def flush(self) -> None:
         if self._file is not None:
@@ -54,8 +65,10 @@ class TrainingLog:
         self._console.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # a full disk: the unwritten tail is dropped
+                file.close()
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the console's
         return getattr(self._console, name)
@@ -71,7 +84,8 @@ def training_log() -> Iterator[TrainingLog]:
         yield log
     except SteadytrainError as exc:  # the console shows it after we return: keep it too
         if log._file is not None:
-            log._file.write(f"error: {exc}\n")
+            with contextlib.suppress(OSError):
+                log._file.write(f"error: {exc}\n")
         raise
     finally:
         sys.stderr = console

@@ -189,13 +189,13 @@ def test_an_lstm_stopped_at_each_epoch_end_resumes_to_the_uninterrupted_run(tmp_
     the step's (measured: a probe without autograd records another loss there)."""
     whole, _ = lstm_fit(tmp_path / "whole")
     run_dir = tmp_path / "resumed"
-    for stop in (3, 6, 9):  # right after each epoch-end checkpoint, then resumed
+    for stop in (3, 6):  # right after an epoch-end checkpoint, then resumed
         _, stopped = lstm_fit(run_dir, stop_at=[stop])
         assert stopped.steps == stop
     resumed, result = lstm_fit(run_dir)
     assert result.exit_code == 0 and result.steps == 12
     checks = [e for e in events(run_dir, "continuity")]
-    assert [c["step"] for c in checks] == [4, 7, 10]
+    assert [c["step"] for c in checks] == [4, 7]
     assert all(c["checked"] and c["equal"] for c in checks), checks
     for name, value in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -30,11 +30,10 @@ def real_oom(message: str) -> bool:
 
 
 def run_workload(script: str, *args: str, env: dict | None = None, timeout: float = 300):
-    """Run tests/workloads/SCRIPT in a fresh interpreter; returns the CompletedProcess."""
-    return subprocess.run(
+    """Run tests/workloads/SCRIPT in a fresh process (forked from a warm one: tests/forkserver.py);
+    returns the CompletedProcess."""
+    return forkserver.run(
         [sys.executable, str(WORKLOADS / script), *args],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )

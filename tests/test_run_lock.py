@@ -65,6 +65,62 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path):
         assert holder_of(tmp_path)["pid"] == os.getpid()
 
 
+HOLDER_WITH_A_WORKER = """
+import os, sys, time
+from pathlib import Path
+from steadytrain.safety.lock import RunLock
+RunLock(sys.argv[1]).acquire()
+parent, release = os.getpid(), Path(sys.argv[2])
+if os.fork() == 0:  # a DataLoader worker: it shares the lock, and leaves once its parent is gone
+    while os.getppid() == parent or not release.exists():
+        time.sleep(0.02)
+    os._exit(0)
+print("LOCKED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_holders_forked_worker_is_waited_for_not_taken_for_the_holder(
+    tmp_path, monkeypatch
+):
+    """After a SIGKILL of the trainer, its DataLoader workers hold the inherited lock until they
+    notice (up to 5 s): a restart in that window waits for them instead of exiting 2 with
+    'in use by' a PID that has ended. The worker here leaves only once the new holder has been
+    refused once, so the test does not depend on who is faster."""
+    release = tmp_path / "release"
+    real_fcntl = lock_module.fcntl
+
+    class Fcntl:
+        LOCK_EX, LOCK_NB = real_fcntl.LOCK_EX, real_fcntl.LOCK_NB
+
+        @staticmethod
+        def flock(fd, operation):
+            try:
+                return real_fcntl.flock(fd, operation)
+            except BlockingIOError:
+                release.touch()
+                raise
+
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_WITH_A_WORKER, str(run_dir), str(release)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()  # the worker keeps its copy open until it leaves
+    monkeypatch.setattr(lock_module, "fcntl", Fcntl)
+    with RunLock(run_dir):
+        assert holder_of(run_dir)["pid"] == os.getpid()
+    assert release.exists()  # the worker did hold the lock when the new holder first asked
+
+
 def test_run_dir_is_created(tmp_path):
     with RunLock(tmp_path / "new" / "run") as held:
         assert held.path.is_file()

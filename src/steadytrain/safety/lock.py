@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import socket
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -77,7 +78,7 @@ class RunLock:
     def _acquire_flock(self) -> int:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._flock(fd)
         except BlockingIOError:
             os.close(fd)
             raise self._in_use() from None
@@ -85,6 +86,23 @@ class RunLock:
             os.close(fd)
             raise
         return fd
+
+    def _flock(self, fd: int) -> None:
+        """Take the lock. A process forked by the holder (a DataLoader worker) shares the
+        holder's lock and outlives a SIGKILL of it by a few seconds, until it sees its parent
+        gone: while the PID the file names has ended, wait for those to let go."""
+        deadline = None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if not _holder_ended(_read_holder(self.path)):
+                    raise
+                deadline = deadline or time.monotonic() + ORPHANS_WAIT_S
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _acquire_exclusive(self) -> int:
         import psutil
@@ -129,6 +147,26 @@ def _holder() -> dict:
         "host": socket.gethostname(),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+ORPHANS_WAIT_S = 30.0
+"""How long a lock whose holder has ended is waited for: a DataLoader worker checks every 5 s
+whether its parent is alive."""
+
+
+def _holder_ended(holder: dict) -> bool:
+    """Whether the process the lock file names, on this host, no longer runs (or is a zombie)."""
+    import psutil
+
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def _read_holder(path: Path) -> dict:

@@ -1,0 +1,370 @@
+"""A warm template process that forks a fresh child for each command a test runs.
+
+A test that runs `python workload.py ...` or `python -m steadytrain.cli ...` pays for importing
+torch (3 s of CPU) or peft (11 s) in every child; on CI's 2 cores that was most of the suite.
+The server here imports them once, runs nothing else (no thread pool started, no tensor made),
+and answers each request by forking: the child sets the request's environment, working folder,
+argv and files for its standard streams, runs the script or module as `__main__`, and ends as
+the interpreter would (non-daemon threads joined, atexit handlers run, exit code or signal).
+The test gets a handle like `subprocess.Popen`'s: a real process with its own pid, killable with
+any signal, whose exit code or signal comes back.
+
+What a fork cannot change is what the C libraries read once at process start: glibc's malloc
+settings (MALLOC_*), OpenMP's (OMP_*, KMP_*, GOMP_*), the loader's (LD_*). `start` keeps one
+server per value of those variables, started with them, so a child under `MALLOC_ENV` gets
+glibc's settings as a fresh process would. Commands that are not `python SCRIPT` or `python -m
+MODULE` (torchrun, a shell), and any run with STEADYTRAIN_TEST_FORK=0, get a plain
+`subprocess.Popen`.
+
+Protocol (JSON lines): request {"id", "argv", "env", "cwd", "stdin", "stdout", "stderr"} on the
+server's stdin; replies {"id", "pid"} when the child started and {"id", "exit"} when it ended
+(negative: killed by that signal), on its stdout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+PRELOAD = ("torch", "torch._dynamo", "steadytrain.trainer", "steadytrain.cli")
+"""What the server imports before it forks: what the children would each import again."""
+PRELOAD_LM = ("transformers", "peft")
+"""Imported too by the server without glibc settings of its own (fine-tunes run under it; the
+capped workloads under MALLOC_* settings never import them)."""
+
+# Read by C libraries when the process starts: a child with other values needs its own server.
+AT_START = re.compile(r"^(MALLOC_|GLIBC_TUNABLES$|OMP_|KMP_|GOMP_|MKL_|OPENBLAS_|LD_|PYTHONPATH$)")
+
+
+# -- the server (runs as `python forkserver.py`) --------------------------------------------------
+
+
+def _serve() -> None:
+    lm = () if any(k.startswith("MALLOC_") for k in os.environ) else PRELOAD_LM
+    for name in (*PRELOAD, *lm):
+        __import__(name)
+    if threading.active_count() != 1:  # (torch's own idle native thread is fork-safe)
+        raise SystemExit("forkserver: a preloaded module started a thread; forking is not safe")
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    running: dict[int, int] = {}  # pid -> request id
+    pending = b""
+    replies.write(b'{"ready": true}\n')
+    replies.flush()
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.02)
+        if readable:
+            chunk = os.read(requests.fileno(), 1 << 16)
+            if not chunk:
+                break  # the test process is gone
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)  # never returns
+                running[pid] = request["id"]
+                _reply(replies, {"id": request["id"], "pid": pid})
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in running:
+                _reply(replies, {"id": running.pop(pid), "exit": os.waitstatus_to_exitcode(status)})
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _reply(out, message: dict) -> None:
+    out.write(json.dumps(message).encode() + b"\n")
+    out.flush()
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become the command, run it, end as Python would."""
+    code = 1
+    try:
+        if request.get("new_group"):
+            os.setsid()
+        stdin = os.open(request["stdin"] or os.devnull, os.O_RDONLY)
+        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
+        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        unbuffered = request["env"].get("PYTHONUNBUFFERED", "") not in ("", "0")
+        sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            stream = open(  # noqa: SIM115
+                fd, "w", closefd=False, buffering=1, errors="backslashreplace"
+            )
+            if unbuffered or fd == 2:
+                stream.reconfigure(write_through=True)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        code = _run(request["argv"])
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        _end()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _end()
+    os._exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _end() -> None:
+    """What the interpreter does on its way out: join non-daemon threads, run atexit."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+
+
+# -- the client (in the test process) -------------------------------------------------------------
+
+
+class Forked:
+    """A child the server forked: `subprocess.Popen`'s pid, poll, wait, signals and returncode;
+    its output is in files, read with `output()`."""
+
+    def __init__(self, server: _Server, ident: int, folder: Path, args: list[str]):
+        self.server, self.id, self.folder, self.args = server, ident, folder, args
+        self.pid = server.wait_for(ident, "pid")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.result(self.id)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.wait_for(self.id, "exit", timeout, self.args)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def output(self) -> tuple[str, str]:
+        return tuple(
+            (self.folder / name).read_text(errors="backslashreplace")
+            for name in ("stdout", "stderr")
+        )
+
+
+class _Server:
+    def __init__(self, env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=Path(__file__).parent,
+        )
+        self.lock = threading.Condition()
+        self.replies: dict[tuple[int, str], int] = {}
+        self.ids = itertools.count()
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError("forkserver did not start")
+        threading.Thread(target=self._read, daemon=True, name="forkserver-replies").start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.lock:
+                kind = "pid" if "pid" in message else "exit"
+                self.replies[(message["id"], kind)] = message[kind]
+                self.lock.notify_all()
+        with self.lock:
+            self.dead = True
+            self.lock.notify_all()
+
+    def send(self, request: dict) -> int:
+        ident = next(self.ids)
+        with self.lock:
+            self.proc.stdin.write(json.dumps({**request, "id": ident}).encode() + b"\n")
+            self.proc.stdin.flush()
+        return ident
+
+    def result(self, ident: int) -> int | None:
+        with self.lock:
+            return self.replies.get((ident, "exit"))
+
+    def wait_for(self, ident: int, kind: str, timeout: float | None = None, args=None) -> int:
+        with self.lock:
+            ok = self.lock.wait_for(
+                lambda: (ident, kind) in self.replies or getattr(self, "dead", False), timeout
+            )
+            if not ok:
+                raise subprocess.TimeoutExpired(args or [], timeout)
+            if (ident, kind) not in self.replies:
+                raise RuntimeError("forkserver ended")
+            return self.replies[(ident, kind)]
+
+
+_servers: dict[tuple, _Server] = {}
+_servers_lock = threading.Lock()
+
+
+def _python_command(argv: list[str]) -> list[str] | None:
+    """The part after the interpreter, when argv is `python SCRIPT ...` or `python -m MOD ...`."""
+    if not argv or argv[0] != sys.executable or len(argv) < 2:
+        return None
+    rest = list(argv[1:])
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    if rest and rest[0] == "-m" and len(rest) >= 2:
+        return rest
+    if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
+        return rest
+    return None
+
+
+def start(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    stdin: str | Path | None = None,
+    new_group: bool = False,
+):
+    """Start `argv` as a forked child where it can be one, else as a plain subprocess (with
+    stdout and stderr in files either way). Returns a handle with Popen's methods and
+    `output()`."""
+    env = dict(os.environ if env is None else env)
+    command = _python_command(argv)
+    if command is None or os.environ.get("STEADYTRAIN_TEST_FORK", "1") == "0":
+        return _Plain(argv, env, cwd, stdin, new_group)
+    key = tuple(sorted((k, v) for k, v in env.items() if AT_START.match(k)))
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            base = {k: v for k, v in os.environ.items() if not AT_START.match(k)}
+            server = _servers[key] = _Server({**base, **dict(key)})
+    folder = Path(tempfile.mkdtemp(prefix="forked-"))
+    for name in ("stdout", "stderr"):
+        (folder / name).touch()
+    request = {
+        "argv": command,
+        "env": env,
+        "cwd": str(cwd or os.getcwd()),
+        "stdin": str(stdin) if stdin else None,
+        "stdout": str(folder / "stdout"),
+        "stderr": str(folder / "stderr"),
+        "new_group": new_group,
+    }
+    return Forked(server, server.send(request), folder, argv)
+
+
+class _Plain:
+    """The same handle over a plain subprocess, for commands the server cannot run."""
+
+    def __init__(self, argv, env, cwd, stdin, new_group):
+        self.folder = Path(tempfile.mkdtemp(prefix="spawned-"))
+        self.args = argv
+        with (
+            open(self.folder / "stdout", "w") as out,
+            open(self.folder / "stderr", "w") as err,
+            open(stdin or os.devnull) as inp,
+        ):
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=inp,
+                stdout=out,
+                stderr=err,
+                start_new_session=new_group,
+            )
+        self.pid = self.proc.pid
+
+    def __getattr__(self, name):
+        return getattr(self.proc, name)
+
+    def output(self) -> tuple[str, str]:
+        return tuple(
+            (self.folder / name).read_text(errors="backslashreplace")
+            for name in ("stdout", "stderr")
+        )
+
+
+def run(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True, ...)` through `start`."""
+    stdin = None
+    if input is not None:
+        handle, stdin = tempfile.mkstemp(prefix="stdin-")
+        with os.fdopen(handle, "w") as out:
+            out.write(input)
+    child = start(argv, env=env, cwd=cwd, stdin=stdin)
+    try:
+        code = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise
+    stdout, stderr = child.output()
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+
+if __name__ == "__main__":
+    _serve()

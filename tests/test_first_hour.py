@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -23,10 +24,8 @@ COMMANDS += ["merge", "generate", "evaluate"]
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", *args],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**env, "COLUMNS": "100"},
         cwd=ROOT,

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 
 from steadytrain._units import format_count
@@ -43,10 +44,8 @@ def tiny(tmp_path_factory) -> Path:
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """Output to a pipe, as `steadytrain plan ... > plan.txt` has it; no COLUMNS set."""
     base = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", *args],
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**base, **(env or {})},
         cwd=ROOT,

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 from conftest import MALLOC_ENV, ROOT, WORKLOADS
@@ -44,10 +45,8 @@ def cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "steadytrain.cli", *args]
     if code is not None:
         command = [sys.executable, "-c", code, *args]
-    return subprocess.run(
+    return forkserver.run(
         command,
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=ROOT,
         env={**os.environ, "COLUMNS": "400"},  # messages on one line, unwrapped

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import psutil
 import pytest
 import torch
@@ -88,10 +89,8 @@ def seed_config(workspace: Path, out: str, extra: str = "") -> Path:
 
 
 def steadytrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", *args],
-        capture_output=True,
-        text=True,
         env=ENV,
         cwd=ROOT,
         timeout=timeout,

@@ -66,7 +66,7 @@ def pytest_runtest_protocol(item, nextitem):
     def cpu() -> tuple[float, float]:
         own = resource.getrusage(resource.RUSAGE_SELF)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime + forkserver.forked_cpu
 
     own0, kids0 = cpu()
     start = time.monotonic()

@@ -77,11 +77,13 @@ def _serve() -> None:
                 running[pid] = request["id"]
                 _reply(replies, {"id": request["id"], "pid": pid})
         while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             if pid in running:
-                _reply(replies, {"id": running.pop(pid), "exit": os.waitstatus_to_exitcode(status)})
+                cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped descendants'
+                exit_code = os.waitstatus_to_exitcode(status)
+                _reply(replies, {"id": running.pop(pid), "exit": exit_code, "cpu": cpu})
     for pid in running:
         os.kill(pid, signal.SIGKILL)
 
@@ -224,11 +226,13 @@ class _Server:
         threading.Thread(target=self._read, daemon=True, name="forkserver-replies").start()
 
     def _read(self) -> None:
+        global forked_cpu
         for line in self.proc.stdout:
             message = json.loads(line)
             with self.lock:
                 kind = "pid" if "pid" in message else "exit"
                 self.replies[(message["id"], kind)] = message[kind]
+                forked_cpu += message.get("cpu", 0.0)
                 self.lock.notify_all()
         with self.lock:
             self.dead = True
@@ -258,6 +262,9 @@ class _Server:
 
 
 _servers: dict[tuple, _Server] = {}
+forked_cpu = 0.0
+"""CPU seconds of the children forked so far, as `getrusage(RUSAGE_CHILDREN)` would count them
+had the test process started them itself (tests/conftest.py adds it to a test's cost)."""
 _servers_lock = threading.Lock()
 
 

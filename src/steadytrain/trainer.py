@@ -237,8 +237,7 @@ class Trainer:
                     planned.events = self._plan(run, compiled, eager)
             elif not run.resumed and cfg.micro_batch_size == "auto":
                 self._notes.append(_UNPLANNED_SHARDS)
-            # the savers the supervisor asks for after an OS kill: after the plan, which may
-            # choose fewer
+            # the savers the supervisor asks for after an OS kill (after the plan: fewer there)
             savers_from_supervisor(run.savers, files.record, run.state.step)
             if compiled and not eager:  # after the plan: its probe measures eager passes
                 with startup_phase("compile"):
@@ -255,9 +254,7 @@ class Trainer:
                 run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
             reason, code = self._loop(run).run()
-            signals = next(c for c in run.emit.callbacks if isinstance(c, SignalStop))
-            if signals.stopping is not None and code == SIGNAL_EXITS[signals.stopping]:
-                self._stopped_by = signals.stopping
+            self._stopped_by = _signal_that_stopped(run, code)
             return _result(run.state, reason, code, run_dir, store)
         finally:  # both ended at fit_end already; this covers a refusal before it
             watchdog.stop()
@@ -808,6 +805,14 @@ def _result(
         state.step, state.last_loss, state.micro_batch_size, reason, code, str(run_dir),
         checkpoint, state.oom_count,
     )  # fmt: skip
+
+
+def _signal_that_stopped(run: _Run, code: int) -> str | None:
+    """The signal ("SIGTERM") whose stop ended the loop with that signal's exit code, or None."""
+    signals = next(c for c in run.emit.callbacks if isinstance(c, SignalStop))
+    if signals.stopping is not None and code == SIGNAL_EXITS[signals.stopping]:
+        return signals.stopping
+    return None
 
 
 def _already_finished(state: TrainState, store: CheckpointStore, run_dir: Path) -> FitResult:

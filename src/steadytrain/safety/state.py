@@ -1,3 +1,5 @@
+# long-module: the format's save and load side by side, one reader for both; the checkpoint
+# package (issue 24) splits it by stateful object
 """The whole state of a run at an optimizer-step boundary, as checkpoint files, and back.
 
 model.safetensors   what training changes: every parameter, or only the trainable ones (plus

@@ -246,27 +246,8 @@ class Supervisor:
             self._kill_leftovers()
 
             self.restarts += 1
-            self._record(
-                "restart",
-                step,
-                attempt=self.restarts,
-                exit_code=returncode,
-                signal=death.killed_by.name if death.killed_by else None,
-                reason=death.describe(),
-                oom_kill_delta=death.oom_kill_delta,
-                delay_s=delay,
-                max_micro_batch=max_micro,
-                memory_savers=savers_asked,
-                progressed=progressed,
-                restarts_without_progress=no_progress,
-                **death.rank_fields,
-            )
-            self._say(death.describe())
-            self._say(
-                f"starting attempt {self.restarts + 1} in {_seconds(delay)} s after "
-                f"{_short(death)}; {self._progress_note(progressed, step, no_progress)}"
-                + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
-                + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
+            self._announce_restart(
+                death, returncode, step, delay, max_micro, savers_asked, progressed, no_progress
             )
             if not self._sleep(delay):
                 name = signal.Signals(self._stop_signal).name
@@ -275,6 +256,41 @@ class Supervisor:
                     128 + self._stop_signal, step, f"stopped by {name} while waiting to restart"
                 )
             delay = min(delay * 2, self.options.backoff_max)
+
+    def _announce_restart(
+        self,
+        death: ChildExit,
+        returncode: int,
+        step: int | None,
+        delay: float,
+        max_micro: int | None,
+        savers_asked: int | None,
+        progressed: bool,
+        no_progress: int,
+    ) -> None:
+        """The `restart` event and the two lines that say why and what the next attempt gets."""
+        self._record(
+            "restart",
+            step,
+            attempt=self.restarts,
+            exit_code=returncode,
+            signal=death.killed_by.name if death.killed_by else None,
+            reason=death.describe(),
+            oom_kill_delta=death.oom_kill_delta,
+            delay_s=delay,
+            max_micro_batch=max_micro,
+            memory_savers=savers_asked,
+            progressed=progressed,
+            restarts_without_progress=no_progress,
+            **death.rank_fields,
+        )
+        self._say(death.describe())
+        self._say(
+            f"starting attempt {self.restarts + 1} in {_seconds(delay)} s after "
+            f"{_short(death)}; {self._progress_note(progressed, step, no_progress)}"
+            + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
+            + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
+        )
 
     def _death(self, returncode: int, oom_before: int | None, since: float) -> ChildExit:
         """How the child ended: its code, the OOM killer's count since it started, and the

@@ -367,16 +367,7 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         )
     )
     if differed := continuity_differences(run):
-        first = differed[0]
-        rows.append(
-            (
-                "resume check",
-                f"{len(differed)} resume(s) whose first step's loss differed from what its "
-                f"checkpoint recorded (first at step {first.get('step')}: "
-                f"{first.get('loss')!r}, recorded {first.get('expected')!r}): the data, code or "
-                "random state differ from the run that wrote it; see the continuity events",
-            )
-        )
+        rows.append(("resume check", _resume_check_text(differed)))
     rows.append(("out of memory", _oom_text(run)))
     peak, limit = peak_memory(run), budget(run)
     if peak is not None:
@@ -396,6 +387,16 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     if loss is not None:
         rows.append(("final loss", f"{loss:.4g}"))
     return rows
+
+
+def _resume_check_text(differed: list[dict[str, Any]]) -> str:
+    first = differed[0]
+    return (
+        f"{len(differed)} resume(s) whose first step's loss differed from what its "
+        f"checkpoint recorded (first at step {first.get('step')}: "
+        f"{first.get('loss')!r}, recorded {first.get('expected')!r}): the data, code or "
+        "random state differ from the run that wrote it; see the continuity events"
+    )
 
 
 def continuity_differences(run: Run) -> list[dict[str, Any]]:

@@ -199,6 +199,15 @@ class FakeDevice:
         return FakeReading()
 
 
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll for `condition` (the watching thread's work), not a sleep that a busy machine
+    outlasts; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.02)
+
+
 def make(tmp_path: Path, timeout, action: str = "exit") -> tuple[HangWatchdog, list]:
     recorded: list = []
     dog = HangWatchdog(tmp_path, timeout, action, FakeDevice(), lambda n, i: recorded.append(n))
@@ -266,10 +275,11 @@ def test_report_mode_records_once_per_stall_and_nothing_after_fit_end(tmp_path):
     assert beat["pid"] == os.getpid() and beat["action"] == "report"
     dog.on_step_start(state, control, {})
     dog.on_step_end(state, control, {})  # out of the first step: the 0.2 s limit applies
-    time.sleep(1.0)  # one stall of five limits
+    wait_until(lambda: recorded, "the first stall is recorded")
+    time.sleep(1.0)  # the same stall goes on for five limits more: still one record
     assert recorded == ["hang"]
     dog.on_micro_step_end(state, control, {})
-    time.sleep(0.6)  # a second stall
+    wait_until(lambda: len(recorded) == 2, "a second stall is recorded")
     assert recorded == ["hang", "hang"]
     assert len(report_files(tmp_path)) == 2
 
@@ -294,8 +304,10 @@ def test_a_fit_that_ended_without_fit_end_stops_the_watching(tmp_path):
         dog.on_step_end(state, control, {})
 
     a_fit_that_returns_early()
-    time.sleep(0.8)  # four limits without a beat
+    wait_until(
+        lambda: not any(t.name == "steadytrain-hang-watchdog" for t in threading.enumerate()),
+        "the watching thread stands down",
+    )
     assert recorded == []
-    assert not any(t.name == "steadytrain-hang-watchdog" for t in threading.enumerate())
     assert read_heartbeat(tmp_path) is None
     assert list((tmp_path / "hangs").glob("backstop-*")) == []

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -370,6 +371,9 @@ def run(
         child.wait()
         raise
     stdout, stderr = child.output()
+    shutil.rmtree(child.folder, ignore_errors=True)
+    if stdin is not None:
+        os.unlink(stdin)
     return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKLOADS, run_workload
+from disks import fill, mount
 
 from steadytrain import Callback, TrainConfig, Trainer
 from steadytrain.cli import main as cli_main
@@ -38,32 +39,11 @@ def tiny_disk(tmp_path):
     """A real 2 MiB tmpfs."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    mount(mount_point, "size=2m")
     try:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False, timeout=20)
-
-
-def fill(path: Path) -> None:
-    """Write `path` until its filesystem is full."""
-    with open(path, "ab", buffering=0) as handle:
-        for block in (b"\0" * 4096, b"\0"):
-            try:
-                while True:
-                    handle.write(block)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:

@@ -6,7 +6,6 @@ allowed they are skipped with the reason."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import subprocess
@@ -14,25 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from disks import fill, mount
 
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import RunDiskFullError
 
 DISK_FULL = 6
-
-
-def mount(point: Path, options: str) -> None:
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
 
 
 @pytest.fixture
@@ -45,17 +31,6 @@ def tiny_disk(tmp_path):
         yield point
     finally:
         subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
-
-
-def fill(path: Path) -> None:
-    """Write `path` until its filesystem is full."""
-    with open(path, "ab", buffering=0) as handle:
-        for block in (b"\0" * 4096, b"\0"):
-            try:
-                while True:
-                    handle.write(block)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,12 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-fused-compile-keep: the same, compiled with the partitioner's default (activation
   memory budget 1.0): each block keeps its elementwise results too (engine/compiling.py).
 * steadytrain-fused-compile-cudnn: the same with cuDNN's attention first in SDPA's order;
-  -cudagraphs: the same with inductor's CUDA graphs (`torch._inductor.config.triton.cudagraphs`):
-  speed levers tried for P6, not defaults. -autotune: inductor times Triton's matrix-multiply
-  templates against cuBLAS for each shape of the compiled blocks (`max_autotune_gemm`).
+  -cudagraphs: the same with each compiled block replayed as CUDA graphs
+  (`engine/compiling.py`'s `CUDA_GRAPHS`: inductor's `triton.cudagraphs`, with the adapters'
+  gradients copied out of the graphs' memory); -cudagraphs-b95 / -cudagraphs-keep: the same at
+  an activation memory budget of 0.95 / 1.0: speed levers tried for P6, not defaults.
+  -autotune: inductor times Triton's matrix-multiply templates against cuBLAS for each shape of
+  the compiled blocks (`max_autotune_gemm`).
 * steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
   chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
   default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
@@ -48,8 +51,10 @@ function spend their time differently.
 
 Per arm: tokens/s over the steady steps (after --warmup), peak allocated memory, the first step's
 loss (the same base weights and LoRA B = 0 give every arm the same value: a check that each arm
-computes the same function), seconds from the process start to the end of the first optimizer
-step and to the first million trained tokens, out-of-memory events, the batch each step used.
+computes the same function), seconds from the process start (and from the model load) to the end
+of the first optimizer step and from the process start to the first million trained tokens,
+out-of-memory events, the batch each step used. Each arm runs at least as many steps as its first
+million tokens take (31 at batch 32 × 1,024; `--steps` sets more), so every arm has both times.
 
     python bench/fast_lora.py --smoke                         # CPU, tiny model, plain + steadytrain
     python bench/fast_lora.py --arms unsloth,plain,steadytrain-fused --out $OUT/fast_lora.json
@@ -78,6 +83,7 @@ import _common as C  # noqa: E402  (torch only: transformers is not imported bef
 import torch  # noqa: E402
 
 GiB = 2**30
+MILLION = 1_000_000
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARMS: dict[str, dict[str, Any]] = {
     "unsloth": {"cap": False, "micro": 8},
@@ -111,6 +117,22 @@ ARMS: dict[str, dict[str, Any]] = {
         "chunk": 1024,
         "compile": True,
         "cudagraphs": True,
+    },
+    "steadytrain-fused-compile-cudagraphs-b95": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "cudagraphs": True,
+        "budget": 0.95,
+    },
+    "steadytrain-fused-compile-cudagraphs-keep": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "cudagraphs": True,
+        "budget": 1.0,
     },
     "steadytrain-fused-compile-autotune": {
         "cap": False,
@@ -338,9 +360,7 @@ def run_steadytrain(
     if "budget" in arm:
         compiling.RECOMPUTE_BUDGET = arm["budget"]
     if arm.get("cudagraphs"):
-        import torch._inductor.config as inductor_config
-
-        inductor_config.triton.cudagraphs = True
+        compiling.CUDA_GRAPHS = True
     if arm.get("autotune"):
         import torch._inductor.config as inductor_config
 
@@ -552,6 +572,13 @@ def _plan_loss(plan: dict | None) -> str:
 # -- one arm in this process --------------------------------------------------------------------
 
 
+def steps_for_million(args, effective: int, seq: int) -> int:
+    """`--steps`, raised to the steps the first million trained tokens take (not in smoke)."""
+    if args.smoke:
+        return args.steps
+    return max(args.steps, -(-MILLION // (effective * seq)))
+
+
 def child(args) -> None:
     name, arm = args.arm, ARMS[args.arm]
     if name.startswith("unsloth"):
@@ -565,6 +592,7 @@ def child(args) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
         cap = int(args.cap_gib * GiB)
     effective = args.effective_cap if arm["cap"] else args.effective
+    args.steps = steps_for_million(args, effective, spec.seq)
     data = C.synthetic_tokens(effective * total_steps(args), spec.seq, spec.vocab, args.seed + 1)
     with tempfile.TemporaryDirectory(prefix="fast-lora-") as work:
         model = None
@@ -617,7 +645,7 @@ def summary(args, spec, marks: list[float], effective: int, loaded: float) -> di
     steady = marks[args.warmup :]
     tokens = effective * spec.seq
     rate = tokens * (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None
-    million = next((t for i, t in enumerate(marks) if (i + 1) * tokens >= 1_000_000), None)
+    million = next((t for i, t in enumerate(marks) if (i + 1) * tokens >= MILLION), None)
     return {
         "steps": len(marks),
         "timed_steps": max(len(steady) - 1, 0),
@@ -681,6 +709,7 @@ def row_of(r: dict[str, Any]) -> dict[str, Any]:
         "peak": num("peak_allocated", lambda v: f"{v / GiB:.2f} GiB"),
         "loss 1": f"{r['losses'][0]:.4f}" if r.get("losses") else "-",
         "1st step s": num("first_step_s", lambda v: f"{v:.1f}"),
+        "after load s": num("first_step_after_load_s", lambda v: f"{v:.1f}"),
         "1M tok s": num("million_tokens_s", lambda v: f"{v:.1f}"),
         "oom": num("oom_count", str),
         "loss mode": r.get("loss_method") or r.get("error") or "-",
@@ -697,7 +726,12 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=16.0)
     ap.add_argument("--effective", type=int, default=32, help="full-memory arms' batch")
     ap.add_argument("--effective-cap", type=int, default=64, help="capped arms' batch")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (16; smoke 3)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per arm, at least the first million tokens' (16; smoke 3)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="steps left out (5; smoke 1)")
     ap.add_argument("--arm-timeout", type=float, default=420.0, help="seconds per arm")
     ap.add_argument("--seed", type=int, default=0)
@@ -726,7 +760,7 @@ def main() -> None:
     title = (
         f"{spec.name}, LoRA r16 7 projections, bf16, seq {spec.seq}; full memory: batch "
         f"{args.effective}; cap arms: {args.cap_gib:g} GiB, batch {args.effective_cap}; "
-        f"{args.steps} steps, tokens/s after {args.warmup}"
+        f"{args.steps} steps or the first 1M tokens', tokens/s after {args.warmup}"
     )
     text = C.table(list(rows[0]), [list(r.values()) for r in rows], title)
     out = args.out or C.default_out("fast_lora", args.smoke)

@@ -229,3 +229,73 @@ def test_a_compiled_layer_keeps_what_its_matrix_multiplies_made_and_recomputes_t
     ):
         if a.grad is not None:
             assert b.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+class Replayed(torch.autograd.Function):
+    """x @ weight.T whose backward, as a CUDA graph's replay does, writes the weight's gradient
+    into the same memory every time and hands out a new tensor over it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, memory):
+        ctx.save_for_backward(x, weight)
+        ctx.memory = memory
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.memory.copy_(grad.t() @ x)
+        memory = ctx.memory
+        over_memory = torch.empty(0).set_(
+            memory.untyped_storage(), 0, memory.shape, memory.stride()
+        )
+        return grad @ weight, over_memory, None
+
+
+class GraphLikeBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
+        )
+        self.memory = torch.zeros(3, 4)
+
+    def forward(self, x):
+        return Replayed.apply(x, self.weight, self.memory)
+
+
+def test_gradients_a_graph_replay_rewrites_still_accumulate_over_micro_batches():
+    """Under CUDA graphs a compiled block's backward hands out its gradients in the graph's own
+    memory, which the next micro-batch's replay rewrites: `stable_gradients` gives autograd a
+    copy, so the summed gradient is the plain layer's (the replayed one alone doubles the last
+    micro-batch's instead)."""
+    from steadytrain.engine.compiling import stable_gradients
+
+    g = torch.Generator().manual_seed(4)
+    pieces = [torch.randn(5, 4, generator=g) for _ in range(3)]
+    plain = torch.nn.Linear(4, 3, bias=False)
+    block = GraphLikeBlock()
+    with torch.no_grad():
+        plain.weight.copy_(block.weight)
+    stable_gradients(block)
+    for x in pieces:
+        (plain(x) ** 2).sum().backward()
+        (block(x) ** 2).sum().backward()
+    assert torch.allclose(block.weight.grad, plain.weight.grad, atol=1e-5)
+    assert block.weight.grad.untyped_storage().data_ptr() != block.memory.data_ptr()
+
+
+def test_cuda_graphs_are_asked_for_cuda_blocks_only(monkeypatch):
+    """`CUDA_GRAPHS` on: a CPU run's blocks are compiled without graphs and their parameters
+    get no gradient copies."""
+    from steadytrain.engine import compiling
+
+    monkeypatch.setattr(compiling, "CUDA_GRAPHS", True)
+    asked: list[tuple] = []
+    monkeypatch.setattr(
+        compiling, "recomputing_inductor", lambda *a, **k: asked.append((a, k)) or "inductor"
+    )
+    model = lora_llama()
+    compile_blocks(model, "cpu")
+    assert asked == [((compiling.RECOMPUTE_BUDGET,), {})]
+    assert not any(p._backward_hooks for p in model.parameters())

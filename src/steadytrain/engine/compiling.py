@@ -58,6 +58,12 @@ from steadytrain.errors import ConfigError
 
 CXX = ("g++", "c++", "clang++")
 RECOMPUTE_BUDGET = 0.9
+CUDA_GRAPHS = False
+"""Whether CUDA blocks are compiled with inductor's CUDA graphs (`triton.cudagraphs`): each
+block's compiled forward and backward replayed as one graph, so the host launches one graph per
+block instead of its hundred kernels (a profile showed the GPU idle 45 ms of a 414 ms step while
+the host launched the compiled layers, docs/benchmarks.md). Off until measured on the product's
+path; `stable_gradients` is what makes it exact under gradient accumulation."""
 """The activation memory budget each block is compiled with (1.0 is the partitioner's default,
 0.0 recomputes the whole block). Any value below 1 lets the knapsack recompute the elementwise
 ops, which cost nothing in its flop count; 0.9 keeps it from reaching for a matrix multiply
@@ -81,7 +87,11 @@ def compile_blocks(
     warnings.filterwarnings(
         "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning
     )
-    backend = recomputing_inductor(RECOMPUTE_BUDGET if budget is None else budget)
+    budget = RECOMPUTE_BUDGET if budget is None else budget
+    graphed = CUDA_GRAPHS and device_type == "cuda"
+    backend = (
+        recomputing_inductor(budget, cudagraphs=True) if graphed else recomputing_inductor(budget)
+    )
     names = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
@@ -98,6 +108,8 @@ def compile_blocks(
         }
     for block in blocks:
         block.compile(backend=backend)
+        if graphed:
+            stable_gradients(block)
     kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))
     return {
         "compiled": len(blocks),
@@ -108,23 +120,39 @@ def compile_blocks(
 
 
 @functools.cache
-def recomputing_inductor(budget: float) -> Any:
+def recomputing_inductor(budget: float, cudagraphs: bool = False) -> Any:
     """Inductor with the partitioner's activation memory budget at `budget` while it partitions
     a block's forward and backward (which happens when the backend is called, at the first
-    call of each shape). One backend object per budget: dynamo reuses a compiled block for
-    every block of the same code only under the same backend. Plain "inductor" where this
-    torch has no budget."""
+    call of each shape), and with `cudagraphs`, inductor's CUDA graphs (decided for forward and
+    backward alike at that call). One backend object per setting: dynamo reuses a compiled
+    block for every block of the same code only under the same backend. Plain "inductor" where
+    this torch has no budget."""
     from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
 
     if not hasattr(functorch_config, "activation_memory_budget"):
         return "inductor"
     from torch._inductor.compile_fx import compile_fx
 
     def inductor_recomputing_elementwise(graph, example_inputs):
-        with functorch_config.patch(activation_memory_budget=budget):
+        with (
+            functorch_config.patch(activation_memory_budget=budget),
+            inductor_config.patch({"triton.cudagraphs": cudagraphs}),
+        ):
             return compile_fx(graph, example_inputs)
 
     return inductor_recomputing_elementwise
+
+
+def stable_gradients(block: torch.nn.Module) -> None:
+    """Hand each trainable parameter of `block` a copy of the gradient its compiled backward
+    made, not the tensor itself. Under CUDA graphs that tensor lives in the graph's memory and
+    the next replay writes over it; autograd would keep it as `.grad` at the first micro-batch
+    of a step (nothing to add it to yet) and add the next micro-batch's into memory the replay
+    had already rewritten. A copy of the adapters' gradients costs a few megabytes a pass."""
+    for param in block.parameters():
+        if param.requires_grad:
+            param.register_hook(torch.Tensor.clone)
 
 
 def eager_stance() -> Callable[[], AbstractContextManager] | None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Two GPUs of one host through torchrun (NCCL): scaling, an out-of-memory on one rank, a rank
-killed under the supervisor. The workload is bench/torchrun_one_gpu.py's (the 1B LoRA shape,
+"""Two GPUs (or --gpus N) of one host through torchrun (NCCL): scaling, an out-of-memory on one
+rank, a rank killed under the supervisor. The workload is bench/torchrun_one_gpu.py's (the 1B LoRA shape,
 bf16 base, sequence 1024, micro-batch 8, CausalLMLoss), effective batch 64.
 
 Scenarios (each run in its own processes, each with a time limit so a hang is a failure):
@@ -17,7 +17,12 @@ Scenarios (each run in its own processes, each with a time limit so a hang is a 
   one GPU cannot hold it (at 16 GiB the sharded step 1 runs out of memory too: 24 GiB trains): 2 ranks with `distributed: fsdp`, micro-batch 1,
   checkpoints through torch.distributed.checkpoint; then one process, uncapped, resumes it.
 * fsdp_scale: the scale workload (1B LoRA, micro 8) sharded over 2 ranks (`distributed: fsdp`):
-  tokens/s against the one process of 'scale' (run 'scale' first in the same call).
+  tokens/s against the one process of 'scale' (run 'scale' first in the same call), and each
+  rank's peak allocated memory against the one process's.
+
+--gpus N runs every scenario on N ranks instead of 2 (each rank's share of the batch is 64 / N;
+rank 1 is the one capped in 'oom' and killed in 'kill'). The JSON is written after each scenario,
+so a call cut short keeps the scenarios it finished.
 
 On GPUs, every scenario samples `nvidia-smi --query-compute-apps` twice a second while it runs:
 each process's memory on each GPU, and the processes seen on more than one GPU (a rank that
@@ -25,6 +30,7 @@ works on another rank's GPU; there must be none).
 
     python bench/two_gpus.py --smoke                     # CPU, gloo, tiny model
     python bench/two_gpus.py --out $OUT/two_gpus.json    # two GPUs
+    python bench/two_gpus.py --gpus 4 --scenarios scale,fsdp_scale,oom,kill,fsdp --out ...
 """
 
 from __future__ import annotations
@@ -107,7 +113,8 @@ def checked(done: subprocess.CompletedProcess, what: str) -> None:
 
 def scale(args, work: Path) -> dict[str, Any]:
     runs = {}
-    for name, ranks in (("1 rank", 1), ("2 ranks", 2)):
+    n = args.gpus
+    for name, ranks in (("1 rank", 1), (f"{n} ranks", n)):
         result = work / f"scale-{ranks}.json"
         accumulation = EFFECTIVE // ranks // args.micro
         command = one.child_command(args, work / f"scale-{ranks}", result, effective=EFFECTIVE)
@@ -115,10 +122,11 @@ def scale(args, work: Path) -> dict[str, Any]:
         launcher = [sys.executable] if ranks == 1 else one.torchrun(ranks)
         checked(launch([*launcher, *command], args.limit), f"scale, {name}")
         runs[name] = json.loads(result.read_text())
-    a, b = runs["1 rank"]["losses"], runs["2 ranks"]["losses"]
+    a, b = runs["1 rank"]["losses"], runs[f"{n} ranks"]["losses"]
     return {
+        "ranks": n,
         "runs": runs,
-        "speedup": runs["2 ranks"]["tokens_per_s"] / runs["1 rank"]["tokens_per_s"],
+        "speedup": runs[f"{n} ranks"]["tokens_per_s"] / runs["1 rank"]["tokens_per_s"],
         "largest_loss_difference": max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)),
     }
 
@@ -129,15 +137,14 @@ def oom(args, work: Path) -> dict[str, Any]:
         args, work / "oom", result, effective=EFFECTIVE, cap_gib=args.oom_cap_gib
     )
     command[command.index("--micro") + 1] = str(args.micro * 2)
-    checked(launch([*one.torchrun(2), *command], args.limit), "oom")
+    checked(launch([*one.torchrun(args.gpus), *command], args.limit), "oom")
     figures = json.loads(result.read_text())
     run_dir = work / "oom" / "run"
+    paths = [run_dir / "events.jsonl"]
+    paths += [run_dir / "ranks" / f"rank-{r}" / "events.jsonl" for r in range(1, args.gpus)]
     events = {
         rank: [e for e in C.read_jsonl(path) if e["event"] in ("oom", "shrink")]
-        for rank, path in (
-            (0, run_dir / "events.jsonl"),
-            (1, run_dir / "ranks" / "rank-1" / "events.jsonl"),
-        )
+        for rank, path in enumerate(paths)
     }
     return {"result": figures, "events": events}
 
@@ -155,7 +162,8 @@ def kill(args, work: Path) -> dict[str, Any]:
     )
     supervisor = [sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)]
     done = launch(
-        [*supervisor, "--backoff-initial", "1", "--", *one.torchrun(2), *command], 2 * args.limit
+        [*supervisor, "--backoff-initial", "1", "--", *one.torchrun(args.gpus), *command],
+        2 * args.limit,
     )
     checked(done, "kill")
     events = C.read_jsonl(run_dir / "events.jsonl")
@@ -185,7 +193,7 @@ def fsdp(args, work: Path) -> dict[str, Any]:
         cap_rank=-1,
     )
     command[command.index("--micro") + 1] = "1"
-    checked(launch([*one.torchrun(2), *command], args.limit), "fsdp, 2 ranks")
+    checked(launch([*one.torchrun(args.gpus), *command], args.limit), "fsdp, sharded")
     sharded = json.loads(result.read_text())
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     files = sorted(p.name for p in (run_dir / "checkpoints" / latest).iterdir())
@@ -195,7 +203,8 @@ def fsdp(args, work: Path) -> dict[str, Any]:
     checked(launch([sys.executable, *command], args.limit), "fsdp, resumed on one GPU")
     events = C.read_jsonl(run_dir / "events.jsonl")
     return {
-        "two_ranks": sharded,
+        "ranks": args.gpus,
+        "two_ranks": sharded,  # the sharded run (the key kept from the 2-GPU results)
         "checkpoint": {"name": latest, "files": files},
         "one_gpu": json.loads(result.read_text()),
         "resumed_from": [e["step"] for e in events if e["event"] == "resume"],
@@ -204,20 +213,22 @@ def fsdp(args, work: Path) -> dict[str, Any]:
 
 
 def fsdp_scale(args, work: Path) -> dict[str, Any]:
-    """The scale workload sharded over 2 ranks, against 'scale''s one process when it ran."""
+    """The scale workload sharded over --gpus ranks, against 'scale''s one process when it ran."""
     result = work / "fsdp-scale.json"
     command = one.child_command(
         args, work / "fsdp-scale", result, effective=EFFECTIVE, distributed="fsdp"
     )
-    command[command.index("--accumulation") + 1] = str(EFFECTIVE // 2 // args.micro)
-    checked(launch([*one.torchrun(2), *command], args.limit), "fsdp_scale, 2 ranks")
+    command[command.index("--accumulation") + 1] = str(EFFECTIVE // args.gpus // args.micro)
+    checked(launch([*one.torchrun(args.gpus), *command], args.limit), "fsdp_scale, sharded")
     two = json.loads(result.read_text())
     single = work / "scale-1.json"
     alone = json.loads(single.read_text()) if single.exists() else None
     return {
-        "two_ranks": two,
+        "ranks": args.gpus,
+        "two_ranks": two,  # the sharded run (the key kept from the 2-GPU results)
         "speedup": two["tokens_per_s"] / alone["tokens_per_s"] if alone else None,
         "one_rank_tokens_per_s": alone["tokens_per_s"] if alone else None,
+        "one_rank_peak_allocated": alone["peak_allocated"] if alone else None,
     }
 
 
@@ -225,6 +236,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     one.add_child_options(p)
     p.add_argument("--scenarios", default="scale,oom,kill")
+    p.add_argument("--gpus", type=int, default=2, help="ranks (GPUs) of the sharded runs")
     p.add_argument("--oom-cap-gib", type=float, default=40.0, help="rank 1's cap in 'oom'")
     p.add_argument("--fsdp-cap-gib", type=float, default=16.0, help="each GPU's cap in 'fsdp'")
     p.add_argument("--limit", type=float, default=240.0, help="seconds a run may take")
@@ -237,6 +249,9 @@ def main() -> None:
         args.steps, args.warmup = min(args.steps, 12), min(args.warmup, 4)
     C.require_steadytrain()
     figures: dict[str, Any] = {}
+    device = torch.device("cpu" if args.smoke else "cuda")
+    environment = C.environment(device)
+    out = args.out or C.default_out("two_gpus", args.smoke)
     with tempfile.TemporaryDirectory() as work:
         for name in args.scenarios.split(","):
             scenario = {
@@ -257,33 +272,36 @@ def main() -> None:
                         print(f"{name}: gpu processes {json.dumps(seen)}", flush=True)
                 figures[name]["gpu_processes"] = seen
             print(f"{name}: {json.dumps(summary_of(name, figures[name]))}", flush=True)
-        device = torch.device("cpu" if args.smoke else "cuda")
-        out = args.out or C.default_out("two_gpus", args.smoke)
-        # before the folder's removal, which can take minutes after the fsdp checkpoints
-        C.write_json(out, {"environment": C.environment(device), "settings": vars(args), **figures})
+            # after each scenario (a call cut short keeps what finished), and before the
+            # folder's removal, which can take minutes after the fsdp checkpoints
+            C.write_json(out, {"environment": environment, "settings": vars(args), **figures})
 
 
 def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
     seen = f.get("gpu_processes")
     several = {"processes on several GPUs": seen["processes_on_several_gpus"]} if seen else {}
+    n = f.get("ranks", 2)
     if name == "scale":
         return several | {
             "tokens/s 1 rank": round(f["runs"]["1 rank"]["tokens_per_s"]),
-            "tokens/s 2 ranks": round(f["runs"]["2 ranks"]["tokens_per_s"]),
+            f"tokens/s {n} ranks": round(f["runs"][f"{n} ranks"]["tokens_per_s"]),
             "speedup": round(f["speedup"], 3),
             "largest relative loss difference": f["largest_loss_difference"],
         }
     if name == "fsdp_scale":
         two = f["two_ranks"]
         return several | {
-            "tokens/s 2 ranks fsdp": round(two["tokens_per_s"]),
+            f"tokens/s {n} ranks fsdp": round(two["tokens_per_s"]),
             "speedup over 1 process": f["speedup"] and round(f["speedup"], 3),
             "peak_allocated rank 0": two["peak_allocated"],
+            "peak_allocated 1 process": f.get("one_rank_peak_allocated"),
         }
     if name == "fsdp":
         two, one_gpu = f["two_ranks"], f["one_gpu"]
         return several | {
-            "2 ranks": {k: two[k] for k in ("steps", "peak_allocated", "process_group", "losses")},
+            f"{n} ranks": {
+                k: two[k] for k in ("steps", "peak_allocated", "process_group", "losses")
+            },
             "checkpoint files": f["checkpoint"]["files"],
             "resumed_from": f["resumed_from"],
             "one GPU": {k: one_gpu[k] for k in ("steps", "peak_allocated", "losses")},

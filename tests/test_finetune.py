@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -401,3 +402,41 @@ def test_too_few_packed_windows_for_one_batch_is_refused_naming_the_fine_tune_ke
     assert text.startswith("train_file: 1 training sample(s) after packing")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length"):
         assert key in text
+
+
+def test_the_final_evaluation_starts_where_training_ended_and_halves_on_out_of_memory(
+    workspace, capfd
+):
+    """Training runs out of memory above 2 samples per forward, so it ends at micro-batch 2; the
+    evaluation after it (eval data, none during training) starts at 2, not at the starting 4,
+    and its out-of-memory above 1 sample is halved and redone: the fine-tune ends with exit 0
+    and the eval loss said, after final/ is written. The out-of-memory is torch's own error type,
+    raised by the embedding when a batch is larger than the limit of the current mode."""
+    job = FinetuneJob.from_file(
+        write_config(workspace, "final-eval.json", "run-final-eval"),
+        [
+            "num_train_epochs=1",
+            "per_device_train_batch_size=4",
+            "gradient_accumulation_steps=2",
+            "eval_split=0.25",
+            "evaluation_strategy='no'",
+        ],
+    )
+    evaluated: list[int] = []
+
+    def tight(module, args):
+        size = args[0].shape[0]
+        if not module.training:
+            evaluated.append(size)
+        if size > (2 if module.training else 1):
+            raise torch.OutOfMemoryError(f"out of memory: a batch of {size} (the test's limit)")
+
+    job.model.get_input_embeddings().register_forward_pre_hook(tight)
+    result = job.run()
+    assert result.exit_code == 0 and result.micro_batch_size == 2
+    assert (Path(result.run_dir) / "final" / "adapter_model.safetensors").is_file()
+    assert evaluated[0] == 2 and set(evaluated[1:]) == {1}
+    assert len(evaluated) == 1 + 16  # the first batch failed; then the 16 eval samples one by one
+    err = capfd.readouterr().err
+    assert "eval: out of memory at batch size 2; redoing the same samples at 1" in err
+    assert re.search(r"eval: loss \d+\.\d+ \(perplexity", err)

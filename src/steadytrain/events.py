@@ -131,6 +131,38 @@ class Control:
         self.shrink_reason = reason
 
 
+def divisor_at_most(total: int, limit: int) -> int:
+    """The largest micro-batch not above `limit` that splits `total` samples evenly, so the
+    optimizer still sees exactly `total` per step."""
+    limit = max(1, min(limit, total))
+    return next(d for d in range(limit, 0, -1) if total % d == 0)
+
+
+@dataclass(frozen=True)
+class Halving:
+    """The out-of-memory policy every caller asks (the step, the evaluation, `steadytrain
+    evaluate`, the integrations' callbacks, the supervisor's restart size): after an
+    out-of-memory at `size` samples per pass, the next size is half of it; at 1 there is
+    none, and the caller gives up (turns on a memory saver, or says it does not fit).
+    `record` is what a ``shrink`` event holds."""
+
+    def next(self, size: int, whole: int | None = None) -> int | None:
+        """Half of `size`, or None at 1 (give up). `whole`: the next size must split `whole`
+        samples evenly (an integration's batch, whose gradients must add up to it): the
+        largest divisor of `whole` not above the half."""
+        if size <= 1:
+            return None
+        half = size // 2
+        return half if whole is None else divisor_at_most(whole, half)
+
+    def record(self, old: int, new: int, reason: str, memory: dict | None, **more: Any) -> dict:
+        """The ``shrink`` event: sizes before and after, why, the memory reading (and `more`)."""
+        return {"old": old, "new": new, **more, "reason": reason, "memory": memory}
+
+
+HALVING = Halving()
+
+
 class Dispatcher:
     """Calls ``on_<event>`` on every callback that has it, in order: ``emit(event, info)``."""
 

@@ -13,19 +13,19 @@ carry across steps (`steadytrain.user_state`) is reset for the evaluation and pu
 
 from __future__ import annotations
 
-import gc
 import inspect
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from steadytrain.device import is_oom
+from steadytrain.device import Device, OutOfMemory, retry_on_oom
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, DoesNotFitError, UserCodeError
-from steadytrain.events import Event, TrainState
+from steadytrain.events import HALVING, Event, TrainState
 from steadytrain.user_state import reset, restore, select, snapshot
 
 EvalFn = Callable[[torch.nn.Module, Iterable[Any]], dict[str, float]]
@@ -68,6 +68,72 @@ def loss_metrics(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> EvalFn:
     return evaluate
 
 
+@dataclass
+class Batching:
+    """The size of an evaluation's batches, kept across passes: once memory forced it down, a
+    later pass (the adapter's after the base's) starts from the smaller size instead of failing
+    again. `shrinks`: (from, to) of each out-of-memory halving."""
+
+    size: int
+    shrinks: list[tuple[int, int]] = field(default_factory=list)
+
+
+def loss_sums(
+    model: Any,
+    samples: Sequence[Any],
+    lengths: Sequence[int],
+    collate: Callable[[list[Any]], Any],
+    device: Device,
+    batching: Batching,
+    loss_fn: Callable[[Any, Any], tuple[Any, Any]],
+    *,
+    too_big: Callable[[int], str],
+    on_shrink: Callable[[int, int], None] | None = None,
+    advance: Callable[[int], None] | None = None,
+) -> tuple[float, int]:
+    """(sum of the losses, their count) of `model` in eval mode over `samples`, whose
+    `loss_fn(model, batch)` returns ``(loss_sum, count)`` (target tokens): the evaluation of
+    `steadytrain evaluate` and of a fine-tune's end.
+
+    Samples go longest first (`lengths`), so the batch most likely to run out of memory runs
+    first. An out-of-memory halves ``batching.size`` (`HALVING`) and redoes the same samples,
+    as the step does; at one sample per batch it raises `DoesNotFitError` (exit 3) with
+    ``too_big(length of that sample)``. Any other error propagates."""
+    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+    total_loss, total_count, start = 0.0, 0, 0
+    was_training = model.training
+    model.eval()
+
+    def score(indices: list[int]) -> tuple[float, int]:
+        with torch.no_grad():
+            batch = to_device(collate([samples[i] for i in indices]), device.torch_device)
+            loss_sum, count = loss_fn(model, batch)
+            return float(loss_sum), int(count)
+
+    def halve(oom: OutOfMemory) -> None:
+        old = batching.size
+        new = HALVING.next(old)
+        if new is None:
+            raise DoesNotFitError(too_big(lengths[order[start]]))
+        batching.size = new
+        batching.shrinks.append((old, new))
+        if on_shrink is not None:
+            on_shrink(old, new)
+
+    try:
+        while start < len(order):
+            loss, count = retry_on_oom(
+                lambda at=start: score(order[at : at + batching.size]), device.empty_cache, halve
+            )
+            done = min(batching.size, len(order) - start)  # the size that fitted
+            total_loss, total_count, start = total_loss + loss, total_count + count, start + done
+            if advance is not None:
+                advance(done)
+    finally:
+        model.train(was_training)
+    return total_loss, total_count
+
+
 class Evaluation:
     """Runs evaluations for the loop; `batches(index)` yields the collated evaluation batches of
     the `index`-th evaluation (the same ones again when an out-of-memory repeats it)."""
@@ -107,17 +173,15 @@ class Evaluation:
         model, carried = runner.model, snapshot(runner.user_state)
         was_training = model.training
         model.eval()
+
+        def recover(oom: OutOfMemory) -> None:
+            restore(runner.user_state, carried)
+            self._shrink(oom.error)
+
         try:
-            while True:
-                try:
-                    metrics = self._once(self.count)
-                    break
-                except Exception as exc:
-                    if not is_oom(exc):
-                        raise
-                    error = str(exc).strip().splitlines()[0][:400]
-                restore(runner.user_state, carried)
-                self._shrink(error)
+            metrics = retry_on_oom(
+                lambda: self._once(self.count), runner.device.empty_cache, recover
+            )
         finally:
             model.train(was_training)
             restore(runner.user_state, carried)
@@ -167,21 +231,20 @@ class Evaluation:
 
     def _shrink(self, error: str) -> None:
         runner = self.runner
-        gc.collect()
-        runner.device.empty_cache()
         memory = runner.device.memory().to_dict()
         old = self.micro or max((batch_len(b) for b in self.batches(self.count)), default=1)
         runner.emit(
             Event.OOM,
             {"phase": "evaluation", "error": error, "micro_batch_size": old, "memory": memory},
         )
-        if old <= 1:
+        new = HALVING.next(old)
+        if new is None:
             raise DoesNotFitError(
                 f"does not fit: evaluation at one sample per micro-batch runs out of memory on "
                 f"{runner.device.torch_device} ({error}); use shorter evaluation samples or a "
                 "smaller model"
             )
-        self.micro = old // 2
+        self.micro = new
 
 
 def _as_numbers(metrics: Any) -> dict[str, float]:

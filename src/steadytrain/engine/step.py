@@ -42,7 +42,7 @@ from steadytrain.errors import (
     RankOutOfMemory,
     UserCodeError,
 )
-from steadytrain.events import DeviceSpan, Event, TrainState
+from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
 from steadytrain.user_state import restore, select, snapshot
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -589,19 +589,13 @@ class StepRunner:
     def shrink(self, reason: str, memory: dict | None = None) -> bool:
         """Halve the micro size (same effective batch). False when it is already 1."""
         old = self.state.micro_batch_size
-        if old <= 1:
+        new = HALVING.next(old)
+        if new is None:
             return False
-        self.state.micro_batch_size = max(1, old // 2)
+        self.state.micro_batch_size = new
         self.state.shrink_count += 1
-        self.emit(
-            Event.SHRINK,
-            {
-                "old": old,
-                "new": self.state.micro_batch_size,
-                "reason": reason,
-                "memory": memory or self.device.memory().to_dict(),
-            },
-        )
+        memory = memory or self.device.memory().to_dict()
+        self.emit(Event.SHRINK, HALVING.record(old, new, reason, memory))
         return True
 
     def _versions(self) -> dict[int, int]:

@@ -11,7 +11,8 @@ more than its tokens and the result does not depend on the batch size. Perplexit
 Base and base + adapter are both scored with one copy of the weights: peft's
 ``disable_adapter()`` switches the adapter off for the base pass. An out-of-memory error halves
 the eval batch and redoes the same samples, down to one sample per batch, so an evaluation on a
-small machine finishes instead of dying at its first long sample.
+small machine finishes instead of dying at its first long sample: the engine's evaluation loop
+(`engine.evaluation.loss_sums`), the one a fine-tune's final evaluation runs too.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Any
 
 import torch
 
-from steadytrain.device import Device, call_or_oom
-from steadytrain.engine.batching import to_device
-from steadytrain.errors import BadInputError, DoesNotFitError
+from steadytrain.device import Device
+from steadytrain.engine.evaluation import Batching, loss_sums
+from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import Loaded, dtype_name, open_model
 from steadytrain.recipes.data import (
     Collator,
@@ -73,15 +74,6 @@ class EvalReport:
         return out
 
 
-@dataclass
-class Batching:
-    """The eval batch size, shared by the base and the adapter pass: once memory forced it down,
-    the second pass starts from the smaller size instead of failing again."""
-
-    size: int
-    shrinks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-
 def perplexity(loss: float) -> float:
     """``exp(loss)``, or infinity where that overflows a float (a loss above ~709 nats)."""
     try:
@@ -100,48 +92,30 @@ def token_loss(
     on_shrink: Callable[[int, int], None] | None = None,
     advance: Callable[[int], None] | None = None,
 ) -> tuple[float, int]:
-    """(sum of target-token losses, number of target tokens) of `model` over `dataset`.
+    """(sum of target-token losses, number of target tokens) of `model` over `dataset`: the
+    engine's evaluation loop (`engine.evaluation.loss_sums`: longest samples first, an
+    out-of-memory halves ``batching.size`` and redoes the same samples); at one sample per batch
+    `DoesNotFitError` (exit 3) names the knobs that help. Any other error propagates."""
 
-    Samples go longest first, so the batch most likely to run out of memory runs first. An
-    out-of-memory error (`call_or_oom`: torch's OOM type, or the known messages of CUDA, MPS and
-    the CPU allocator) halves ``batching.size`` and redoes the same samples; at one sample per
-    batch it raises `DoesNotFitError` (exit 3) with the knobs that help. Any other error
-    propagates."""
-    lengths = dataset.lengths()
-    order = sorted(range(len(dataset)), key=lambda i: -lengths[i])
-    total_loss = 0.0
-    total_tokens = 0
-    start = 0
-    while start < len(order):
-        indices = order[start : start + batching.size]
+    def too_big(tokens: int) -> str:
+        elsewhere = "" if device.type == "cpu" else ", or evaluate on CPU (--device cpu)"
+        return (
+            f"evaluate: one sample of {tokens:,} tokens does not fit in memory on "
+            f"{device.torch_device}; lower --max-seq-length or use --dtype bf16{elsewhere}"
+        )
 
-        def score(indices: list[int] = indices) -> tuple[float, int]:
-            with torch.no_grad():
-                batch = to_device(collate([dataset[i] for i in indices]), device.torch_device)
-                loss_sum, count = loss_fn(model, batch)
-                return float(loss_sum), int(count)
-
-        scored, oom = call_or_oom(score, device.empty_cache)
-        if oom is not None:
-            if batching.size == 1:
-                elsewhere = "" if device.type == "cpu" else ", or evaluate on CPU (--device cpu)"
-                raise DoesNotFitError(
-                    f"evaluate: one sample of {lengths[indices[0]]:,} tokens does not fit in "
-                    f"memory on {device.torch_device}; lower --max-seq-length or use --dtype "
-                    f"bf16{elsewhere}"
-                )
-            old = batching.size
-            batching.size = max(1, old // 2)
-            batching.shrinks.append((old, batching.size))
-            if on_shrink is not None:
-                on_shrink(old, batching.size)
-            continue
-        total_loss += scored[0]
-        total_tokens += scored[1]
-        start += len(indices)
-        if advance is not None:
-            advance(len(indices))
-    return total_loss, total_tokens
+    return loss_sums(
+        model,
+        dataset,
+        dataset.lengths(),
+        collate,
+        device,
+        batching,
+        loss_fn,
+        too_big=too_big,
+        on_shrink=on_shrink,
+        advance=advance,
+    )
 
 
 def _passes(loaded: Loaded) -> Iterator[tuple[str, str, contextlib.AbstractContextManager]]:

@@ -28,10 +28,17 @@ import torch
 from steadytrain import run_files
 from steadytrain._durable import make_folder, refuse_link, replace_dir, sync_tree, write_atomic
 from steadytrain.config import TrainConfig, offload_problem
-from steadytrain.device import resolve_device
+from steadytrain.device import Device, resolve_device
 from steadytrain.engine import resolve_precision
+from steadytrain.engine.evaluation import Batching, loss_sums
 from steadytrain.entry import entrypoint
-from steadytrain.errors import BadInputError, ConfigError, RunDiskFullError, is_disk_full
+from steadytrain.errors import (
+    BadInputError,
+    ConfigError,
+    DoesNotFitError,
+    RunDiskFullError,
+    is_disk_full,
+)
 from steadytrain.recipes.data import (
     Collator,
     LMLoss,
@@ -150,14 +157,7 @@ class FinetuneJob:
             return result  # one process exports; a stopped run has nothing final to export
         final = export_final(self.model, self.tokenizer, cfg, Path(result.run_dir))
         if self.eval_data is not None:
-            loss = eval_loss(
-                self.model,
-                self.eval_data,
-                Collator(pad_token_id(self.tokenizer)),
-                cfg.per_device_train_batch_size,
-                self.device.torch_device,
-            )
-            say(f"eval: loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):.2f})")
+            self.final_evaluation(result.micro_batch_size or cfg.per_device_train_batch_size)
         say(
             f"adapter: {final}\n"
             "next:\n"
@@ -167,6 +167,25 @@ class FinetuneJob:
             f"  steadytrain report {result.run_dir}"
         )
         return result
+    def final_evaluation(self, batch_size: int) -> float | None:
+        """The loss on the eval data after training, said on the console: the engine's
+        evaluation loop, from the micro-batch training ended at; an out-of-memory halves it
+        and redoes the same samples. One sample that does not fit is said and skipped (the
+        training finished and final/ is written): None then."""
+        try:
+            loss = eval_loss(
+                self.model,
+                self.eval_data,
+                Collator(pad_token_id(self.tokenizer)),
+                batch_size,
+                self.device,
+            )
+        except DoesNotFitError as exc:
+            say(f"eval: skipped: {exc}")
+            return None
+        say(f"eval: loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):.2f})")
+        return loss
+
 
 
 def run_finetune(
@@ -366,23 +385,39 @@ def record_config(config: FinetuneConfig, run_dir: Path) -> None:
     write_atomic(run_dir / TRAINING_CONFIG, text, root=run_files.top(run_dir))
 
 
-@torch.no_grad()
-def eval_loss(model: Any, dataset: Any, collate: Collator, batch_size: int, device: Any) -> float:
-    """Mean loss per target token over `dataset` (the same weighting as training)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for start in range(0, len(dataset), batch_size):
-            batch = collate(
-                [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-            )
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            loss_sum, tokens = causal_lm_loss(model, batch)
-            total += float(loss_sum)
-            count += int(tokens)
-    finally:
-        model.train(was_training)
+def eval_loss(
+    model: Any,
+    dataset: Any,
+    collate: Collator,
+    batch_size: int,
+    device: Device,
+    on_shrink: Callable[[int, int], None] | None = None,
+) -> float:
+    """Mean loss per target token over `dataset` (the same weighting as training), by the
+    engine's evaluation loop (`engine.evaluation.loss_sums`): batches of `batch_size`, halved on
+    out-of-memory; `DoesNotFitError` when one sample does not fit."""
+
+    def too_big(tokens: int) -> str:
+        return (
+            f"one eval sample of {tokens:,} tokens does not fit in memory on "
+            f"{device.torch_device}; lower max_seq_length, or evaluate later with `steadytrain "
+            "evaluate` on a machine with more memory"
+        )
+
+    def said(old: int, new: int) -> None:
+        say(f"eval: out of memory at batch size {old}; redoing the same samples at {new}")
+
+    total, count = loss_sums(
+        model,
+        dataset,
+        dataset.lengths(),
+        collate,
+        device,
+        Batching(batch_size),
+        causal_lm_loss,
+        too_big=too_big,
+        on_shrink=on_shrink or said,
+    )
     return total / max(count, 1)
 
 

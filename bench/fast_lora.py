@@ -24,8 +24,8 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-fused-compile-cudnn: the same with cuDNN's attention first in SDPA's order;
   -cudagraphs: the same with each compiled block replayed as CUDA graphs
   (`engine/compiling.py`'s `CUDA_GRAPHS`: inductor's `triton.cudagraphs`, with the adapters'
-  gradients copied out of the graphs' memory); -cudagraphs-b95 / -cudagraphs-keep: the same at
-  an activation memory budget of 0.95 / 1.0: speed levers tried for P6, not defaults.
+  gradients copied out of the graphs' memory); -cudagraphs-keep: the same at the partitioner's
+  default budget (1.0; 0.95 partitions a Llama layer as 0.9 does): speed levers tried for P6.
   -autotune: inductor times Triton's matrix-multiply templates against cuBLAS for each shape of
   the compiled blocks (`max_autotune_gemm`).
 * steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
@@ -117,14 +117,6 @@ ARMS: dict[str, dict[str, Any]] = {
         "chunk": 1024,
         "compile": True,
         "cudagraphs": True,
-    },
-    "steadytrain-fused-compile-cudagraphs-b95": {
-        "cap": False,
-        "micro": 8,
-        "chunk": 1024,
-        "compile": True,
-        "cudagraphs": True,
-        "budget": 0.95,
     },
     "steadytrain-fused-compile-cudagraphs-keep": {
         "cap": False,

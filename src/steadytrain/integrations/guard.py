@@ -42,6 +42,7 @@ from steadytrain.device import is_oom, oom_kind, resolve_device
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
+from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
 from steadytrain.events import Control, TrainState
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
@@ -67,13 +68,6 @@ def restart_count() -> int:
     """How many times `steadytrain run` restarted this command (0: first attempt or unsupervised)."""
     text = os.environ.get(ENV_RESTART, "0")
     return int(text) if text.isdigit() else 0
-
-
-def divisor_at_most(total: int, limit: int) -> int:
-    """The largest micro-batch not above `limit` that splits `total` samples evenly, so the
-    optimizer still sees exactly `total` per step."""
-    limit = max(1, min(limit, total))
-    return next(d for d in range(limit, 0, -1) if total % d == 0)
 
 
 def module_sizes(module) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
+from steadytrain.events import HALVING
 from steadytrain.integrations.guard import (
     DOES_NOT_FIT,
     SHRINK,
@@ -149,7 +150,8 @@ class SteadytrainCallback(_Base):
                 raise
             guard.out_of_memory(exc)
             progressed = trainer.state.global_step != step_before
-            if self.micro == 1:
+            smaller = HALVING.next(self.micro, self.effective_batch)
+            if smaller is None:
                 guard.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
                 print(
                     "steadytrain: out of memory at micro-batch 1: the model does not fit even "
@@ -161,17 +163,13 @@ class SteadytrainCallback(_Base):
                 guard.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
                 print(guard.shrink_message(), file=sys.stderr, flush=True)
                 raise SystemExit(SHRINK) from exc
-            old, self.micro = self.micro, divisor_at_most(self.effective_batch, self.micro // 2)
+            old, self.micro = self.micro, smaller
             guard.state.micro_batch_size = self.micro
+            reason = "out of memory; Hugging Face's auto_find_batch_size retries"
+            memory = guard.device.memory().to_dict()
+            accumulation = self.effective_batch // self.micro
             guard.record(
-                "shrink",
-                {
-                    "old": old,
-                    "new": self.micro,
-                    "accumulation": self.effective_batch // self.micro,
-                    "reason": "out of memory; Hugging Face's auto_find_batch_size retries",
-                    "memory": guard.device.memory().to_dict(),
-                },
+                "shrink", HALVING.record(old, smaller, reason, memory, accumulation=accumulation)
             )
             set_rng_state(rng)
             raise RuntimeError(f"{oom_kind(exc)}: {ACCELERATE_OOM_TEXT}") from exc

@@ -35,6 +35,7 @@ import numpy as np
 from steadytrain import run_files
 from steadytrain._durable import make_folder, sync_dir, write_atomic
 from steadytrain.device import get_rng_state, is_oom, set_rng_state
+from steadytrain.events import HALVING
 from steadytrain.integrations.guard import (
     DOES_NOT_FIT,
     RunGuard,
@@ -243,7 +244,8 @@ class _SplitStep:
         guard.out_of_memory(exc)
         self.model.zero_grad()
         gc.collect()
-        if micro == 1:
+        smaller = HALVING.next(micro, size)
+        if smaller is None:
             guard.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
             print(
                 "steadytrain: out of memory at micro-batch 1: the model does not fit even one "
@@ -251,13 +253,9 @@ class _SplitStep:
                 file=sys.stderr,
             )
             raise SystemExit(DOES_NOT_FIT) from exc
-        callback.micro = divisor_at_most(size, micro // 2)
-        guard.state.micro_batch_size = callback.micro
+        callback.micro = guard.state.micro_batch_size = smaller
         memory = guard.device.memory().to_dict()
-        guard.record(
-            "shrink",
-            {"old": micro, "new": callback.micro, "reason": "out of memory", "memory": memory},
-        )
+        guard.record("shrink", HALVING.record(micro, smaller, "out of memory", memory))
         set_rng_state(rng)
 
     @property

@@ -57,6 +57,7 @@ from typing import Any, TextIO
 from steadytrain import run_files
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
 from steadytrain.run_files import (
+from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
     ENV_ANNOUNCE_FD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,
@@ -606,7 +607,7 @@ class Supervisor:
             folder = death.rank.folder if death.rank is not None else run_dir
             known.append(last_micro_batch_size(folder, run_files.EVENTS, "oom"))
         known = [v for v in known if v is not None]
-        return max(1, min(known) // 2) if known else None
+        return (HALVING.next(min(known)) or 1) if known else None
 
     def _saver_left(self, death: ChildExit, cap: int | None, since: float) -> dict[str, Any] | None:
         """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last

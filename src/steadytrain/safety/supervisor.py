@@ -56,8 +56,8 @@ from typing import Any, TextIO
 
 from steadytrain import run_files
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
-from steadytrain.run_files import (
 from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
+from steadytrain.run_files import (
     ENV_ANNOUNCE_FD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,

@@ -42,8 +42,8 @@ from steadytrain.device import is_oom, oom_kind, resolve_device
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
-from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
 from steadytrain.events import Control, TrainState
+from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.child import announce_run_dir

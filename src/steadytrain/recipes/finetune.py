@@ -167,6 +167,7 @@ class FinetuneJob:
             f"  steadytrain report {result.run_dir}"
         )
         return result
+
     def final_evaluation(self, batch_size: int) -> float | None:
         """The loss on the eval data after training, said on the console: the engine's
         evaluation loop, from the micro-batch training ended at; an out-of-memory halves it
@@ -185,7 +186,6 @@ class FinetuneJob:
             return None
         say(f"eval: loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):.2f})")
         return loss
-
 
 
 def run_finetune(

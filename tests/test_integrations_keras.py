@@ -1,13 +1,20 @@
 """Keras 3 (torch backend) with `SteadytrainCallback` as its one added line, for real on CPU: an
 out-of-memory under RLIMIT_AS survived in the same process at the batch asked for, a step blocked
-in user code, a SIGKILL under `steadytrain run`, and the report of what happened."""
+in user code, a SIGKILL under `steadytrain run` (with Dropout: every RNG stream comes back), each
+metrics line's own batch, and the report of what happened. What needs TensorFlow itself is in
+test_keras_tensorflow.py; here, what runs without it: the import that loads no torch off the torch
+backend, and TensorFlow's and XLA's out-of-memory errors recognised by the classifier."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import real_oom
@@ -26,12 +33,14 @@ from integration_helpers import (
     workload_env,
 )
 
+from steadytrain.device.oom import is_oom, oom_kind
 from steadytrain.telemetry.files import read_jsonl
 
 if importlib.util.find_spec("keras") is None:  # imported in the workloads only (torch backend)
     pytest.skip("keras is not installed", allow_module_level=True)
 
 SCRIPT = "keras_fit.py"
+ANY = "keras_any.py"  # any backend, two Dropout layers, 3 epochs of 5 batches (8, 8, 8, 8, 4)
 ENV = {"KERAS_BACKEND": "torch"}
 
 
@@ -121,3 +130,90 @@ def test_sigterm_saves_through_keras_exits_143_and_the_next_start_finishes(tmp_p
     resume = events(run_dir, "resume")[0]
     assert resume["checkpoint"].endswith(f"step-{stopped_at:08d}")
     assert events(run_dir, "fit_end")[-1]["reason"] == "finished"
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory) -> Path:
+    """An uninterrupted fit of keras_any.py (Dropout) on the torch backend."""
+    run_dir = tmp_path_factory.mktemp("keras") / "dropout"
+    proc = run_plain(ANY, run_dir, env=workload_env(**ENV))
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    first, second = np.load(a / "weights.npz"), np.load(b / "weights.npz")
+    assert first.files == second.files
+    for name in first.files:
+        assert np.array_equal(first[name], second[name]), name
+
+
+def test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit(
+    tmp_path: Path, dropout_reference
+):
+    """The seeded Dropout draws from its Keras SeedGenerator, the other from torch's stream: both
+    come back from the checkpoint, so the restarted run's masks are the uninterrupted run's."""
+    run_dir = tmp_path / "killed"
+    proc = start_supervised(ANY, run_dir, "--slow", "0.3", env=workload_env(**ENV))
+    wait_for(lambda: steps_logged(run_dir) >= 7, "step 7 (second epoch) of the first attempt")
+    kill_child(run_dir)
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    assert [r["signal"] for r in events(run_dir, "restart")] == ["SIGKILL"]
+    resumed = events(run_dir, "resume")[0]["checkpoint"]
+    assert resumed.endswith(("step-00000005", "step-00000010")), resumed
+    assert_same_weights(run_dir, dropout_reference)
+
+
+def test_each_metrics_line_holds_its_own_batchs_loss_and_size(dropout_reference):
+    """Not Keras's running mean of the epoch: weighted by their sizes, an epoch's lines average
+    to the loss Keras reports for the epoch, and the short last batch says it is short."""
+    rows = read_jsonl(dropout_reference / "metrics.jsonl")
+    assert [r["samples"] for r in rows] == [8, 8, 8, 8, 4] * 3
+    assert all(r["micro_batch_size"] == r["samples"] and r["micro_steps"] == 1 for r in rows)
+    result = json.loads((dropout_reference / "result.json").read_text())
+    for epoch, expected in enumerate(result["epoch_losses"]):
+        lines = [r for r in rows if r["epoch"] == epoch]
+        mean = sum(r["loss"] * r["samples"] for r in lines) / sum(r["samples"] for r in lines)
+        assert mean == pytest.approx(expected, rel=1e-5)
+
+
+def test_importing_the_callback_off_the_torch_backend_loads_no_torch():
+    """What a TensorFlow or JAX user's program pays: steadytrain's side of the import without
+    torch (here keras itself may fail to import the absent backend: the callback then says so
+    when made)."""
+    code = "import steadytrain.integrations.keras, sys; print('torch' in sys.modules)"
+    for backend in ("tensorflow", "jax"):
+        env = {**os.environ, "KERAS_BACKEND": backend}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "False", backend
+
+
+class ResourceExhaustedError(Exception):
+    """Stands in for tf.errors.ResourceExhaustedError where TensorFlow is not installed: an
+    Exception of that name, no RuntimeError (its type is checked in test_keras_tensorflow.py)."""
+
+
+def test_tensorflow_and_xla_out_of_memory_errors_are_recognised_by_message():
+    tensorflow = ResourceExhaustedError(
+        "{{function_node __wrapped__Fill_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+        "OOM when allocating tensor with shape[1099511627776] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:0 by allocator mklcpu [Op:Fill] name: "
+    )
+    assert oom_kind(tensorflow) is not None
+    try:
+        try:
+            raise tensorflow
+        except ResourceExhaustedError as exc:
+            raise ValueError("Graph execution error") from exc  # a library's own wrapper
+    except ValueError as wrapped:
+        assert is_oom(wrapped)
+    xla = RuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."
+    )
+    assert is_oom(xla)
+    assert not is_oom(ResourceExhaustedError("Quota exceeded for the input pipeline"))
+    assert not is_oom(ValueError("OOM when allocating tensor"))  # no such framework type

@@ -2,49 +2,76 @@
 
 `resolve_device(spec)` gives a `Device`: memory readings, the budget, cache and peak control,
 synchronisation, the autocast dtypes that really work here. `is_oom(exc)` classifies out-of-memory
-errors of every backend; `call_or_oom` / `retry_on_oom` are the one catch, free and retry.
-`get_rng_state()` / `set_rng_state()` cover every RNG stream. OS probes go through `SystemProbe`;
-`steadytrain.device.testing` holds the doubles tests use instead.
+errors of every backend (torch's, TensorFlow's, JAX's); `call_or_oom` / `retry_on_oom` are the one
+catch, free and retry. `get_rng_state()` / `set_rng_state()` cover every RNG stream. OS probes go
+through `SystemProbe`; `steadytrain.device.testing` holds the doubles tests use instead.
+
+The names load on first use: the classifier, the host probes and `HostDevice` (a Keras run on
+TensorFlow or JAX) import without torch; `Device`, `resolve_device` and the RNG streams bring it.
 """
 
-from steadytrain.device.autocast import AutocastResult
-from steadytrain.device.core import (
-    Device,
-    MemoryReading,
-    PeakReading,
-    available_devices,
-    default_backends,
-    resolve_device,
-)
-from steadytrain.device.oom import (
-    OutOfMemory,
-    call_or_oom,
-    is_oom,
-    oom_kind,
-    oom_request_bytes,
-    retry_on_oom,
-)
-from steadytrain.device.rng import RNGStateError, get_rng_state, seed_everything, set_rng_state
-from steadytrain.device.system import CgroupMemory, SystemProbe
+from __future__ import annotations
 
-__all__ = [
-    "AutocastResult",
-    "CgroupMemory",
-    "Device",
-    "MemoryReading",
-    "OutOfMemory",
-    "PeakReading",
-    "RNGStateError",
-    "SystemProbe",
-    "available_devices",
-    "call_or_oom",
-    "default_backends",
-    "get_rng_state",
-    "is_oom",
-    "oom_kind",
-    "oom_request_bytes",
-    "resolve_device",
-    "retry_on_oom",
-    "seed_everything",
-    "set_rng_state",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "AutocastResult": "autocast",
+    "Device": "core",
+    "MemoryReading": "reading",
+    "PeakReading": "reading",
+    "available_devices": "core",
+    "default_backends": "core",
+    "resolve_device": "core",
+    "HostDevice": "host",
+    "OutOfMemory": "oom",
+    "call_or_oom": "oom",
+    "is_oom": "oom",
+    "oom_kind": "oom",
+    "oom_request_bytes": "oom",
+    "retry_on_oom": "oom",
+    "RNGStateError": "rng",
+    "get_rng_state": "rng",
+    "seed_everything": "rng",
+    "set_rng_state": "rng",
+    "CgroupMemory": "system",
+    "SystemProbe": "system",
+}
+
+
+_MODULES = frozenset(
+    [
+        "autocast",
+        "backends",
+        "budget",
+        "core",
+        "cpu_load",
+        "host",
+        "mps",
+        "oom",
+        "reading",
+        "rng",
+        "selftest",
+        "system",
+        "testing",
+        "watermarks",
+    ]
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:  # `steadytrain.device.core` as an attribute, as before
+        return importlib.import_module(f"steadytrain.device.{name}")
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'steadytrain.device' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"steadytrain.device.{module}"), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+__all__ = sorted(_WHERE)

@@ -5,17 +5,22 @@ allocator and `torch.AcceleratorError` ("CUDA error: out of memory") from the dr
 The whole `__cause__` / `__context__` chain is searched, because wrappers (DataParallel, user code)
 re-raise. Failures that end the process (Metal command-buffer OOM, jetsam SIGKILL) never reach
 Python: the supervisor handles those.
+
+Keras on TensorFlow raises `tf.errors.ResourceExhaustedError` ("OOM when allocating tensor"), an
+`Exception` but no `RuntimeError`; JAX (XLA) raises a `RuntimeError` subclass ("RESOURCE_EXHAUSTED:
+Out of memory"). No framework is imported here: a type is checked only when its framework is
+already in `sys.modules` (an error of a framework never imported cannot exist), so this module
+loads without torch or TensorFlow.
 """
 
 from __future__ import annotations
 
 import gc
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
-
-import torch
 
 OOM_MESSAGES: tuple[tuple[str, str], ...] = (
     ("CUDA out of memory", "CUDA caching allocator (also the torch.OutOfMemoryError type)"),
@@ -29,6 +34,8 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
         "CPU allocator: can't allocate memory (Linux, macOS) / not enough "
         "memory (Windows, Android)",
     ),
+    ("OOM when allocating tensor", "TensorFlow allocator, tf.errors.ResourceExhaustedError"),
+    ("RESOURCE_EXHAUSTED: Out of memory", "XLA allocator (JAX; TensorFlow with XLA)"),
     (
         "could not create a primitive",
         "oneDNN (CPU kernels) failing to allocate a primitive's scratchpad: seen under a memory "
@@ -38,14 +45,26 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
 """(text to find in the message, where it comes from). The CPU prefix is matched from
 "DefaultCPUAllocator: " because the `alloc_cpu.cpp:<line>` before it varies between releases."""
 
-_OOM_TYPES: tuple[type[BaseException], ...] = tuple(
-    t
-    for t in (
+FOREIGN_OOM_TYPES = ("ResourceExhaustedError",)
+"""Names of out-of-memory error types that are no `RuntimeError` (TensorFlow's ``OpError``
+family): matched by name and message where the framework's own type is not at hand."""
+
+
+def _torch_oom_types() -> tuple[type[BaseException], ...]:
+    torch = sys.modules.get("torch")  # never imported here: no torch, no torch error
+    candidates = (
         getattr(torch, "OutOfMemoryError", None),
         getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None),
     )
-    if isinstance(t, type)
-)
+    return tuple(t for t in candidates if isinstance(t, type))
+
+
+def _tensorflow_oom_types() -> tuple[type[BaseException], ...]:
+    tf = sys.modules.get("tensorflow")  # the same: only when the program imported it
+    t = getattr(getattr(tf, "errors", None), "ResourceExhaustedError", None)
+    return (t,) if isinstance(t, type) else ()
+
+
 _TRIED = re.compile(
     r"tried to allocate\s+([0-9]+(?:\.[0-9]+)?)\s*(bytes|[KMGT]i?B)\b", re.IGNORECASE
 )
@@ -65,12 +84,15 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 def oom_kind(exc: BaseException) -> str | None:
     """Where the out-of-memory error in `exc`'s chain came from, or None when there is none."""
+    torch_types, tf_types = _torch_oom_types(), _tensorflow_oom_types()
     for err in exception_chain(exc):
-        if _OOM_TYPES and isinstance(err, _OOM_TYPES):
+        if torch_types and isinstance(err, torch_types):
             return "torch.OutOfMemoryError"
+        if tf_types and isinstance(err, tf_types):
+            return "tf.errors.ResourceExhaustedError"
         if isinstance(err, MemoryError):
             return "MemoryError"  # Python or numpy (collate, data loading) ran out
-        if isinstance(err, RuntimeError):
+        if isinstance(err, RuntimeError) or type(err).__name__ in FOREIGN_OOM_TYPES:
             text = str(err)
             for needle, source in OOM_MESSAGES:
                 if needle in text:

@@ -10,6 +10,7 @@ from. A folder's manifest is ``FOLDER/steadytrain-manifest.json``; a file's is t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -19,7 +20,18 @@ from typing import Any
 
 from steadytrain import __version__
 from steadytrain._durable import sync, write_atomic
-from steadytrain.safety.checkpoint import _sha256_file
+
+
+def _sha256_file(path: Path) -> str:
+    """The file's SHA-256, read in chunks, never through a link. Here and not from the checkpoint
+    store, which imports torch: a Keras run on TensorFlow hashes its checkpoints without it."""
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb", buffering=0) as handle:
+        while chunk := handle.read(8 * 1024 * 1024):
+            digest.update(chunk)
+    return digest.hexdigest()
+
 
 MANIFEST_NAME = "steadytrain-manifest.json"
 SIDECAR_SUFFIX = "." + MANIFEST_NAME

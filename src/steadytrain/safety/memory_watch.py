@@ -22,13 +22,12 @@ from __future__ import annotations
 import gc
 import itertools
 import statistics
+import sys
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, TrainState
@@ -130,6 +129,9 @@ def largest_tensors(limit: int = 5) -> list[dict]:
     large program, so it runs once, when a leak is first suspected, never per step."""
     kinds: dict[tuple, dict] = {}
     seen: set[tuple[str, int]] = set()
+    torch = sys.modules.get("torch")  # never imported here: without torch there is no tensor
+    if torch is None:
+        return []
     with warnings.catch_warnings():
         # `type()`, not `isinstance`: isinstance reads `__class__`, which deprecated module
         # proxies (torch.distributed.reduce_op) answer with a FutureWarning.

@@ -1,0 +1,102 @@
+"""A Keras 3 fit on any backend (KERAS_BACKEND), no torch imported by this script: a small
+network with two Dropout layers (one unseeded: torch's own stream on the torch backend, Keras's
+SeedGenerator on the others; one seeded: its SeedGenerator everywhere), steadytrain's callback as
+its one added line.
+
+    python keras_any.py RUN_DIR [--batch B] [--epochs E] [--samples N] [--slow S]
+                        [--limit-mib M] [--width W]
+
+--slow sleeps S seconds per training batch (time to SIGKILL mid-run); --limit-mib caps the address
+space at the process's own size plus M MiB before fit (a real out-of-memory of the backend's
+allocator where the batch's activations do not fit). The batch size passed to fit is --batch, or
+the cap `steadytrain run` sets after an out-of-memory (`max_micro_batch()`), whichever is less.
+Writes RUN_DIR/weights.npz and RUN_DIR/result.json (the batch size, the epochs' losses of this
+process's fit, whether torch got loaded) when fit() returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+
+from steadytrain.integrations import max_micro_batch
+from steadytrain.integrations.keras import SteadytrainCallback
+
+FEATURES = 16
+
+
+class SlowBatches(keras.callbacks.Callback):
+    """The user's own per-batch code, slow enough to be killed mid-run."""
+
+    def __init__(self, slow: float):
+        super().__init__()
+        self.slow = slow
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.slow)
+
+
+def vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=36)  # a short last batch
+    parser.add_argument("--width", type=int, default=32, help="the first layer's")
+    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--limit-mib", type=int)
+    args = parser.parse_args()
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(args.width, activation="relu"),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.3, seed=7),  # its SeedGenerator's stream on every backend
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((args.samples, FEATURES), dtype=np.float32)
+    y = rng.standard_normal((args.samples, 1), dtype=np.float32)
+    callbacks = [SteadytrainCallback(args.run_dir)]  # the line
+    if args.slow:
+        callbacks.append(SlowBatches(args.slow))
+    batch = min(args.batch, max_micro_batch() or args.batch)
+    if args.limit_mib:
+        model.predict(x[:1], verbose=0)  # the backend's start-up, before the cap
+        limit = vm_size() + args.limit_mib * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    history = model.fit(
+        x, y, batch_size=batch, epochs=args.epochs, shuffle=True, verbose=0, callbacks=callbacks
+    )
+    out = Path(args.run_dir)
+    np.savez(out / "weights.npz", *[np.asarray(w) for w in model.get_weights()])
+    torch_loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+    result = {
+        "batch": batch,
+        "epoch_losses": history.history["loss"],  # Keras's running mean at each epoch's end
+        "torch_loaded": bool(torch_loaded),
+    }
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

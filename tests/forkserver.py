@@ -19,6 +19,13 @@ MODULE` (torchrun, a shell), and any run with STEADYTRAIN_TEST_FORK=0, get a pla
 Protocol (JSON lines): request {"id", "argv", "env", "cwd", "stdin", "stdout", "stderr"} on the
 server's stdin; replies {"id", "pid"} when the child started and {"id", "exit"} when it ended
 (negative: killed by that signal), on its stdout.
+
+torchrun's ranks: torchrun starts each rank itself (`python -u SCRIPT`), out of reach of the
+test. `torchrun_command` puts tests/forkrank.py before the script: a client of a few stdlib
+imports that hands its standard streams (SCM_RIGHTS), argv, environment and folder to the
+server over a Unix socket, forwards the signals torchrun sends, and ends as the forked rank
+ended (its exit code, or killed by the same signal). When the client dies (torchrun's SIGKILL),
+the server kills its rank.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +51,9 @@ PRELOAD = ("torch", "torch._dynamo", "steadytrain.trainer", "steadytrain.cli")
 PRELOAD_LM = ("transformers", "peft")
 """Imported too by the server without glibc settings of its own (fine-tunes run under it; the
 capped workloads under MALLOC_* settings never import them)."""
+
+SOCKET = "STEADYTRAIN_TEST_FORK_SOCKET"
+"""Where a server listens for torchrun's ranks (tests/forkrank.py reads it)."""
 
 # Read by C libraries when the process starts: a child with other values needs its own server.
 AT_START = re.compile(r"^(MALLOC_|GLIBC_TUNABLES$|OMP_|KMP_|GOMP_|MKL_|OPENBLAS_|LD_|PYTHONPATH$)")
@@ -59,12 +70,14 @@ def _serve() -> None:
         raise SystemExit("forkserver: a preloaded module started a thread; forking is not safe")
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     running: dict[int, int] = {}  # pid -> request id
+    ranks = _Ranks(os.environ[SOCKET])
     pending = b""
     replies.write(b'{"ready": true}\n')
     replies.flush()
     while True:
-        readable, _, _ = select.select([requests], [], [], 0.02)
-        if readable:
+        readable, _, _ = select.select([requests, *ranks.waiting()], [], [], 0.02)
+        ranks.serve(readable)
+        if requests in readable:
             chunk = os.read(requests.fileno(), 1 << 16)
             if not chunk:
                 break  # the test process is gone
@@ -77,16 +90,68 @@ def _serve() -> None:
                     _child(request)  # never returns
                 running[pid] = request["id"]
                 _reply(replies, {"id": request["id"], "pid": pid})
-        while running:
+        while running or ranks.pids():
             pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
+            cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped descendants'
+            exit_code = os.waitstatus_to_exitcode(status)
             if pid in running:
-                cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped descendants'
-                exit_code = os.waitstatus_to_exitcode(status)
                 _reply(replies, {"id": running.pop(pid), "exit": exit_code, "cpu": cpu})
-    for pid in running:
+            elif ranks.ended(pid, exit_code):
+                _reply(replies, {"id": -1, "exit": exit_code, "cpu": cpu})  # counts its CPU
+    for pid in [*running, *ranks.pids()]:
         os.kill(pid, signal.SIGKILL)
+
+
+class _Ranks:
+    """The server's side of tests/forkrank.py: a Unix socket where each connection asks for one
+    rank, with the client's standard streams passed along."""
+
+    def __init__(self, path: str):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.clients: dict[int, socket.socket] = {}  # pid -> its client's connection
+
+    def waiting(self) -> list:
+        return [self.listener, *self.clients.values()]
+
+    def pids(self) -> list[int]:
+        return list(self.clients)
+
+    def serve(self, readable: list) -> None:
+        if self.listener in readable:
+            client = self.listener.accept()[0]
+            try:
+                self._start(client)
+            except (OSError, ValueError):  # a client that died before asking: nothing to run
+                client.close()
+        for pid, client in list(self.clients.items()):
+            if client in readable and not client.recv(1):  # the client died: so does its rank
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def _start(self, client: socket.socket) -> None:
+        client.settimeout(30)
+        _, fds, _, _ = socket.recv_fds(client, 1, 3)
+        request = json.loads(client.makefile("rb").readline())
+        pid = os.fork()
+        if pid == 0:
+            _child({**request, "fds": fds})  # never returns
+        for fd in fds:
+            os.close(fd)
+        client.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.clients[pid] = client
+
+    def ended(self, pid: int, exit_code: int) -> bool:
+        client = self.clients.pop(pid, None)
+        if client is None:
+            return False
+        with contextlib.suppress(OSError):
+            client.sendall(json.dumps({"exit": exit_code}).encode() + b"\n")
+        client.close()
+        return True
 
 
 def _reply(out, message: dict) -> None:
@@ -100,9 +165,12 @@ def _child(request: dict) -> None:
     try:
         if request.get("new_group"):
             os.setsid()
-        stdin = os.open(request["stdin"] or os.devnull, os.O_RDONLY)
-        stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
-        stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
+        if "fds" in request:  # a rank: the client's own streams
+            stdin, stdout, stderr = request["fds"]
+        else:
+            stdin = os.open(request["stdin"] or os.devnull, os.O_RDONLY)
+            stdout = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+            stderr = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
         for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
             os.dup2(fd, target)
             os.close(fd)
@@ -211,11 +279,12 @@ class Forked:
 
 class _Server:
     def __init__(self, env: dict[str, str]):
+        self.socket = os.path.join(tempfile.mkdtemp(prefix="fs-"), "ranks")
         self.proc = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env={**env, SOCKET: self.socket},
             cwd=Path(__file__).parent,
         )
         self.lock = threading.Condition()
@@ -283,6 +352,35 @@ def _python_command(argv: list[str]) -> list[str] | None:
     return None
 
 
+ENABLED = os.environ.get("STEADYTRAIN_TEST_FORK", "1") != "0"
+
+
+def _server(env: dict[str, str]) -> _Server:
+    """The server for this environment's start-up settings (started on first use)."""
+    key = tuple(sorted((k, v) for k, v in env.items() if AT_START.match(k)))
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            base = {k: v for k, v in os.environ.items() if not AT_START.match(k)}
+            server = _servers[key] = _Server({**base, **dict(key)})
+        return server
+
+
+def torchrun_command(
+    script: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """`torchrun --nproc_per_node NPROC SCRIPT ARGS` on a free port, with its ranks forked from
+    the server for `env` (tests/forkrank.py before the script); returns the command and the
+    environment to run it with (`env` plus the server's socket)."""
+    env = dict(os.environ if env is None else env)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    if not ENABLED:
+        return [*launch, str(script), *args], env
+    env[SOCKET] = _server(env).socket
+    return [*launch, str(Path(__file__).with_name("forkrank.py")), str(script), *args], env
+
+
 def start(
     argv: list[str],
     env: dict[str, str] | None = None,
@@ -295,14 +393,9 @@ def start(
     `output()`."""
     env = dict(os.environ if env is None else env)
     command = _python_command(argv)
-    if command is None or os.environ.get("STEADYTRAIN_TEST_FORK", "1") == "0":
+    if command is None or not ENABLED:
         return _Plain(argv, env, cwd, stdin, new_group)
-    key = tuple(sorted((k, v) for k, v in env.items() if AT_START.match(k)))
-    with _servers_lock:
-        server = _servers.get(key)
-        if server is None or server.proc.poll() is not None:
-            base = {k: v for k, v in os.environ.items() if not AT_START.match(k)}
-            server = _servers[key] = _Server({**base, **dict(key)})
+    server = _server(env)
     folder = Path(tempfile.mkdtemp(prefix="forked-"))
     for name in ("stdout", "stderr"):
         (folder / name).touch()

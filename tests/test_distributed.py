@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from conftest import MALLOC_ENV, WORKLOADS, real_oom, run_workload
@@ -20,51 +21,24 @@ from steadytrain.errors import BadInputError
 from steadytrain.telemetry.files import read_jsonl
 
 
-def torchrun_command(*args: str) -> list[str]:
-    """tests/workloads/ranks.py under `torchrun --nproc_per_node 2` on a free port."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "localhost:0",
-        str(WORKLOADS / "ranks.py"),
-        *args,
-    ]
-
-
-def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        torchrun_command(*args),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+def torchrun_command(*args: str, env: dict | None = None) -> tuple[list[str], dict]:
+    """tests/workloads/ranks.py under `torchrun --nproc_per_node 2` on a free port, and the
+    environment to run it with."""
+    return forkserver.torchrun_command(
+        WORKLOADS / "ranks.py", *args, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     )
 
 
+def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command, env = torchrun_command(*args, env=env)
+    return forkserver.run(command, env=env, timeout=300)
+
+
 def supervised_torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "steadytrain.cli",
-            "run",
-            "--run-dir",
-            str(run_dir),
-            "--backoff-initial",
-            "0.1",
-            "--",
-            *torchrun_command(str(run_dir), *args),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    command, env = torchrun_command(str(run_dir), *args)
+    supervisor = [sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)]
+    return forkserver.run(
+        [*supervisor, "--backoff-initial", "0.1", "--", *command], env=env, timeout=300
     )
 
 
@@ -348,6 +322,45 @@ def test_a_blocked_rank_is_caught_named_and_the_group_restarted(tmp_path: Path):
         assert [e["step"] for e in resumes] == [2]
     blocked, uninterrupted = params(run_dir), params(tmp_path / "whole")
     assert all(torch.equal(blocked[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_a_rank_stalled_before_the_first_step_is_caught_within_hang_timeout(tmp_path: Path):
+    """Issue 26: rank 1 blocks 12 s at the start of its first step, before its first
+    collective; rank 0 waits for it in the first step's first collective. hang_timeout 3 s
+    bounds the first step (it had 600 s whatever hang_timeout said): each rank's watchdog
+    reports within the limit and two polls, rank 0's report names the collective, both reports
+    hold stacks, and the console said the allowance. hang_action report: the run then goes on
+    and finishes, so one torchrun invocation shows both ranks' reports."""
+    limit = 3.0
+    run_dir = tmp_path / "run"
+    done = torchrun(
+        str(run_dir),
+        *("--loss", "mean", "--batch", "16", "--micro", "8", "--steps", "2"),
+        *("--hang-timeout", str(limit), "--hang-action", "report"),
+        *("--block-rank", "1", "--block-at", "0", "--block-seconds", "12"),
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    said = f"{limit:g} s without progress is a hang, in start-up, the first step and every"
+    assert said in done.stderr + done.stdout
+    polls = 2 * limit / 8 + 0.5
+
+    rank_1 = [e for e in read_jsonl(run_dir / "ranks/rank-1/events.jsonl") if e["event"] == "hang"]
+    (blocked,) = [e for e in rank_1 if e["phase"] == "first step"]
+    assert (blocked["rank"], blocked["limit_s"], blocked["collective"]) == (1, limit, None)
+    assert blocked["stalled_s"] < limit + polls
+    report = (run_dir / "ranks/rank-1" / blocked["file"]).read_text()
+    assert "in blocked_before_first_collective" in report and "phase: first step" in report
+
+    rank_0 = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "hang"]
+    waiting = [e for e in rank_0 if e["collective"] is not None]
+    assert waiting, rank_0
+    hang = waiting[0]
+    assert hang["phase"] == f"{hang['collective']} in first step", hang
+    assert (hang["rank"], hang["limit_s"], hang["step"]) == (0, limit, 0)
+    assert hang["stalled_s"] < limit + polls
+    report = (run_dir / hang["file"]).read_text()
+    assert f"waiting in: {hang['collective']}" in report and 'File "' in report
+    assert not list(run_dir.glob("**/hangs/backstop-*.txt"))  # nothing left half-done
 
 
 def test_rank_0_alone_prints_progress_and_the_report_shows_every_rank(tmp_path: Path):

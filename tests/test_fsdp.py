@@ -8,9 +8,9 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from conftest import WORKLOADS, real_oom, run_workload
@@ -27,15 +27,12 @@ RNG_FILES = {"rng.safetensors", "rng-rank-0.safetensors", "rng-rank-1.safetensor
 
 def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """tests/workloads/fsdp_llama.py under `torchrun --nproc_per_node 2` on a free port."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    return subprocess.run(
-        [*command, str(WORKLOADS / "fsdp_llama.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    command, env = forkserver.torchrun_command(
+        WORKLOADS / "fsdp_llama.py",
+        *args,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
+    return forkserver.run(command, env=env, timeout=300)
 
 
 def params(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -250,8 +247,8 @@ def test_the_repeated_blocks_are_sharded_one_by_one():
 def test_a_sharded_checkpoint_missing_a_shard_is_skipped(uninterrupted: Path, tmp_path: Path):
     """The manifest lists every rank's files: one shard gone, the checkpoint does not verify
     and the one before it is used."""
-    from steadytrain.safety.checkpoint import CheckpointStore
-    from steadytrain.safety.state import REQUIRED_FILES
+    from steadytrain.checkpoint.state import REQUIRED_FILES
+    from steadytrain.checkpoint.store import CheckpointStore
 
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted / "checkpoints", run_dir / "checkpoints")

@@ -38,8 +38,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain._units import format_bytes, parse_bytes
-from steadytrain.device import is_oom, oom_kind, resolve_device
-from steadytrain.device.oom import OOM_MESSAGES, exception_chain
+from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
 from steadytrain.events import Control, TrainState
@@ -110,7 +109,8 @@ class RunGuard:
 
     `hang_timeout`: seconds a step may go without a beat ("auto": 300 s, or 10 median steps);
     the first step of a process always gets 600 s. `hang_action`: "exit" (75) or "report".
-    `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu").
+    `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu"), or a device
+    object already made (`HostDevice` for a framework other than torch: no torch is imported).
     `micro_batch_size`: the samples per forward the loop uses now (a metrics line's
     ``micro_batch_size`` updates it): an out-of-memory exit asks for half of it.
     `memory_budget`: "auto" (90 % of what this process may use), a size ("12GiB") or a fraction.
@@ -123,7 +123,7 @@ class RunGuard:
         config: dict[str, Any] | None = None,
         hang_timeout: float | str = "auto",
         hang_action: str = "exit",
-        device: str = "auto",
+        device: Any = "auto",
         memory_watch: bool = True,
         handle_signals: bool = True,
         micro_batch_size: int = 0,
@@ -178,7 +178,12 @@ class RunGuard:
         self.config.update(config or {})
         make_folder(self.run_dir, root=run_files.top(self.run_dir))  # no link on the way
         announce_run_dir(self.run_dir)  # to a supervising `steadytrain run` that asked for it
-        self.device = resolve_device(self.device_spec, self.budget_spec)
+        if isinstance(self.device_spec, str):
+            from steadytrain.device import resolve_device  # torch
+
+            self.device = resolve_device(self.device_spec, self.budget_spec)
+        else:
+            self.device = self.device_spec
         self.watchdog.device = self.device
         write_atomic(
             self.run_dir / run_files.CONFIG,

@@ -3,20 +3,29 @@
 On every backend (TensorFlow on a Mac, JAX, torch):
 
 * checkpoints through Keras's own ``save_weights`` (model and optimizer variables) with the epoch,
-  the step and every RNG stream beside them, committed atomically with a manifest of hashes
+  the step and every RNG stream beside them (Python's, numpy's, the state of every Keras
+  ``SeedGenerator`` of the model and Keras's global one, which Dropout and ``keras.random`` draw
+  from; TensorFlow's global generator and op seeds where TensorFlow is loaded; torch's where torch
+  is), committed atomically with a manifest of hashes
   (``RUN_DIR/checkpoints/step-N/``) at each ``save_every_epochs``-th epoch end and on a signal;
   ``fit`` resumes by itself from the newest one that verifies. Keras restarts an epoch from its
   first batch, so a checkpoint taken mid-epoch (on a signal) repeats that epoch's batches; one
   taken at an epoch end resumes exactly where the uninterrupted run would go on.
 * the watchdog (exit 75), memory watch, run files of `RunGuard`; SIGINT / SIGTERM save at the
   end of the batch, stop ``fit`` and exit 130 / 143.
+* a metrics line per batch with the batch's own loss and size (from Keras's loss tracker: the
+  running mean's sum and sample count before and after the batch), not the epoch's running mean.
+* no torch on TensorFlow or JAX: memory readings come from the host (`HostDevice`).
 
 On the torch backend, also the promise of steadytrain's own engine: an out-of-memory in a step
 drops the partial gradients, halves the micro-batch and redoes the same batch in pieces whose
 gradients add up to the whole batch's (same RNG state), so the optimizer still sees the batch
 asked for; at micro-batch 1 it exits 3. ``STEADYTRAIN_MAX_MICRO_BATCH`` (set by `steadytrain run`)
-caps the piece size from the start. Other backends compile the step, so an out-of-memory there
-ends ``fit`` with the backend's error (`steadytrain run` restarts it from the checkpoint).
+caps the piece size from the start. Other backends compile the step: an out-of-memory there
+(TensorFlow's ``ResourceExhaustedError``, XLA's ``RESOURCE_EXHAUSTED``) is recorded as an ``oom``
+event and ends the process with exit 76, so that `steadytrain run` restarts it from the newest
+checkpoint with ``STEADYTRAIN_MAX_MICRO_BATCH`` at half the batch (`max_micro_batch()`: the
+program passes it to ``fit`` as ``batch_size``).
 """
 
 from __future__ import annotations
@@ -34,15 +43,18 @@ import numpy as np
 
 from steadytrain import run_files
 from steadytrain._durable import make_folder, sync_dir, write_atomic
-from steadytrain.device import get_rng_state, is_oom, set_rng_state
+from steadytrain.device.host import HostDevice
+from steadytrain.device.oom import is_oom, oom_kind
 from steadytrain.events import HALVING
 from steadytrain.integrations.guard import (
     DOES_NOT_FIT,
+    SHRINK,
     RunGuard,
     divisor_at_most,
     library_frame,
     max_micro_batch,
 )
+from steadytrain.integrations.keras_state import plain, rng_state, set_rng_state, unplain
 from steadytrain.integrations.manifest import newest_verified, read_manifest, write_manifest
 from steadytrain.safety.signals import stop_exit
 
@@ -88,9 +100,13 @@ class SteadytrainCallback(_Base):
             memory_budget=memory_budget,
             device="auto" if _backend() == "torch" else "cpu",
         )
+        if _backend() != "torch":  # the host's memory, read without torch
+            self.guard.device_spec = HostDevice(self.guard.budget_spec)
         self.micro: int | None = None
         self.batch: int | None = None
-        self._loss: float | None = None
+        self._sums: tuple[float, float] | None = None  # the loss tracker's before the batch
+        self._batches = 0  # in this epoch
+        self._mean: float | None = None  # logs' running mean after the previous batch
 
     # -- start and end -----------------------------------------------------------------------
 
@@ -100,10 +116,15 @@ class SteadytrainCallback(_Base):
         guard.state.steps_per_epoch = params.get("steps") or 0
         guard.state.max_steps = guard.state.steps_per_epoch * params.get("epochs", 0)
         self._resume()
+        fit_frame = library_frame(("keras",), ("fit",))
         if _backend() == "torch":
             self.model.train_step = _SplitStep(self, self.model.train_step)
-        config = {"library": "keras", "backend": _backend(), "fit": _plain(params)}
-        guard.start(config, fit_frame=library_frame(("keras",), ("fit",)))
+        elif getattr(self.model, "train_function", None) is not None:
+            self.model.train_function = _OOMExit(self, self.model.train_function)
+            self.batch = _fit_batch_size(fit_frame)
+            guard.state.micro_batch_size = self.batch or 0
+        config = {"library": "keras", "backend": _backend(), "fit": plain(params)}
+        guard.start(config, fit_frame=fit_frame)
         model = self.model
         sizes = [(int(np.prod(w.shape)), np.dtype(w.dtype).itemsize) for w in model.weights]
         trainable = [
@@ -121,6 +142,8 @@ class SteadytrainCallback(_Base):
         guard = self.guard
         if isinstance(self.model.train_step, _SplitStep):
             self.model.train_step = self.model.train_step.original
+        if isinstance(getattr(self.model, "train_function", None), _OOMExit):
+            self.model.train_function = self.model.train_function.original
         code = guard.exit_code
         guard.finish(guard.control.stop_reason or "finished", code)
         if code:
@@ -130,18 +153,19 @@ class SteadytrainCallback(_Base):
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self.guard.start_step()
+        self._sums = _loss_sums(self.model)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         guard, logs = self.guard, logs or {}
-        loss = self._loss if self._loss is not None else logs.get("loss")
-        self._loss = None
-        micro = self.micro or self.batch
+        loss, samples = self._batch_loss(logs.get("loss"))
+        micro = divisor_at_most(samples, self.micro) if self.micro and samples else samples
         guard.end_step(
-            loss=float(loss) if loss is not None else None,
+            loss=loss,
             lr=_learning_rate(self.model),
             micro_batch_size=micro,
-            accumulation=(self.batch // micro) if micro and self.batch else None,
-            samples=self.batch,
+            micro_steps=(samples // micro) if micro and samples else None,
+            accumulation=(samples // micro) if micro and samples else None,
+            samples=samples,
         )
         if guard.stop_requested and not self.model.stop_training:
             self._save(self.guard.state.epoch)  # mid-epoch: a resume repeats this epoch
@@ -149,6 +173,42 @@ class SteadytrainCallback(_Base):
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.guard.state.epoch = epoch
+        self._batches, self._mean = 0, None
+
+    def _batch_loss(self, mean: Any) -> tuple[float | None, int | None]:
+        """The batch's own loss and size: the change of Keras's loss tracker (a sample-weighted
+        running sum) over the batch; where the tracker cannot be read, the loss from the running
+        mean and the batch count (equal batches assumed) and the size this callback saw."""
+        self._batches += 1
+        before, after = self._sums, _loss_sums(self.model)
+        mean = float(mean) if mean is not None else None
+        previous, self._mean = self._mean, mean
+        if before is not None and after is not None and after[1] > before[1]:
+            count = after[1] - before[1]
+            return (after[0] - before[0]) / count, round(count)
+        if mean is None:
+            return None, self.batch
+        if previous is None or self._batches == 1:
+            return mean, self.batch
+        k = self._batches
+        return k * mean - (k - 1) * previous, self.batch
+
+    def _out_of_memory(self, exc: BaseException) -> None:
+        """A compiled step (TensorFlow, JAX) ran out of memory: record it and exit 76, so that
+        `steadytrain run` restarts from the newest checkpoint with half the batch as the cap."""
+        guard = self.guard
+        guard.out_of_memory(exc)
+        guard.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
+        batch = f"batch {self.batch}" if self.batch else "this batch"
+        print(
+            f"steadytrain: out of memory in the compiled step ({_backend()}, {oom_kind(exc)}) at "
+            f"{batch}; exiting {SHRINK} so that `steadytrain run` restarts from the newest "
+            "verified checkpoint with STEADYTRAIN_MAX_MICRO_BATCH at half of it (pass "
+            "`max_micro_batch()` to fit as batch_size)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(SHRINK) from exc
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         self.guard.end_epoch(epoch)
@@ -169,8 +229,11 @@ class SteadytrainCallback(_Base):
         staging = self.checkpoints / f".staging-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         make_folder(staging, root=run_files.top(self.run_dir))  # never through a link
         with self.guard.allowance("checkpoint save"):
+            sync = getattr(self.model, "jax_state_sync", None)
+            if sync is not None:  # JAX keeps the variables outside the model during fit
+                sync()
             self.model.save_weights(str(staging / WEIGHTS_FILE))
-            state = {"epoch": next_epoch, "step": step, "rng": _plain(get_rng_state())}
+            state = {"epoch": next_epoch, "step": step, **plain(rng_state(self.model))}
             write_atomic(staging / STATE_FILE, json.dumps(state), root=staging)
             write_manifest(staging, step)
             if final.exists():
@@ -204,7 +267,7 @@ class SteadytrainCallback(_Base):
             model.optimizer.build(model.trainable_variables)
         model.load_weights(str(path / WEIGHTS_FILE))
         state = json.loads((path / STATE_FILE).read_text())
-        set_rng_state(_unplain(state["rng"]))
+        set_rng_state(self.model, unplain(state))
         model._initial_epoch = state["epoch"]  # what Keras's BackupAndRestore sets
         self.guard.state.step, self.guard.state.epoch = step, state["epoch"]
         self.guard.record("resume", {"checkpoint": str(path), "epoch": state["epoch"]})
@@ -228,6 +291,8 @@ class _SplitStep:
         callback.batch = size
         if callback.micro is None:
             callback.micro = divisor_at_most(size, max_micro_batch() or size)
+        from steadytrain.device.rng import get_rng_state
+
         rng = get_rng_state()
         while True:
             micro = divisor_at_most(size, callback.micro)
@@ -256,6 +321,8 @@ class _SplitStep:
         callback.micro = guard.state.micro_batch_size = smaller
         memory = guard.device.memory().to_dict()
         guard.record("shrink", HALVING.record(micro, smaller, "out of memory", memory))
+        from steadytrain.device.rng import set_rng_state
+
         set_rng_state(rng)
 
     @property
@@ -267,7 +334,7 @@ class _SplitStep:
 
         model = self.model
         model.zero_grad()
-        total, result = 0.0, None
+        result = None
         for start in range(0, size, micro):
             part = tree.map_structure(
                 lambda t, s=start: None if t is None else t[s : s + micro], (x, y, weights)
@@ -280,15 +347,30 @@ class _SplitStep:
                 scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
                 (scaled * share).backward()
             model._loss_tracker.update_state(loss, sample_weight=micro)
-            total += float(loss.detach()) * share
             result = model.compute_metrics(px, py, y_pred, sample_weight=pw)
             self.callback.guard.beat()
         if model.trainable_weights:
             variables = model.trainable_weights[:]
             with torch.no_grad():
                 model.optimizer.apply([v.value.grad for v in variables], variables)
-        self.callback._loss = total
         return result
+
+
+class _OOMExit:
+    """The compiled ``train_function`` of TensorFlow / JAX, with its out-of-memory turned into
+    exit 76 (a smaller restart) instead of a crash that `steadytrain run` would repeat."""
+
+    def __init__(self, callback: SteadytrainCallback, original):
+        self.callback, self.original = callback, original
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.original(*args, **kwargs)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self.callback._out_of_memory(exc)
+            raise  # not reached: _out_of_memory exits
 
 
 def _backend() -> str:
@@ -297,35 +379,36 @@ def _backend() -> str:
     return keras.backend.backend()
 
 
+def _fit_batch_size(fit_frame) -> int | None:
+    """The batch size ``fit`` batches its data with (its data adapter's), when it says."""
+    iterator = fit_frame.f_locals.get("epoch_iterator") if fit_frame is not None else None
+    size = getattr(getattr(iterator, "data_adapter", None), "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def _loss_sums(model) -> tuple[float, float] | None:
+    """(sum of loss × samples, samples) of Keras's loss tracker now, None where unreadable. On
+    JAX the tracker's variables live in the trainer's state during ``fit``."""
+    import keras
+
+    tracker = getattr(model, "_loss_tracker", None)
+    try:
+        total, count = tracker.total, tracker.count
+        jax_state = getattr(model, "_jax_state", None)
+        if jax_state and jax_state.get("metrics_variables") is not None:
+            ids = [id(v) for v in model.metrics_variables]
+            values = jax_state["metrics_variables"]
+            total, count = values[ids.index(id(total))], values[ids.index(id(count))]
+        return (
+            float(keras.ops.convert_to_numpy(total)),
+            float(keras.ops.convert_to_numpy(count)),
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def _learning_rate(model) -> float | None:
     try:
         return float(model.optimizer.learning_rate)
     except (AttributeError, TypeError, ValueError):
         return None
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready: numpy arrays and tensors as lists (the RNG streams, fit's params)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "tolist"):
-        return {"__array__": value.tolist(), "dtype": str(value.dtype)}
-    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-
-
-def _unplain(value: Any) -> Any:
-    import numpy as np
-    import torch
-
-    if isinstance(value, dict) and "__array__" in value:
-        dtype = value["dtype"]
-        if dtype.startswith("torch."):
-            return torch.tensor(value["__array__"], dtype=getattr(torch, dtype[6:]))
-        return np.asarray(value["__array__"], dtype=dtype)
-    if isinstance(value, dict):
-        return {k: _unplain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return tuple(_unplain(v) for v in value)
-    return value

@@ -231,6 +231,24 @@ def test_with_no_saver_the_run_can_use_the_first_os_kill_stops_with_exit_3(tmp_p
     assert "Tried: before its first step." in out
 
 
+def test_a_finetunes_exit_3_says_in_its_config_keys_what_would_fit(tmp_path):
+    """The supervisor's last word for a fine-tune (its training_config.json in the run
+    directory, the budget its fit_start recorded): the advisor's list on the run's own config,
+    each key and value with the total it gives, not a fixed list of flag names."""
+    from test_advice import seed_config
+
+    job = SaversJob(tmp_path, "", finish_at=99)
+    job.run_dir.mkdir(parents=True)
+    config = seed_config(tmp_path)
+    (job.run_dir / "training_config.json").write_text(json.dumps(config.resolved()))
+    start = {"event": "fit_start", "step": 0, "device": "mps", "budget": 16 * 2**30}
+    (job.run_dir / "events.jsonl").write_text(json.dumps(start) + "\n")
+    code, out = supervise(job, oom_kill_count=lambda: None)
+    assert code == 3, out
+    assert "What would help: at micro-batch 1 the estimate is 21.11 GiB of 16.00 GiB" in out
+    assert "`bf16: true` → 12.9 GiB of 16.0 GiB: fits" in out
+
+
 def test_the_childs_side_climbs_to_what_is_asked_after_a_resume():
     """A resumed checkpoint's run had checkpointing on: asked for 2, only the chunked loss is
     turned on (the count is of savers in force, not of rungs to climb)."""

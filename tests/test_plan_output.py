@@ -117,3 +117,46 @@ def test_an_unreachable_hub_is_named_without_waiting_for_retries(monkeypatch):
     assert reason is not None and reason.startswith("the hub (127.0.0.1) ")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub_unreachable() == "HF_HUB_OFFLINE is set (offline mode)"
+
+
+# -- issue 28: the seed-004 config on a 16 GB budget ---------------------------------------------
+
+LLAMA_3B = {  # Llama-3.2-3B's published shape: the estimate reads it, nothing is loaded
+    **TINY,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "head_dim": 128,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
+
+
+def test_the_seed_config_dry_run_says_bf16_fits_with_its_size_and_then_fits(tmp_path):
+    """The seed's own config file (fp32 on a Mac, checkpointing on, seq 2048) with a 16 GiB
+    memory_budget for an MPS device: `finetune --dry-run` says it does not fit and that `bf16:
+    true` does, with the total it gives; with bf16 the dry-run says it fits."""
+    model = tmp_path / "llama-3b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_3B))
+    text = (ROOT / "examples" / "finetune_config.json").read_text()
+    text = text.replace('"meta-llama/Llama-3.2-3B"', json.dumps(str(model)))
+    text = text.replace(
+        '"bf16": false,', '"bf16": false, "memory_budget": "16GiB", "device": "mps",'
+    )
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    over = cli("finetune", "--dry-run", "--config", str(config))
+    assert over.returncode == 3, over.stderr
+    said = over.stdout
+    assert "does not fit: needs 21.11 GiB, 5.11 GiB over 16.00 GiB (memory_budget: 16GiB" in said
+    assert "`bf16: true` → 12.9 GiB of 16.0 GiB: fits" in said
+    assert "`max_seq_length: 1024` → 18.8 GiB of 16.0 GiB: still over" in said
+    assert "peak: estimated 21.11 GiB of 16.00 GiB: does not fit" in said
+    fits = cli("finetune", "--dry-run", "--config", str(config), "--set", "bf16=true")
+    assert fits.returncode == 0, fits.stderr
+    assert "peak: estimated 12.91 GiB of 16.00 GiB: fits" in fits.stdout
+    assert "does not fit" not in fits.stdout

@@ -32,10 +32,11 @@ def is_finetune_file(path: str) -> bool:
 
 def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     """Print what `steadytrain finetune` would do with `config`; exit 3 when the estimate says
-    it does not fit, else 0."""
-    from steadytrain.cli.memory_commands import render_estimate, resolve_target
-    from steadytrain.memory.settings import from_options
-    from steadytrain.recipes.finetune_memory import estimate_finetune, estimate_settings
+    its start does not fit its budget (the config's `memory_budget` and `device`, resolved as
+    the run resolves them), else 0. Where it does not fit, the advisor says in the config's
+    keys what would."""
+    from steadytrain.cli.memory_commands import render_advice, render_estimate
+    from steadytrain.recipes.finetune_memory import advice, run_plan, target
 
     engine = config.to_train_config()
     typer.echo("settings (resolved, as final/training_config.json will hold them):")
@@ -43,31 +44,24 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     for note in config.notes:
         typer.echo(f"note: {note}")
     typer.echo(f"engine: {json.dumps(json.loads(engine.to_json()))}")
-    budget, source, settings = resolve_target(from_options("estimate", estimate_settings(config)))
-    result = estimate_finetune(config, settings.device_type, budget)
-    result.budget_source = source
-    typer.echo("memory estimate (LoRA with this config's settings):")
-    render_estimate(result, console)
-    typer.echo(_plan_line(config, result.fits))
+    where = target(config)
+    plan, result = run_plan(config, where)
+    result.budget, result.budget_source = where.budget, where.source
+    typer.echo("memory estimate (LoRA with this config's settings, at the run's start):")
+    render_estimate(result, console, advice(config, result))
+    typer.echo(
+        f"plan: {config.effective_batch_size} samples per optimizer step, "
+        f"{config.world_size} process(es); precision {config.precision}; budget from "
+        f"{where.source}:"
+    )
+    for line in plan.describe():
+        typer.echo(f"  {line}")
+    if plan.fits is False and result.fits is not False:  # the planner found nothing that fits
+        render_advice(advice(config, result), console)
     typer.echo("files:")
     for line in _files(config):
         typer.echo(f"  {line}")
-    return 3 if result.fits is False else 0
-
-
-def _plan_line(config: FinetuneConfig, fits: bool | None) -> str:
-    batch = (
-        f"plan: {config.effective_batch_size} samples per optimizer step = micro-batch "
-        f"{config.per_device_train_batch_size} × {config.gradient_accumulation_steps} "
-        f"accumulation × {config.world_size} process(es); activation checkpointing "
-        f"{config.gradient_checkpointing}; precision {config.precision}"
-    )
-    if fits is False:
-        return (
-            f"{batch}; the micro-batch does not fit by the estimate: out-of-memory will halve "
-            "it (micro_batch_size: auto measures before training)"
-        )
-    return batch + ("; fits by the estimate" if fits else "")
+    return 3 if plan.fits is False else 0
 
 
 def _files(config: FinetuneConfig) -> list[str]:

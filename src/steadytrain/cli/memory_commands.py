@@ -17,7 +17,6 @@ import typer
 from steadytrain._units import format_bytes, format_count
 from steadytrain.cli.options import settings_command
 from steadytrain.cli.readable import readable_console
-from steadytrain.memory.compiled import family_share
 from steadytrain.memory.settings import Settings, from_options
 
 if TYPE_CHECKING:
@@ -45,31 +44,52 @@ def register(app: typer.Typer) -> None:
 
 
 def estimate_command(model: str, *, json_output: bool = False, console=None, **given: Any) -> int:
-    """`steadytrain estimate`: print the breakdown; exit 0 fits or unknown, 3 does not fit."""
+    """`steadytrain estimate`: print the breakdown; exit 0 fits or unknown, 3 does not fit. What
+    would fit is worked out by the advisor (memory/advice.py): in the flags' words for a model,
+    in the config's for a fine-tune config file."""
     from steadytrain.cli.finetune_commands import is_finetune_file
+    from steadytrain.memory.advice import CONFIG, FLAGS
     from steadytrain.memory.estimate import estimate, load_config
 
+    vocabulary, accumulation = FLAGS, 1
     if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
         from steadytrain.recipes.finetune_config import FinetuneConfig
         from steadytrain.recipes.finetune_memory import estimate_settings
 
         config = FinetuneConfig.load(model)
         given, model = {**given, **estimate_settings(config)}, config.model_name_or_path
+        vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
     settings = from_options("estimate", given)
     settings.check("estimate")
     budget, source, resolved = resolve_target(settings)
-    result = estimate(load_config(model), resolved, model_name=model)
+    model_config = load_config(model)
+    result = estimate(model_config, resolved, model_name=model)
     result.budget, result.budget_source = budget, source
     if settings.memory_budget is not None and settings.device_type is None:
         result.notes.append(
             f"planned for a {resolved.device_type} device (this machine's); pass --device-type "
             "mps or cuda when the other machine differs"
         )
+    advice = advice_for(model_config, result, vocabulary, accumulation)
     if json_output:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "advice": advice}, indent=2))
     else:
-        render_estimate(result, console)
+        render_estimate(result, console, advice)
     return 3 if result.fits is False else 0
+
+
+def advice_for(
+    model_config: Any, result: Estimate, vocabulary: str, accumulation: int = 1
+) -> list[str]:
+    """The advisor's lines for an estimate that does not fit (none for one that fits)."""
+    from steadytrain.memory.advice import advise, lines
+
+    if result.fits is not False or result.budget is None:
+        return []
+    found = advise(
+        model_config, result.settings, result.budget, vocabulary, accumulation, current=result
+    )
+    return lines(found, vocabulary)
 
 
 def plan_command(
@@ -92,13 +112,40 @@ def plan_command(
     settings.check("plan")
     budget, source, resolved = resolve_target(settings)
     resolved.check("plan")
-    chosen = plan_for_config(load_config(model), resolved, budget, compile_before_plan)
+    model_config = load_config(model)
+    chosen = plan_for_config(model_config, resolved, budget, compile_before_plan)
     chosen.reasons.insert(0, f"budget from {source}")
+    advice = (
+        [] if chosen.predicted_peak is not None else _plan_advice(model_config, resolved, budget)
+    )
     if json_output:
-        print(json.dumps(chosen.to_event(), indent=2, default=str))
+        print(json.dumps({**chosen.to_event(), "advice": advice}, indent=2, default=str))
     else:
         render_plan(chosen, settings.seq, console)
+        if chosen.predicted_peak is None:
+            render_advice(advice, console)
     return 3 if chosen.predicted_peak is None else 0
+
+
+def _plan_advice(model_config: Any, settings: Settings, budget: int | None) -> list[str]:
+    """When nothing fits: the advisor on the smallest run the plan tried (one sample,
+    checkpointed unless --checkpointing off, the chunked loss), in the flags' words."""
+    from steadytrain.memory.advice import FLAGS
+    from steadytrain.memory.estimate import estimate
+
+    if budget is None:
+        return []
+    ckpt = settings.activation_checkpointing
+    smallest = dataclasses.replace(
+        settings,
+        micro_batch_size=1,
+        checkpointing=ckpt != "off",
+        offload=ckpt == "offload",
+        chunked_loss=True,
+    )
+    result = estimate(model_config, smallest)
+    result.budget = budget
+    return advice_for(model_config, result, FLAGS, settings.effective_batch_size)
 
 
 def compile_before_plan(model, device_type: str):
@@ -141,7 +188,7 @@ def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
     return device.budget, f"{device.torch_device} budget ({device.name})", resolved
 
 
-def render_estimate(result: Estimate, console=None) -> None:
+def render_estimate(result: Estimate, console=None, advice: list[str] | None = None) -> None:
     from rich.table import Table
 
     console = console or readable_console()
@@ -190,9 +237,9 @@ def render_estimate(result: Estimate, console=None) -> None:
         else:
             console.print(
                 f"[red]does not fit[/]: needs {format_bytes(result.total)}, "
-                f"{format_bytes(result.total - result.budget)} over {budget}. Knobs: "
-                + ", ".join(_knobs(result))
+                f"{format_bytes(result.total - result.budget)} over {budget}."
             )
+            render_advice(advice or [], console)
     else:
         console.print(f"budget unknown ({result.budget_source}); pass --memory 16GiB")
     for note in result.notes:
@@ -203,32 +250,20 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def _knobs(result: Estimate) -> list[str]:
-    s = result.settings
-    knobs = []
-    if s.micro_batch_size > 1:
-        knobs.append("a smaller --micro-batch (with accumulation)")
-    if not s.checkpointing:
-        knobs.append("--checkpointing")
-    elif s.device_type == "cuda" and not s.offload:
-        knobs.append("--offload")
-    compiles_here = s.device_type != "mps" and family_share(result.shape.family) < 1.0
-    if not s.compiled and not s.checkpointing and compiles_here:
-        knobs.append("--compile (compile: true)")
-    if not s.chunked_loss and s.micro_batch_size * s.seq > s.chunk_tokens:
-        knobs.append("--chunked-loss")
-    knobs.append("a shorter --seq")
-    if s.method == "full":
-        knobs.append("--method lora")
-    elif s.lora_r > 8:
-        knobs.append("a lower --lora-r")
-    if s.weights_dtype == "fp32":
-        knobs.append("--weights-dtype bf16" if s.method == "lora" else "--precision bf16")
-    if s.device_type == "cuda" and s.method == "lora" and not s.load_in_4bit:
-        knobs.append("--load-in-4bit --weights-dtype bf16")
-    if s.device_type == "cuda" and s.optimizer == "adamw":
-        knobs.append("--optimizer adamw8bit")
-    return knobs
+def render_advice(advice: list[str], console=None) -> None:
+    """The advisor's lines under a "does not fit", or what is left when no setting helps."""
+    console = console or readable_console()
+    if not advice:
+        console.print(
+            "No setting this run has left lowers the estimate: a smaller model, or a machine "
+            "with more memory.",
+            markup=False,
+            highlight=False,
+        )
+        return
+    console.print("What would change it (the estimate at each):", markup=False, highlight=False)
+    for line in advice:
+        console.print(f"  {line}", markup=False, highlight=False)
 
 
 def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:

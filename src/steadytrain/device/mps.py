@@ -85,9 +85,27 @@ class MPSBackend:
         torch.mps.synchronize()
 
     def autocast_probe(self, index: int, dtype: torch.dtype) -> torch.dtype:
+        """The autocast matmul and backward; for fp16 also one GradScaler step, which fp16
+        training takes every step: a torch whose scaler cannot step on MPS (its unscale kernel
+        is missing there) fails here, so fp16 is refused before anything loads."""
         produced = run_autocast_matmul(torch.device("mps"), dtype)
+        if dtype == torch.float16:
+            step_grad_scaler(torch.device("mps"))
         torch.mps.synchronize()
         return produced
+
+
+def step_grad_scaler(torch_device: torch.device) -> None:
+    """One fp16 training step through `torch.amp.GradScaler` on `torch_device`: scale, backward,
+    unscale and step, update. Raises what torch raises where its scaler cannot do that there."""
+    weight = torch.ones(8, 8, device=torch_device, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    scaler = torch.amp.GradScaler(torch_device.type)
+    with torch.autocast(torch_device.type, dtype=torch.float16):
+        loss = (weight @ weight).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def rng_available() -> bool:

@@ -181,6 +181,13 @@ class _Buffer:
     live: bool = True
 
 
+SCALER_CANNOT_STEP = (
+    "The operator 'aten::_amp_foreach_non_finite_check_and_unscale_' is not currently "
+    "implemented for the MPS device."
+)
+"""What `GradScaler.step` raises on MPS in a torch without the MPS unscale kernel."""
+
+
 class FakeMPSBackend:
     """A double of torch's MPS backend (see the module docstring for what it reproduces).
 
@@ -203,9 +210,12 @@ class FakeMPSBackend:
         environ: Mapping[str, str] | None = None,
         max_buffer_size: int | None = None,
         autocast_dtypes: Iterable[torch.dtype] = (torch.float16, torch.bfloat16),
+        scaler_steps: bool = True,
         system: FakeSystem | None = None,
         **system_kwargs,
     ) -> None:
+        """`scaler_steps=False`: a torch whose GradScaler cannot step on MPS (its unscale
+        kernel is missing there): fp16's probe fails as the real one does."""
         if mode not in self.MODES:
             raise ValueError(f"FakeMPSBackend mode {mode!r}; use one of {', '.join(self.MODES)}")
         self.mode = mode
@@ -214,6 +224,7 @@ class FakeMPSBackend:
         self.watermarks = read_watermarks(environ or {})
         self.max_buffer_size = max_buffer_size if max_buffer_size is not None else total // 2
         self.supported_autocast = frozenset(autocast_dtypes)
+        self.scaler_steps = scaler_steps
         self.system = system or FakeSystem(memsize=total, **system_kwargs)
         self._buffers: list[_Buffer] = []
         self._cached = 0
@@ -352,6 +363,8 @@ class FakeMPSBackend:
         if dtype not in self.supported_autocast:
             warnings.warn(AUTOCAST_DISABLED, UserWarning, stacklevel=2)
             return torch.float32
+        if dtype == torch.float16 and not self.scaler_steps:
+            raise NotImplementedError(SCALER_CANNOT_STEP)
         return dtype
 
     def _check_built(self) -> None:

@@ -39,9 +39,13 @@ def resolve_precision(requested: str, device: Device) -> Precision:
     dtype = _DTYPES[requested]
     if dtype not in supported:
         names = [n for n, d in _DTYPES.items() if d in supported] + ["fp32"]
+        why = next((r.reason for r in device.autocast_results if r.dtype == dtype), "")
         raise BadInputError(
             f"precision: {requested} autocast does not run on {device.torch_device} here (probed "
-            f"with a small matmul and backward); use one of: {', '.join(names)}"
+            "with a small matmul and backward"
+            + (", and a GradScaler step for fp16" if requested == "fp16" else "")
+            + (f": {why}" if why else "")
+            + f"); use one of: {', '.join(names)}"
         )
     scaler = None
     if requested == "fp16":

@@ -15,7 +15,6 @@ from steadytrain.memory.choice import Mode, choose
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Settings
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.plan import (
-    MARGINS,
     Plan,
     Room,
     accumulation_reason,
@@ -31,6 +30,11 @@ sample (a forward is about a third of forward + backward), so plain wins whereve
 ASSUMED_CHUNKED = 1.1
 """The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
 vocabulary (docs/benchmarks.md)."""
+ANALYTIC_MARGIN = 1.0
+"""Without a probe the plan takes the whole budget, as `estimate` does: the analytic total
+already carries the estimate's overhead margin (10-30 % of the peak + 512 MiB), so `--memory X`
+means the same X to both commands. `--margin` still applies when given; the device margins
+(`MARGINS`) are for the peaks a probe measures, which have no overhead in them."""
 CHECKPOINTING = {"auto": "auto", "on": True, "off": False, OFFLOAD: OFFLOAD}
 """`--checkpointing` in the config's terms (activation_checkpointing: auto, true, false,
 offload)."""
@@ -67,22 +71,33 @@ def plan_for_config(
     return analytic_plan(analytic, settings, budget)
 
 
-def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) -> Plan:
+def analytic_plan(
+    analytic: Analytic, settings: Settings, budget: int | None, chunked: bool | None = None
+) -> Plan:
     """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
-    against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`)."""
+    against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`).
+    `chunked`: the chunked loss is offered (None, as a run whose loss can chunk), in force from
+    the start (True) or never (False), as a fine-tune's `chunked_loss` says."""
     ckpt = CHECKPOINTING[settings.activation_checkpointing]
     modes = [Mode.of(ckpt if ckpt != "auto" else False)]
     modes += [Mode(True)] if ckpt == "auto" else []
-    modes += [m._replace(chunked_loss=True) for m in modes]
+    if chunked is None:
+        modes += [m._replace(chunked_loss=True) for m in modes]
+    elif chunked:
+        modes = [m._replace(chunked_loss=True) for m in modes]
     fits = {mode: _analytic_line(analytic, mode) for mode in modes}
     if budget is None:
         raise BadInputError("plan: this device's budget is unknown; pass --memory 16GiB")
-    margin = settings.plan_margin
-    margin = margin if margin is not None else MARGINS[settings.device_type]
+    margin = settings.plan_margin if settings.plan_margin is not None else ANALYTIC_MARGIN
     room = Room(settings.effective_batch_size, budget, 0, margin, settings.device_type)
+    against = (
+        f"the budget {format_bytes(budget)}"
+        if margin == 1.0
+        else f"{margin:.0%} of the budget {format_bytes(budget)}, {format_bytes(room.limit)}"
+    )
     reasons = [
-        f"no probe: the analytic total (tensors + overhead) against {margin:.0%} of the budget "
-        f"{format_bytes(budget)}, {format_bytes(room.limit)}; times are not measured, so a "
+        f"no probe: the analytic total (tensors + overhead) against {against}, as "
+        "`steadytrain estimate` compares it; times are not measured, so a "
         "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
         "--probe on the training machine to compare measured speeds)"
     ]
@@ -98,7 +113,7 @@ def analytic_plan(analytic: Analytic, settings: Settings, budget: int | None) ->
         reasons.append(
             "nothing fits, not even one sample checkpointed: see the knobs of `estimate`"
         )
-        mode, peak = Mode.of(True if ckpt == "auto" else ckpt, True), None
+        mode, peak = Mode.of(True if ckpt == "auto" else ckpt, chunked is not False), None
     else:
         reasons += [r for r in why if "samples/s" not in r]
         reasons.append(accumulation_reason(best.micro_batch_size, room.effective_batch_size))

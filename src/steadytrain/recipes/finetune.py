@@ -41,13 +41,12 @@ from steadytrain.errors import (
 )
 from steadytrain.recipes.data import (
     Collator,
-    LMLoss,
     causal_lm_loss,
     load_datasets,
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
-from steadytrain.recipes.finetune_memory import memory_line
+from steadytrain.recipes.finetune_memory import loss_for, memory_line
 from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
@@ -143,7 +142,7 @@ class FinetuneJob:
         trainer = Trainer(
             self.model,
             optimizer_factory(cfg, self.device.type),
-            LMLoss(),
+            loss_for(cfg),
             self.train_data,
             self.train_config,
             scheduler=scheduler_factory(cfg.lr_scheduler_type, warmup, total),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -283,6 +283,19 @@ class FinetuneConfig(BaseModel):
         "start, false never, 'auto' (default, not Hugging Face's false) only when one sample "
         "does not fit otherwise, so the out-of-memory ladder keeps this step; 'offload' "
         "(CUDA only) from the start, with each layer's kept input in pinned host memory.",
+    )
+    chunked_loss: Literal["auto"] | bool | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="The loss a chunk of tokens at a time, so a large vocabulary's logits never "
+        "exist all at once (docs/chunked-loss.md): true from the start (1,024 tokens a chunk), "
+        "a number for that many tokens a chunk, false never, 'auto' (default) when the planner "
+        "(micro_batch_size: auto) or the out-of-memory ladder at micro-batch 1 turns it on.",
+    )
+    fused_loss: bool = Field(
+        True,
+        description="With the chunked loss: compute it with the fused linear cross-entropy "
+        "kernel where it runs (CUDA with liger-kernel installed), which holds fewer logits; "
+        "false keeps the checkpointed chunks everywhere.",
     )
     torch_compile: Literal["auto"] | bool = Field(
         "auto",

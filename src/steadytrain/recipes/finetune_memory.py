@@ -1,24 +1,57 @@
 """A fine-tune's memory, estimated before anything loads, with the fine-tune's own settings
-(LoRA on its targets with its dropout, its precision, batch, sequence length and optimizer),
-not `steadytrain estimate`'s command-line defaults (a full fine-tune)."""
+(LoRA on its targets with its dropout, its precision, batch, sequence length, optimizer and
+savers), not `steadytrain estimate`'s command-line defaults (a full fine-tune): the start-up
+line of `steadytrain finetune`, and what `--dry-run` says the run will do (its micro-batch, its
+savers, its peak against its `memory_budget`). Where it does not fit, the advisor
+(memory/advice.py) says in the config's own keys what would, with the total each gives."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._units import format_bytes
 from steadytrain.errors import SteadytrainError
-from steadytrain.memory.estimate import Estimate, estimate
+from steadytrain.memory.advice import CONFIG, advise, lines
+from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
-from steadytrain.memory.settings import from_options
+from steadytrain.memory.settings import DEVICE_TYPES, Settings, from_options
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash"}
+PLAN_CHECKPOINTING = {True: "on", False: "off", "auto": "auto", "offload": "offload"}
+"""The config's gradient_checkpointing as the plan's --checkpointing."""
+
+
+def chunk_tokens(config: FinetuneConfig) -> int | None:
+    """Tokens per chunk of the loss from the start of the run (None: the plain loss)."""
+    value = config.chunked_loss
+    if value is True:
+        return DEFAULT_CHUNK_TOKENS
+    return None if isinstance(value, bool) or value == "auto" else int(value)
+
+
+def loss_for(config: FinetuneConfig):
+    """The fine-tune's loss as its `chunked_loss` and `fused_loss` say: chunked from the start
+    (true, or a number of tokens), never (false: the planner and the ladder find no chunked mode
+    to turn on), or when the planner or the ladder turns it on (auto)."""
+    from steadytrain.recipes.data import LMLoss
+
+    if config.chunked_loss is not False:
+        return LMLoss(chunk_tokens(config), fused=config.fused_loss)
+
+    class PlainLMLoss(LMLoss):
+        """`chunked_loss: false`: no chunked mode to switch to."""
+
+        def can_chunk(self, model: Any) -> bool:
+            return False
+
+    return PlainLMLoss(None, fused=config.fused_loss)
 
 
 def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
-    """`steadytrain estimate`'s options that describe `config`."""
+    """`steadytrain estimate`'s options that describe `config` at its start."""
     targets = config.lora.target_modules
     precision = config.precision if config.precision in ("fp32", "bf16", "fp16") else "fp32"
     optimizer = (
@@ -28,6 +61,7 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
         if config.optim == "sgd"
         else "adamw"
     )
+    chunk = chunk_tokens(config)
     return {
         "micro_batch_size": config.per_device_train_batch_size,
         "seq": config.max_seq_length,
@@ -41,7 +75,27 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
         "checkpointing": config.gradient_checkpointing in (True, "offload"),  # an upper bound
         "optimizer": optimizer,
         "attention": ATTENTION[config.attn_implementation],
+        "chunked_loss": chunk is not None,
+        "chunk_tokens": chunk or DEFAULT_CHUNK_TOKENS,
     }
+
+
+def _settings(config: FinetuneConfig, device_type: str, **options: Any) -> Settings:
+    settings = from_options("estimate", {**estimate_settings(config), **options})
+    settings.check("estimate")
+    fused = config.fused_loss and settings.chunked_loss and _fused_runs(device_type)
+    return dataclasses.replace(
+        settings,
+        device_type=device_type,
+        offload=config.gradient_checkpointing == "offload" and device_type == "cuda",
+        fused_loss=fused,
+    )
+
+
+def _fused_runs(device_type: str) -> bool:
+    from steadytrain.memory.fused_loss import fused_available
+
+    return fused_available(device_type)
 
 
 def estimate_finetune(
@@ -49,9 +103,7 @@ def estimate_finetune(
 ) -> Estimate:
     """The estimate for `config` on a `device_type` device against `budget` bytes (None: no
     verdict); `options` override estimate settings (memory_budget, device_type)."""
-    settings = from_options("estimate", {**estimate_settings(config), **options})
-    settings.check("estimate")
-    settings = dataclasses.replace(settings, device_type=device_type)
+    settings = _settings(config, device_type, **options)
     result = estimate(
         load_config(config.model_name_or_path), settings, model_name=config.model_name_or_path
     )
@@ -59,9 +111,25 @@ def estimate_finetune(
     return result
 
 
+def advice(config: FinetuneConfig, result: Estimate) -> list[str]:
+    """The advisor's lines for a fine-tune estimate that does not fit, in the config's keys."""
+    if result.fits is not False or result.budget is None:
+        return []
+    found = advise(
+        load_config(config.model_name_or_path),
+        result.settings,
+        result.budget,
+        CONFIG,
+        config.gradient_accumulation_steps,
+        current=result,
+    )
+    return lines(found, CONFIG)
+
+
 def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) -> str:
-    """One line for the start of a fine-tune: the estimated need at its micro-batch against the
-    budget, before the base loads (the planner does this itself for micro_batch_size: auto)."""
+    """The start of a fine-tune: the estimated need at its micro-batch against the budget,
+    before the base loads (the planner does this itself for micro_batch_size: auto), and where
+    it does not fit, what would (the advisor, in the config's keys)."""
     try:
         result = estimate_finetune(config, device_type, budget)
     except SteadytrainError as exc:
@@ -74,11 +142,241 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
     )
     if result.fits:
         return f"{head}: fits"
+    found = advice(config, result)
+    what = (
+        "; what would change it (the estimate at each): " + "; ".join(found)
+        if found
+        else "; no setting of this config lowers it enough: a smaller model or more memory"
+    )
     return (
-        f"{head}: does not fit; out-of-memory will halve the micro-batch (lower "
-        "per_device_train_batch_size or max_seq_length, or set gradient_checkpointing: true; "
-        "steadytrain finetune --dry-run shows the breakdown)"
+        f"{head}: does not fit; out-of-memory will halve the micro-batch{what} "
+        "(steadytrain finetune --dry-run shows the breakdown)"
     )
 
 
-__all__ = ["estimate_finetune", "estimate_settings", "memory_line"]
+def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
+    """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
+    saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
+    (RUN_DIR/training_config.json) at micro-batch 1 with those savers, against the budget the
+    run had (its fit_start event), in the config's keys. Empty where the run directory holds
+    no fine-tune config, or no budget can be found."""
+    import json
+    from pathlib import Path
+
+    from steadytrain import run_files
+    from steadytrain.telemetry.files import read_jsonl
+
+    folder = Path(run_dir)
+    written = folder / run_files.TRAINING_CONFIG
+    if not written.is_file():
+        return []
+    config = FinetuneConfig.from_dict(json.loads(written.read_text()), source=str(written))
+    starts = [e for e in read_jsonl(folder / run_files.EVENTS) if e.get("event") == "fit_start"]
+    start = starts[-1] if starts else {}
+    budget = start.get("budget")
+    if budget is None:
+        spec = config.to_train_config().budget_bytes_or_fraction()
+        budget = spec if isinstance(spec, int) else None
+    device_type = str(start.get("device") or config.to_train_config().device).split(":")[0]
+    if budget is None or device_type not in DEVICE_TYPES:
+        return []
+    settings = dataclasses.replace(
+        _settings(config, device_type),
+        micro_batch_size=1,
+        checkpointing="activation_checkpointing" in in_force
+        or config.gradient_checkpointing in (True, "offload"),
+        offload="activation_offload" in in_force,
+        chunked_loss="chunked_loss" in in_force or chunk_tokens(config) is not None,
+    )
+    result = estimate(load_config(config.model_name_or_path), settings)
+    result.budget = budget
+    found = advise(
+        load_config(config.model_name_or_path),
+        settings,
+        budget,
+        CONFIG,
+        config.gradient_accumulation_steps * config.per_device_train_batch_size,
+        current=result,
+    )
+    head = (
+        f"at micro-batch 1 the estimate is {format_bytes(result.total)} of {format_bytes(budget)}"
+    )
+    return [head, *lines(found, CONFIG)] if result.total is not None else []
+
+
+# -- what the run will do (--dry-run) ------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """Where the run trains and the budget it gets, as the run itself resolves them."""
+
+    device_type: str
+    budget: int | None
+    source: str
+
+
+def target(config: FinetuneConfig) -> Target:
+    """The run's device type and budget: its `device` and `memory_budget` resolved on this
+    machine as the run resolves them; a device type this machine lacks (planning for a Mac on
+    another machine) takes `memory_budget` as given (a size: its bytes; auto or a fraction:
+    unknown there)."""
+    from steadytrain.device import resolve_device
+    from steadytrain.errors import DeviceUnavailableError
+
+    train = config.to_train_config()
+    spec = train.budget_bytes_or_fraction()
+    named = train.device.split(":")[0]
+    written = f"memory_budget: {train.memory_budget}"
+    try:
+        device = resolve_device(train.device, spec)
+    except DeviceUnavailableError:
+        if named not in DEVICE_TYPES:
+            raise
+        budget = spec if isinstance(spec, int) else None
+        return Target(named, budget, f"{written}, for a {named} device (not this machine's)")
+    source = (
+        written if isinstance(spec, int) else f"{written}: {device.torch_device} ({device.name})"
+    )
+    return Target(device.type, device.budget, source)
+
+
+@dataclass
+class RunPlan:
+    """What the run will do with its memory: the micro-batch and savers at its start and the
+    estimated total against its budget."""
+
+    micro_batch_size: int
+    accumulation: int
+    checkpointing: bool | str
+    chunked_loss: int | None
+    total: int | None
+    budget: int | None
+    how: str
+    """How the micro-batch is decided ("set by per_device_train_batch_size", "planned ...")."""
+    later: list[str]
+    """What the run may still turn on (the ladder's savers with auto)."""
+
+    @property
+    def fits(self) -> bool | None:
+        if self.total is None or self.budget is None:
+            return None
+        return self.total <= self.budget
+
+    def describe(self) -> list[str]:
+        checkpointing = {
+            True: "on",
+            False: "off",
+            "offload": "on, its kept inputs in host memory",
+        }[self.checkpointing]
+        chunked = f"on ({self.chunked_loss} tokens a chunk)" if self.chunked_loss else "off"
+        lines = [
+            f"micro-batch {self.micro_batch_size} × {self.accumulation} accumulation ({self.how})",
+            f"savers: activation checkpointing {checkpointing}; chunked loss {chunked}"
+            + (f"; later, if memory runs out: {', '.join(self.later)}" if self.later else ""),
+        ]
+        if self.total is not None and self.budget is not None:
+            verdict = "fits" if self.fits else "does not fit"
+            lines.append(
+                f"peak: estimated {format_bytes(self.total)} of {format_bytes(self.budget)}: "
+                f"{verdict}"
+            )
+        elif self.total is not None:
+            lines.append(f"peak: estimated {format_bytes(self.total)} (budget unknown)")
+        return lines
+
+
+def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
+    """What the run will do at its start, and the estimate of it: the config's micro-batch and
+    savers, or, with micro_batch_size: auto, the plan from the estimate (the run itself probes
+    on the device, on CUDA measuring; the analytic plan is its preview)."""
+    train = config.to_train_config()
+    accumulation = config.gradient_accumulation_steps
+    later = []
+    if config.gradient_checkpointing == "auto":
+        later.append("activation checkpointing (gradient_checkpointing: auto)")
+    if config.chunked_loss == "auto":
+        later.append("the chunked loss (chunked_loss: auto)")
+    if train.micro_batch_size != "auto":
+        result = estimate_finetune(config, where.device_type, where.budget)
+        plan = RunPlan(
+            config.per_device_train_batch_size,
+            accumulation,
+            config.gradient_checkpointing if config.gradient_checkpointing != "auto" else False,
+            chunk_tokens(config),
+            result.total,
+            where.budget,
+            "per_device_train_batch_size; out-of-memory halves it",
+            later,
+        )
+        return plan, result
+    return _auto_plan(config, where, later)
+
+
+def _auto_plan(config: FinetuneConfig, where: Target, later: list[str]) -> tuple[RunPlan, Estimate]:
+    from steadytrain.memory.analytic import Analytic
+    from steadytrain.memory.config_plan import analytic_plan
+
+    base = _settings(config, where.device_type)
+    effective = config.effective_batch_size // config.world_size
+    settings = dataclasses.replace(
+        base,
+        effective_batch_size=effective,
+        activation_checkpointing=PLAN_CHECKPOINTING[config.gradient_checkpointing],
+        micro_batch_sizes=config.to_train_config().micro_batch_sizes,
+    )
+    model = load_config(config.model_name_or_path)
+    chunk = chunk_tokens(config)
+    chunked = None if config.chunked_loss == "auto" else chunk is not None
+    if where.budget is None:
+        result = estimate(model, base, model_name=config.model_name_or_path)
+        plan = RunPlan(1, effective, False, chunk, result.total, None, "budget unknown", later)
+        return plan, result
+    chosen = analytic_plan(Analytic(model, settings, strict=True), settings, where.budget, chunked)
+    micro = chosen.micro_batch_size
+    used = dataclasses.replace(
+        base,
+        micro_batch_size=micro,
+        checkpointing=bool(chosen.checkpointing),
+        offload=chosen.offload,
+        chunked_loss=chosen.chunked_loss,
+    )
+    result = estimate(model, used, model_name=config.model_name_or_path)
+    result.budget = where.budget
+    plan = RunPlan(
+        micro,
+        chosen.accumulation,
+        chosen.activation_checkpointing,
+        (chunk or DEFAULT_CHUNK_TOKENS) if chosen.chunked_loss else None,
+        result.total,
+        where.budget,
+        "micro_batch_size: auto, planned from the estimate; "
+        + (
+            "the run measures on the device first"
+            if where.device_type == "cuda"
+            else "the run plans the same way"
+        ),
+        [item for item in later if not _in_force(item, chosen)],
+    )
+    return plan, result
+
+
+def _in_force(item: str, chosen: Any) -> bool:
+    return ("checkpointing" in item and chosen.checkpointing) or (
+        "chunked" in item and chosen.chunked_loss
+    )
+
+
+__all__ = [
+    "RunPlan",
+    "Target",
+    "advice",
+    "chunk_tokens",
+    "estimate_finetune",
+    "estimate_settings",
+    "loss_for",
+    "memory_line",
+    "run_advice",
+    "run_plan",
+    "target",
+]

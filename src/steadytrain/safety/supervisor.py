@@ -663,10 +663,8 @@ class Supervisor:
         resume = f"step {step}" if step is not None else "the start"
         self._say(
             f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
-            f"{'; '.join(tried)}. What would help: shorter sequences, 16-bit weights (precision: "
-            "bf16, or a fine-tune's bf16: true), a smaller model or LoRA rank, closing other "
-            "programs that hold memory, or a machine with more memory; `steadytrain estimate` "
-            f"gives the peak of each. Run again to resume from {resume}"
+            f"{'; '.join(tried)}. What would help: {_advice(folder, savers['in_force'])}. Run "
+            f"again to resume from {resume}"
         )
         self._record(
             "supervisor_end",
@@ -796,3 +794,24 @@ def _positive_int(text: str | None) -> int | None:
     except ValueError:
         return None
     return value if value and value >= 1 else None
+
+GENERAL_ADVICE = (
+    "shorter sequences, 16-bit weights (precision: bf16, or a fine-tune's bf16: true), a smaller "
+    "model or LoRA rank, closing other programs that hold memory, or a machine with more memory; "
+    "`steadytrain estimate` gives the peak of each"
+)
+
+
+def _advice(run_dir: Path | None, in_force: list[str]) -> str:
+    """What would make a killed run fit: for a fine-tune, the advisor on its own config
+    (memory/advice.py, through recipes/finetune_memory.py: each key and value with the total
+    it gives); for any other program, or where its model cannot be read, the general list."""
+    if run_dir is None:
+        return GENERAL_ADVICE
+    try:
+        from steadytrain.recipes.finetune_memory import run_advice
+
+        found = run_advice(run_dir, list(in_force))
+    except Exception:  # noqa: BLE001 - advice must never stop the supervisor's last word
+        return GENERAL_ADVICE
+    return "; ".join(found) if found else GENERAL_ADVICE

@@ -1,0 +1,227 @@
+"""What would make a run fit, worked out on its own model and settings: every knob the run has
+not set yet is tried with the estimator (`memory.estimate`), and the ones that lower the total
+are listed, those that fit first (the most room left first), each with the total it gives:
+
+    `bf16: true` → 12.9 GiB of 16.0 GiB: fits
+    `max_seq_length: 1024` → 18.8 GiB of 16.0 GiB: still over
+
+When no knob fits alone, the knobs are combined, the largest saving first, until the run fits,
+and the combination leads the list. One advisor for every place that says "does not fit":
+`steadytrain estimate` and `plan` (in their flags' words), `steadytrain finetune` at start-up and
+its `--dry-run`, and the supervisor's exit 3 after the OS killed a run with every saver in force
+(in the fine-tune config's words: recipes/finetune_config.py field names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from steadytrain.memory.compiled import family_share
+from steadytrain.memory.estimate import Estimate, estimate
+from steadytrain.memory.settings import Settings
+
+CONFIG, FLAGS = "config", "flags"
+"""The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
+MIN_SEQ = 256
+"""The shortest sequence the advisor proposes (halving the config's length down to it)."""
+LISTED = 6
+"""At most this many pieces of advice (the fitting ones and the best of the rest)."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One change: the settings fields it sets, and how a config and the command line say it."""
+
+    changes: dict[str, Any]
+    """Settings field -> value."""
+    config: tuple[tuple[str, Any], ...]
+    """(fine-tune config key, value) pairs; empty where a fine-tune config has no such key."""
+    flags: str
+    alters: bool = False
+    """It changes what is trained (shorter samples, a smaller adapter, a quantized base), not
+    only how: offered after the knobs that leave the training the same."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    knobs: tuple[Knob, ...]
+    total: int
+    budget: int
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    def keys(self, vocabulary: str = CONFIG) -> str:
+        """The change as the config (`bf16: true`) or the command line (`--precision bf16`)
+        writes it."""
+        if vocabulary == CONFIG:
+            pairs = [pair for k in self.knobs for pair in k.config]
+            return ", ".join(f"`{key}: {_value(value)}`" for key, value in pairs)
+        return " ".join(f"`{k.flags}`" for k in self.knobs)
+
+    def describe(self, vocabulary: str = CONFIG) -> str:
+        verdict = "fits" if self.fits else "still over"
+        return f"{self.keys(vocabulary)} → {_gib(self.total)} of {_gib(self.budget)}: {verdict}"
+
+
+def advise(
+    config: Any,
+    settings: Settings,
+    budget: int,
+    vocabulary: str = CONFIG,
+    accumulation: int = 1,
+    current: Estimate | None = None,
+) -> list[Advice]:
+    """The knobs that lower the estimated total of training `config` (a model config) under
+    `settings` against `budget` bytes, fitting ones first. `accumulation`: the config's
+    gradient accumulation, kept with a smaller micro-batch so the effective batch stays."""
+    base = current or estimate(config, settings)
+    if base.total is None:
+        return []
+    found: list[Advice] = []
+    for knob in knobs(config, settings, budget, vocabulary, accumulation):
+        total = _total(config, settings, knob.changes)
+        if total is not None and total < base.total:
+            found.append(Advice((knob,), total, budget))
+    found.sort(key=lambda a: (not a.fits, a.knobs[0].alters, a.total))
+    if found and not found[0].fits:
+        combined = _combined(config, settings, budget, found)
+        if combined is not None:
+            found.insert(0, combined)
+    return found[:LISTED]
+
+
+def lines(advice: list[Advice], vocabulary: str = CONFIG) -> list[str]:
+    """One line per piece of advice, for a message."""
+    return [a.describe(vocabulary) for a in advice]
+
+
+def knobs(
+    config: Any, s: Settings, budget: int, vocabulary: str = CONFIG, accumulation: int = 1
+) -> list[Knob]:
+    """The knobs `s` has not set yet, each once, in the vocabulary's reach (a knob a fine-tune
+    config cannot express is left out of its advice)."""
+    found: list[Knob] = []
+    lora = s.method == "lora"
+    if s.weights_dtype == "fp32" and lora:
+        flags = ("--precision bf16 " if s.precision == "fp32" else "") + "--weights-dtype bf16"
+        changes = {
+            "weights_dtype": "bf16",
+            **({"precision": "bf16"} if s.precision == "fp32" else {}),
+        }
+        found.append(Knob(changes, (("bf16", True),), flags))
+    elif s.precision == "fp32":
+        found.append(Knob({"precision": "bf16"}, (("precision", "bf16"),), "--precision bf16"))
+    if not s.checkpointing:
+        found.append(
+            Knob({"checkpointing": True}, (("gradient_checkpointing", True),), "--checkpointing")
+        )
+    elif s.device_type == "cuda" and not s.offload:
+        found.append(Knob({"offload": True}, (("gradient_checkpointing", "offload"),), "--offload"))
+    if not s.chunked_loss and s.micro_batch_size * s.seq > s.chunk_tokens:
+        found.append(Knob({"chunked_loss": True}, (("chunked_loss", True),), "--chunked-loss"))
+    if (
+        not s.compiled
+        and not s.checkpointing
+        and s.device_type != "mps"
+        and family_share(_family(config)) < 1.0
+    ):
+        found.append(Knob({"compiled": True}, (("torch_compile", True),), "--compile"))
+    if s.micro_batch_size > 1:
+        micro = _largest(config, s, budget, "micro_batch_size", s.micro_batch_size, 1, 1)
+        steps = accumulation * s.micro_batch_size // micro
+        found.append(
+            Knob(
+                {"micro_batch_size": micro},
+                (("per_device_train_batch_size", micro), ("gradient_accumulation_steps", steps)),
+                f"--micro-batch {micro}",
+            )
+        )
+    if s.seq > MIN_SEQ:
+        seq = _largest(config, s, budget, "seq", s.seq, MIN_SEQ, s.seq // 2)
+        found.append(Knob({"seq": seq}, (("max_seq_length", seq),), f"--seq {seq}", alters=True))
+    if lora and s.lora_r > 8:
+        found.append(Knob({"lora_r": 8}, (("lora.r", 8),), "--lora-r 8", alters=True))
+    if not lora:
+        found.append(Knob({"method": "lora"}, (), "--method lora", alters=True))
+    if s.device_type == "cuda" and lora and not s.load_in_4bit:
+        dtype = {"weights_dtype": "bf16", "precision": "bf16"} if s.weights_dtype == "fp32" else {}
+        found.append(
+            Knob(
+                {"load_in_4bit": True, **dtype},
+                (("quantization.load_in_4bit", True),) + ((("bf16", True),) if dtype else ()),
+                "--load-in-4bit" + (" --precision bf16 --weights-dtype bf16" if dtype else ""),
+                alters=True,
+            )
+        )
+    if s.device_type == "cuda" and s.optimizer == "adamw":
+        found.append(
+            Knob(
+                {"optimizer": "adamw8bit"}, (("optim", "adamw_bnb_8bit"),), "--optimizer adamw8bit"
+            )
+        )
+    return [k for k in found if vocabulary != CONFIG or k.config]
+
+
+def _largest(
+    config: Any, s: Settings, budget: int, field: str, start: int, least: int, otherwise: int
+) -> int:
+    """The largest halving of `start` (down to `least`) at which the run fits; `otherwise`
+    when none does."""
+    value = start // 2
+    while value >= least:
+        total = _total(config, s, {field: value})
+        if total is not None and total <= budget:
+            return value
+        value //= 2
+    return max(otherwise, least)
+
+
+def _combined(config: Any, s: Settings, budget: int, found: list[Advice]) -> Advice | None:
+    """No knob fits alone: the knobs together, the largest saving first, until the run fits
+    (None when even all of them do not, or the first alone is all there is)."""
+    chosen: list[Knob] = []
+    changes: dict[str, Any] = {}
+    fields: set[str] = set()
+    for advice in sorted(found, key=lambda a: (a.knobs[0].alters, a.total)):
+        knob = advice.knobs[0]
+        if fields & set(knob.changes):
+            continue  # two values of one setting (micro-batch and 4-bit's dtype): the first
+        trial = {**changes, **knob.changes}
+        try:
+            total = _total(config, s, trial)
+        except Exception:  # noqa: BLE001  a combination the settings refuse is not advised
+            continue
+        if total is None:
+            continue
+        chosen.append(knob)
+        changes, fields = trial, fields | set(knob.changes)
+        if total <= budget:
+            return Advice(tuple(chosen), total, budget) if len(chosen) > 1 else None
+    return None
+
+
+def _total(config: Any, s: Settings, changes: dict[str, Any]) -> int | None:
+    return estimate(config, dataclasses.replace(s, **changes)).total
+
+
+def _family(config: Any) -> str:
+    from steadytrain.memory.model_shape import shape_of
+
+    return shape_of(config).family
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _gib(n: int) -> str:
+    """A size at the precision the advice needs: GiB to a tenth, MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+__all__ = ["CONFIG", "FLAGS", "Advice", "Knob", "advise", "knobs", "lines"]

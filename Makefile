@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build.
 CPU_TORCH := $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo torch==2.13.0)
 
-.PHONY: demo quickstart test test-all lint format clean
+.PHONY: demo quickstart test test-all test-tensorflow lint format clean
 
 # Two levels: the demo's (steadytrain with the `demo` extra: transformers, peft, matplotlib) and,
 # on top, the developer tools `make test` needs (the `dev` extra: pytest, ruff, tensorboard).
@@ -50,6 +50,22 @@ test: $(VENV)/.installed  ## lint and the test suite (GPU tests skip without CUD
 
 test-all: $(VENV)/.installed  ## the test suite with the slow sweeps (50-kill storm, long resume sweeps)
 	$(PYTEST) -m "slow or not slow"
+
+# Keras on TensorFlow: TensorFlow goes into a venv of its own with steadytrain and what it needs
+# besides torch (no torch there: what a TensorFlow user installs, docs/integrations.md); the tests
+# run from .venv and start their training processes with that venv's Python.
+TF_VENV ?= .venv-tf
+TF_PACKAGE := $(shell [ "$$(uname -s)" = Linux ] && echo tensorflow-cpu || echo tensorflow)
+
+$(TF_VENV)/.installed: pyproject.toml
+	python3 -m venv $(TF_VENV)
+	$(TF_VENV)/bin/pip install -q --no-compile $(TF_PACKAGE) "keras>=3.3" numpy safetensors \
+		pydantic pyyaml typer rich psutil matplotlib
+	$(TF_VENV)/bin/pip install -q --no-compile --no-deps -e .
+	touch $@
+
+test-tensorflow: $(VENV)/.installed $(TF_VENV)/.installed  ## the Keras-on-TensorFlow tests (not in `make test`: TensorFlow is ~600 MB)
+	STEADYTRAIN_TF_PYTHON=$(CURDIR)/$(TF_VENV)/bin/python $(PYTEST) -m tensorflow tests/test_keras_tensorflow.py
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples

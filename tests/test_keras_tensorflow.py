@@ -1,0 +1,157 @@
+"""Keras 3 on TensorFlow with `SteadytrainCallback`, for real: the training processes run under a
+Python that has TensorFlow and no torch (`STEADYTRAIN_TF_PYTHON`; `make test-tensorflow` builds
+.venv-tf and sets it), driven from this suite's own environment (`steadytrain run`, the report).
+
+What they show: the callback imports and runs without torch; a SIGKILL with Dropout resumes to
+the uninterrupted run's weights bit for bit; each metrics line holds its batch's own loss and size;
+TensorFlow's real out-of-memory (`ResourceExhaustedError`, recognised by type) ends the attempt
+with exit 76 and `steadytrain run` restarts it with half the batch, which then finishes.
+
+Without such a Python every test here is skipped (CI has no TensorFlow: its install is ~600 MB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import WORKLOADS, real_oom
+from integration_helpers import (
+    SUPERVISOR,
+    events,
+    finish,
+    kill_child,
+    report,
+    steps_logged,
+    wait_for,
+    workload_env,
+)
+
+from steadytrain.telemetry.files import read_jsonl
+
+
+def tensorflow_python() -> str | None:
+    python = os.environ.get("STEADYTRAIN_TF_PYTHON")
+    return python if python and Path(python).is_file() else None
+
+
+TF_PYTHON = tensorflow_python()
+pytestmark = [
+    pytest.mark.tensorflow,
+    pytest.mark.skipif(
+        TF_PYTHON is None,
+        reason="TensorFlow is not installed here: `make test-tensorflow` builds .venv-tf "
+        "(tensorflow-cpu, keras, no torch) and runs these with STEADYTRAIN_TF_PYTHON set",
+    ),
+]
+
+ANY = "keras_any.py"  # two Dropout layers, 3 epochs of 5 batches (8, 8, 8, 8, 4)
+
+
+def tf_env(**extra: str) -> dict[str, str]:
+    return workload_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+def tf_command(run_dir: Path, *args: str) -> list[str]:
+    return [TF_PYTHON, str(WORKLOADS / ANY), str(run_dir), *args]
+
+
+def run_tf(run_dir: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        tf_command(run_dir, *args), capture_output=True, text=True, timeout=300, env=tf_env(**env)
+    )
+
+
+def start_tf_supervised(run_dir: Path, *args: str, **env: str) -> subprocess.Popen:
+    """`steadytrain run` (this suite's Python) over the TensorFlow Python's training process."""
+    return subprocess.Popen(
+        [*SUPERVISOR, "--run-dir", str(run_dir), "--", *tf_command(run_dir, *args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=tf_env(**env),
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted fit on TensorFlow: 3 epochs, a checkpoint at each epoch end."""
+    run_dir = tmp_path_factory.mktemp("keras-tf") / "reference"
+    proc = run_tf(run_dir)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def weights(run_dir: Path) -> dict[str, np.ndarray]:
+    with np.load(run_dir / "weights.npz") as saved:
+        return {name: saved[name] for name in saved.files}
+
+
+def test_importing_and_running_the_callback_loads_no_torch(reference):
+    code = (
+        "import sys, steadytrain.integrations.keras as k, keras; "
+        "print('torch' in sys.modules, issubclass(k.SteadytrainCallback, keras.callbacks.Callback))"
+    )
+    proc = subprocess.run(
+        [TF_PYTHON, "-c", code], capture_output=True, text=True, timeout=300, env=tf_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+    result = json.loads((reference / "result.json").read_text())
+    assert result["torch_loaded"] is False  # after a whole fit with checkpoints
+    start = events(reference, "fit_start")[0]
+    assert start["config"]["backend"] == "tensorflow" and start["device"] == "cpu"
+
+
+def test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit(tmp_path: Path, reference):
+    """Both Dropout layers draw from Keras SeedGenerators on TensorFlow: without their states in
+    the checkpoint the restarted run's masks (and weights) differ."""
+    run_dir = tmp_path / "killed"
+    proc = start_tf_supervised(run_dir, "--slow", "0.3")
+    wait_for(lambda: steps_logged(run_dir) >= 7, "step 7 (second epoch) of the first attempt")
+    kill_child(run_dir)
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    assert [r["signal"] for r in events(run_dir, "restart")] == ["SIGKILL"]
+    resumed = events(run_dir, "resume")[0]["checkpoint"]
+    assert resumed.endswith(("step-00000005", "step-00000010")), resumed
+    mine, uninterrupted = weights(run_dir), weights(reference)
+    assert mine.keys() == uninterrupted.keys()
+    for name in mine:
+        assert np.array_equal(mine[name], uninterrupted[name]), name
+
+
+def test_each_metrics_line_holds_its_own_batchs_loss_and_size(reference):
+    """Keras on TensorFlow reports the epoch's running mean per batch; the lines hold each
+    batch's own loss, which, weighted by the sizes, averages to the epoch's loss."""
+    rows = read_jsonl(reference / "metrics.jsonl")
+    assert [r["samples"] for r in rows] == [8, 8, 8, 8, 4] * 3
+    assert all(r["micro_batch_size"] == r["samples"] and r["micro_steps"] == 1 for r in rows)
+    result = json.loads((reference / "result.json").read_text())
+    for epoch, expected in enumerate(result["epoch_losses"]):
+        lines = [r for r in rows if r["epoch"] == epoch]
+        mean = sum(r["loss"] * r["samples"] for r in lines) / sum(r["samples"] for r in lines)
+        assert mean == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_real_out_of_memory_exits_76_and_the_restart_at_half_the_batch_finishes(
+    tmp_path: Path,
+):
+    """A first layer 65536 wide: a batch of 256 needs more than the address-space cap leaves,
+    128 fits. oneDNN is off: its kernels fail under the cap with their own error ("could not
+    execute a primitive") before TensorFlow's allocator says out of memory."""
+    run_dir = tmp_path / "oom"
+    args = ("--width", "65536", "--samples", "512", "--batch", "256", "--epochs", "2")
+    proc = start_tf_supervised(run_dir, *args, "--limit-mib", "300", TF_ENABLE_ONEDNN_OPTS="0")
+    code, _out, err = finish(proc)
+    assert code == 0, err
+    ooms = events(run_dir, "oom")
+    assert len(ooms) == 1 and real_oom(ooms[0]["error"]), ooms
+    assert ooms[0]["kind"] == "tf.errors.ResourceExhaustedError"  # by type: TensorFlow loaded
+    assert ooms[0]["micro_batch_size"] == 256
+    assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
+    assert json.loads((run_dir / "result.json").read_text())["batch"] == 128
+    assert "1 out-of-memory" in report(run_dir).stdout

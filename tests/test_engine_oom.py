@@ -7,11 +7,15 @@ is capped (RLIMIT_AS) a little above its size after a warm-up step.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
-from conftest import MALLOC_ENV, real_oom, run_workload
+from conftest import MALLOC_ENV, WORKLOADS, real_oom, run_workload
 
 from steadytrain.telemetry.files import read_jsonl
 
@@ -117,3 +121,59 @@ def test_surviving_leaves_no_growing_memory(tmp_path: Path, limit: str):
     assert len(metrics) == 6
     rss = [m["mem_rss"] for m in metrics[1:]]
     assert max(rss) - min(rss) < 64 * 2**20
+
+
+def glibc_defaults(script: str, *args: str, timeout: float = 300):
+    """Run a workload as a user who sets no MALLOC_* variable would (glibc's default malloc)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "STEADYTRAIN_"))}
+    return forkserver.run(
+        [sys.executable, str(WORKLOADS / script), *args],
+        timeout=timeout,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_under_ulimit_v_a_shrink_that_does_not_help_exits_76_not_does_not_fit(tmp_path: Path):
+    """Under RLIMIT_AS with glibc's default malloc, the memory a failed attempt freed stays in
+    the address space: the in-process ladder used to fall to micro-batch 1 and call the run
+    "does not fit" (exit 3) where a fresh process trains. Now the second out-of-memory of a
+    step, after a shrink, exits 76 (a fresh process restarts smaller), naming why."""
+    proc = glibc_defaults(
+        "wide_mlp.py", str(tmp_path / "run"), "--limit-mib", "200", "--steps", "2"
+    )
+    assert proc.returncode == 76, proc.stderr
+    assert "does not fit" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "ulimit -v" in proc.stderr and "steadytrain run" in proc.stderr
+    assert "MALLOC_ARENA_MAX=1" in proc.stderr
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    ooms = [e for e in events if e["event"] == "oom"]
+    shrinks = [(e["old"], e["new"]) for e in events if e["event"] == "shrink"]
+    assert len(ooms) == len(shrinks) + 1 and all(real_oom(e["error"]) for e in ooms)
+    assert ooms[-1]["micro_batch_size"] == shrinks[-1][1] >= 2  # stopped before micro-batch 1
+
+
+@pytest.mark.slow
+def test_under_ulimit_v_steadytrain_run_finishes_where_the_ladder_said_does_not_fit(
+    tmp_path: Path,
+):
+    """Under `steadytrain run`, an exit 76 restarts a fresh process at half the micro-batch
+    that failed, and the run finishes. (Under 200 MiB the chain may end at micro-batch 1 that
+    does not fit even fresh, a true exit 3; 300 leaves room for micro-batch 8.)"""
+    run_dir = tmp_path / "run"
+    workload = [sys.executable, str(WORKLOADS / "wide_mlp.py"), str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "STEADYTRAIN_"))}
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)),
+            *("--backoff-initial", "0.05", "--", *workload, "--limit-mib", "300", "--steps", "2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "does not fit" not in proc.stderr
+    restarts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert restarts and all(r["exit_code"] == 76 for r in restarts), restarts
+    assert json.loads((run_dir / "result.json").read_text())["steps"] == 2

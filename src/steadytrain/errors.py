@@ -86,6 +86,15 @@ class RankOutOfMemory(SteadytrainError):
     exit_code = SHRINK_EXIT
 
 
+class FreshProcessOutOfMemory(SteadytrainError):
+    """Out of memory again after a shrink, in a process whose freed memory may stay held (CPU
+    under an address-space limit, `ulimit -v`, with glibc's default malloc): this process
+    cannot tell what a smaller micro-batch needs, so it exits `SHRINK_EXIT` and
+    `steadytrain run` restarts it smaller, in a fresh process, from the last checkpoint."""
+
+    exit_code = SHRINK_EXIT
+
+
 class CheckpointError(BadInputError):
     """A checkpoint cannot be written, found or read; the message names the folder and file."""
 

@@ -15,6 +15,9 @@ gradient is divided by the batch's total count, so padding and uneven splits do 
 from __future__ import annotations
 
 import numbers
+import os
+import resource
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -38,6 +41,7 @@ from steadytrain.engine.sharding import set_gradient_sync
 from steadytrain.errors import (
     BadInputError,
     DoesNotFitError,
+    FreshProcessOutOfMemory,
     OptimizerStateTouched,
     RankOutOfMemory,
     UserCodeError,
@@ -341,6 +345,7 @@ class StepRunner:
         self.non_blocking = device.type == "cuda"
         self._phase = "idle"
         self._versions_before_optimizer: dict | None = None
+        self._shrinks_before_step = 0
 
     # -- the step -------------------------------------------------------------------------
 
@@ -352,6 +357,7 @@ class StepRunner:
         rng = get_rng_state()
         carried = snapshot(self.user_state)
         statistics = [b.clone() for b in self.norm_statistics]
+        self._shrinks_before_step = self.state.shrink_count
 
         def recover(oom: OutOfMemory) -> None:
             self._recover(oom)
@@ -579,6 +585,10 @@ class StepRunner:
             Event.OOM,
             {**failure, "micro_batch_size": self.state.micro_batch_size, "memory": memory},
         )
+        if self.state.shrink_count > self._shrinks_before_step and _freed_memory_stays_held(
+            self.device
+        ):
+            raise FreshProcessOutOfMemory(self._shrink_did_not_help(failure))
         if self.shrink(f"out of memory in {failure['phase']}", memory):
             return
         rung = self.savers.next_rung("out of memory at micro-batch 1") if self.savers else None
@@ -633,6 +643,18 @@ class StepRunner:
             ):
                 del self.optimizer.state[param]
 
+    def _shrink_did_not_help(self, failure: dict) -> str:
+        micro = self.state.micro_batch_size
+        return (
+            f"out of memory again at micro-batch {micro} in {failure['phase']} (step "
+            f"{self.state.step + 1}), after a smaller micro-batch in this same process: under an "
+            "address-space limit (ulimit -v), glibc's malloc keeps the memory the failed attempts "
+            "freed, so this process cannot tell what a smaller size needs. Exiting 76: "
+            f"`steadytrain run` restarts the run at micro-batch {max(1, micro // 2)} in a fresh "
+            "process from its last checkpoint. To keep shrinking in one process, start it with "
+            "MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns freed memory)."
+        )
+
     def _does_not_fit(self, failure: dict, memory: dict) -> str:
         in_use = memory.get("peak") or memory.get("allocated") or memory.get("rss")
         requested = failure.get("requested")
@@ -650,3 +672,15 @@ class StepRunner:
             "model (CUDA), precision 'bf16' or 'fp16', a smaller model, or closing other programs "
             "to give the run more memory."
         )
+
+
+def _freed_memory_stays_held(device: Device) -> bool:
+    """Whether memory a failed attempt freed may stay in this process's address space and count
+    against its limit: CPU on Linux under RLIMIT_AS (`ulimit -v`), with glibc's default malloc
+    (per-thread arenas, a moving mmap threshold). `malloc_trim` does not help (it returns pages,
+    not address space); MALLOC_ARENA_MAX and MALLOC_MMAP_THRESHOLD_ set together do."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    if os.environ.get("MALLOC_ARENA_MAX") and os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return False
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY

@@ -367,15 +367,22 @@ def _server(env: dict[str, str]) -> _Server:
 
 
 def torchrun_command(
-    script: Path, *args: str, nproc: int = 2, env: dict[str, str] | None = None
+    script: Path,
+    *args: str,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    fork_ranks: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """`torchrun --nproc_per_node NPROC SCRIPT ARGS` on a free port, with its ranks forked from
     the server for `env` (tests/forkrank.py before the script); returns the command and the
-    environment to run it with (`env` plus the server's socket)."""
+    environment to run it with (`env` plus the server's socket).
+
+    fork_ranks=False where `steadytrain run` supervises torchrun: the supervisor knows its
+    child's processes by their process group, which a rank forked by the server is not in."""
     env = dict(os.environ if env is None else env)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    if not ENABLED:
+    if not (ENABLED and fork_ranks):
         return [*launch, str(script), *args], env
     env[SOCKET] = _server(env).socket
     return [*launch, str(Path(__file__).with_name("forkrank.py")), str(script), *args], env

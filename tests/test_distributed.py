@@ -21,11 +21,14 @@ from steadytrain.errors import BadInputError
 from steadytrain.telemetry.files import read_jsonl
 
 
-def torchrun_command(*args: str, env: dict | None = None) -> tuple[list[str], dict]:
+def torchrun_command(
+    *args: str, env: dict | None = None, fork_ranks: bool = True
+) -> tuple[list[str], dict]:
     """tests/workloads/ranks.py under `torchrun --nproc_per_node 2` on a free port, and the
     environment to run it with."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return forkserver.torchrun_command(
-        WORKLOADS / "ranks.py", *args, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        WORKLOADS / "ranks.py", *args, env=env, fork_ranks=fork_ranks
     )
 
 
@@ -35,7 +38,7 @@ def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
 
 
 def supervised_torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    command, env = torchrun_command(str(run_dir), *args)
+    command, env = torchrun_command(str(run_dir), *args, fork_ranks=False)
     supervisor = [sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)]
     return forkserver.run(
         [*supervisor, "--backoff-initial", "0.1", "--", *command], env=env, timeout=300
@@ -361,6 +364,34 @@ def test_a_rank_stalled_before_the_first_step_is_caught_within_hang_timeout(tmp_
     report = (run_dir / hang["file"]).read_text()
     assert f"waiting in: {hang['collective']}" in report and 'File "' in report
     assert not list(run_dir.glob("**/hangs/backstop-*.txt"))  # nothing left half-done
+
+
+def test_out_of_memory_while_the_optimizer_is_built_is_an_out_of_memory_of_that_rank(
+    tmp_path: Path,
+):
+    """Issue 26: under torchrun, rank 1's optimizer takes 512 MiB when it is built, in a
+    process capped (RLIMIT_AS) 32 MiB above its size: a real out-of-memory in the Trainer's
+    set-up. It is an out-of-memory of rank 1 (exit 76, its exit record naming it), not exit 5
+    "an error in your code", and the rank that failed first, as `steadytrain run` reads the
+    ranks' records, is rank 1. Before, it was exit 5 and rank 0's record was read first."""
+    from steadytrain.safety.failures import failed_rank, rank_ends
+
+    run_dir = tmp_path / "run"
+    common = ("--loss", "mean", "--batch", "16", "--micro", "8", "--steps", "2")
+    done = torchrun(
+        str(run_dir), *common, "--limit-mib", "32", "--optimizer-mib", "512", env=MALLOC_ENV
+    )
+    assert done.returncode != 0, done.stdout
+    assert "out of memory on rank 1 of 2 before the first step" in done.stderr
+    assert "error in your code" not in done.stderr
+
+    (record,) = [
+        e for e in read_jsonl(run_dir / "ranks/rank-1/events.jsonl") if e["event"] == "exit"
+    ]
+    assert record["exit_code"] == 76 and record["rank"] == 1, record
+    assert real_oom(record["reason"]), record["reason"]
+    first = failed_rank(rank_ends(run_dir, 0.0))
+    assert first is not None and (first.rank, first.exit_code) == (1, 76), first
 
 
 def test_rank_0_alone_prints_progress_and_the_report_shows_every_rank(tmp_path: Path):

@@ -215,3 +215,25 @@ def test_the_mps_backends_fp16_probe_steps_a_grad_scaler(monkeypatch):
     assert check_autocast(torch.bfloat16, lambda d: backend.autocast_probe(0, d)).works
     assert stepped == ["mps"]
     real_step(torch.device("cpu"))  # the step itself, where the scaler can run
+
+
+def test_estimate_of_a_config_file_takes_its_budget_and_advises_in_its_keys(tmp_path, capsys):
+    config = seed_config(tmp_path, memory_budget="16GiB", device="mps")
+    file = tmp_path / "finetune.json"
+    file.write_text(json.dumps(config.resolved()))
+    assert estimate_command(str(file), json_output=True) == 3
+    said = json.loads(capsys.readouterr().out)
+    assert said["budget_bytes"] == 16 * GiB and said["budget_source"] == "memory_budget: 16GiB"
+    assert said["settings"]["device_type"] == "mps"
+    assert re.match(r"`bf16: true` → 12\.\d GiB of 16\.0 GiB: fits", said["advice"][0])
+
+
+def test_a_plan_where_nothing_fits_ends_with_the_advice_in_flags(tmp_path, capsys):
+    llama_3b().save_pretrained(tmp_path)
+    options = {"seq": 2048, "method": "lora", "lora_targets": ALL7, "device_type": "mps"}
+    assert plan_command(str(tmp_path), 8, memory="16GiB", json_output=True, **options) == 3
+    advice = json.loads(capsys.readouterr().out)["advice"]
+    assert re.match(
+        r"`--precision bf16 --weights-dtype bf16` → \d+\.\d GiB of 16\.0 GiB: fits", advice[0]
+    )
+    assert not any("--checkpointing" in line or "--chunked-loss" in line for line in advice)

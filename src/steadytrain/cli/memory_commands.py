@@ -51,17 +51,21 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     from steadytrain.memory.advice import CONFIG, FLAGS
     from steadytrain.memory.estimate import estimate, load_config
 
-    vocabulary, accumulation = FLAGS, 1
+    vocabulary, accumulation, own = FLAGS, 1, {}
     if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
         from steadytrain.recipes.finetune_config import FinetuneConfig
         from steadytrain.recipes.finetune_memory import estimate_settings
 
         config = FinetuneConfig.load(model)
-        given, model = {**given, **estimate_settings(config)}, config.model_name_or_path
+        own = _run_target(config, given)
+        given = {**given, **estimate_settings(config), **own}
+        model = config.model_name_or_path
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
     settings = from_options("estimate", given)
     settings.check("estimate")
     budget, source, resolved = resolve_target(settings)
+    if "memory_budget" in own:
+        source = f"memory_budget: {own['memory_budget']}"
     model_config = load_config(model)
     result = estimate(model_config, resolved, model_name=model)
     result.budget, result.budget_source = budget, source
@@ -76,6 +80,25 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     else:
         render_estimate(result, console, advice)
     return 3 if result.fits is False else 0
+
+
+def _run_target(config: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """A fine-tune config's own budget and device where the command line gives none: its
+    `memory_budget` as a size, and its `device` where it names a device type."""
+    from steadytrain.memory.settings import DEVICE_TYPES
+
+    train = config.to_train_config()
+    found: dict[str, Any] = {}
+    if (
+        given.get("memory_budget", given.get("memory")) is None
+        and isinstance(train.memory_budget, str)
+        and train.memory_budget != "auto"
+    ):
+        found["memory_budget"] = train.memory_budget
+    device = train.device.split(":")[0]
+    if given.get("device_type") is None and device in DEVICE_TYPES:
+        found["device_type"] = device
+    return found
 
 
 def advice_for(

@@ -111,7 +111,7 @@ def analytic_plan(
     )
     if best is None:
         reasons.append(
-            "nothing fits, not even one sample checkpointed: see the knobs of `estimate`"
+            "nothing fits, not even one sample checkpointed: what would change it follows"
         )
         mode, peak = Mode.of(True if ckpt == "auto" else ckpt, chunked is not False), None
     else:

@@ -33,11 +33,15 @@ metrics.jsonl.
 
 from __future__ import annotations
 
+import difflib
 import enum
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from steadytrain.errors import UserCodeError
 
 
 class Event(str, enum.Enum):
@@ -74,6 +78,44 @@ class Callback:
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_epoch_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None: ...
+
+
+OTHER_LIBRARIES = {
+    "on_train_begin": "on_fit_start",
+    "on_train_start": "on_fit_start",
+    "on_fit_begin": "on_fit_start",
+    "on_train_end": "on_fit_end",
+    "on_step_begin": "on_step_start",
+    "on_batch_begin": "on_step_start",
+    "on_train_batch_start": "on_step_start",
+    "on_batch_end": "on_step_end",
+    "on_train_batch_end": "on_step_end",
+    "on_evaluate": "on_evaluation_end",
+    "on_validation_end": "on_evaluation_end",
+}
+"""The names Hugging Face, Lightning and Keras give to the loop's points, and the event each
+is here: the suggestion for a callback written for one of them."""
+
+
+def check_callbacks(callbacks: Iterable[Any]) -> None:
+    """Refuse a callback with an ``on_*`` method that no event calls (``on_train_end`` would
+    never run): `UserCodeError` (exit 5) naming the method, the closest event and the events."""
+    methods = [event.method for event in Event]
+    for callback in callbacks:
+        for name in dir(callback):
+            if not name.startswith("on_") or name in methods:
+                continue
+            if not callable(inspect.getattr_static(callback, name, None)):
+                continue
+            close = OTHER_LIBRARIES.get(name) or next(
+                iter(difflib.get_close_matches(name, methods, n=1, cutoff=0.0))
+            )
+            raise UserCodeError(
+                f"callback {type(callback).__name__} has a method {name}, which no event calls, "
+                f"so it would never run: did you mean {close}? The events a callback can have: "
+                f"{', '.join(methods)} (each called with (state, control, info))",
+                where="callbacks",
+            )
 
 
 FROM_CONFIG = {"from_config": True}

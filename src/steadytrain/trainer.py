@@ -4,13 +4,12 @@ callbacks together from the config, and runs them."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import run_files
 from steadytrain.config import TrainConfig, offload_problem
-from steadytrain.device import Device, get_rng_state, resolve_device, seed_everything, set_rng_state
+from steadytrain.device import Device, resolve_device, seed_everything
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.compiling import (
@@ -33,6 +32,7 @@ from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
+from steadytrain.engine.side_pass import side_pass
 from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import (
     SIGNAL_EXITS,
@@ -44,7 +44,7 @@ from steadytrain.errors import (
     Stopped,
     UserCodeError,
 )
-from steadytrain.events import Callback, Control, Dispatcher, TrainState
+from steadytrain.events import Callback, Control, Dispatcher, TrainState, check_callbacks
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
@@ -85,7 +85,7 @@ from steadytrain.trainer_program import (
     restore_program_state,
     with_program_state,
 )
-from steadytrain.user_state import check_user_state, restore, select, snapshot
+from steadytrain.user_state import check_user_state, select
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -146,6 +146,8 @@ class Trainer:
         )
         self.eval_fn = eval_fn
         self.user_state = check_user_state(user_state)
+        carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
+        check_callbacks([*self.user_callbacks, *carried])  # each on_* method names an event
         self._notes: list[str] = []
         self._distributed: dict[str, Any] = {}  # the mode `_set_up` chose (engine/sharding.py)
         self._stopped_by: str | None = None  # the signal that stopped the last fit ("SIGTERM")
@@ -543,7 +545,9 @@ class Trainer:
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
         offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        with _left_as_found(model, savers, self.user_state):
+        with side_pass(
+            rng=True, buffers=model.buffers(), user_state=self.user_state, others=[savers]
+        ):
             chosen = plan(
                 savers.trial_run(one_pass, before.chunked_loss),
                 run.device,
@@ -587,21 +591,12 @@ class Trainer:
         if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
             return None
         batch = self._batch_at(run.sampler, epoch, position, run.group)  # its share; summed
-        rng = get_rng_state()
-        buffers = [b.detach().clone() for b in run.model.buffers()]  # BatchNorm statistics
-        carried = snapshot(self.user_state)
-        try:
+        with side_pass(rng=True, buffers=run.model.buffers(), user_state=self.user_state):
             if new_epoch:  # the state as the epoch's end leaves it (CarriedState resets)
                 for obj in self.user_state.values():
                     if isinstance(obj, Callback):
                         obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
             return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
-        finally:
-            restore(self.user_state, carried)
-            set_rng_state(rng)
-            with torch.no_grad():
-                for buffer, saved in zip(run.model.buffers(), buffers, strict=True):
-                    buffer.copy_(saved)
 
     def _batch_at(
         self, sampler: OptimizerBatchSampler, epoch: int, position: int, group: Group | None = None
@@ -708,27 +703,6 @@ def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
     if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
         raise ConfigError([offload_problem(device.type)])
     return device
-
-
-@contextlib.contextmanager
-def _left_as_found(
-    model: torch.nn.Module, savers: MemorySavers, user_state: dict[str, Any]
-) -> Iterator[None]:
-    """Every RNG stream, the model's buffers (BatchNorm statistics), the memory savers and the
-    state the program carries put back afterwards: the planner's passes leave no trace."""
-    rng = get_rng_state()
-    buffers = [b.detach().clone() for b in model.buffers()]
-    before = savers.snapshot()
-    carried = snapshot(user_state)
-    try:
-        yield
-    finally:
-        restore(user_state, carried)
-        set_rng_state(rng)
-        with torch.no_grad():
-            for buffer, saved in zip(model.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
-        savers.restore(before)
 
 
 @dataclass

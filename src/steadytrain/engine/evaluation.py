@@ -23,10 +23,11 @@ import torch
 
 from steadytrain.device import Device, OutOfMemory, retry_on_oom
 from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.engine.side_pass import side_pass
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, DoesNotFitError, UserCodeError
 from steadytrain.events import HALVING, Event, TrainState
-from steadytrain.user_state import reset, restore, select, snapshot
+from steadytrain.user_state import reset, select
 
 EvalFn = Callable[[torch.nn.Module, Iterable[Any]], dict[str, float]]
 
@@ -101,8 +102,6 @@ def loss_sums(
     ``too_big(length of that sample)``. Any other error propagates."""
     order = sorted(range(len(samples)), key=lambda i: -lengths[i])
     total_loss, total_count, start = 0.0, 0, 0
-    was_training = model.training
-    model.eval()
 
     def score(indices: list[int]) -> tuple[float, int]:
         with torch.no_grad():
@@ -120,7 +119,7 @@ def loss_sums(
         if on_shrink is not None:
             on_shrink(old, new)
 
-    try:
+    with side_pass(model=model, eval_mode=True):
         while start < len(order):
             loss, count = retry_on_oom(
                 lambda at=start: score(order[at : at + batching.size]), device.empty_cache, halve
@@ -129,8 +128,6 @@ def loss_sums(
             total_loss, total_count, start = total_loss + loss, total_count + count, start + done
             if advance is not None:
                 advance(done)
-    finally:
-        model.train(was_training)
     return total_loss, total_count
 
 
@@ -170,21 +167,15 @@ class Evaluation:
     def run(self, state: TrainState) -> dict[str, float]:
         """One evaluation; emits `evaluation_end` and steps a metric-driven scheduler."""
         runner = self.runner
-        model, carried = runner.model, snapshot(runner.user_state)
-        was_training = model.training
-        model.eval()
+        with side_pass(model=runner.model, eval_mode=True, user_state=runner.user_state) as saved:
 
-        def recover(oom: OutOfMemory) -> None:
-            restore(runner.user_state, carried)
-            self._shrink(oom.error)
+            def recover(oom: OutOfMemory) -> None:
+                saved.put_back()
+                self._shrink(oom.error)
 
-        try:
             metrics = retry_on_oom(
                 lambda: self._once(self.count), runner.device.empty_cache, recover
             )
-        finally:
-            model.train(was_training)
-            restore(runner.user_state, carried)
         self.count += 1
         metrics = _as_numbers(metrics)
         best = False

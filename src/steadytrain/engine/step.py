@@ -30,14 +30,13 @@ from steadytrain.device import (
     Device,
     OutOfMemory,
     call_or_oom,
-    get_rng_state,
     retry_on_oom,
-    set_rng_state,
 )
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.distributed import Group, RanksOutOfMemory
 from steadytrain.engine.precision import Precision
 from steadytrain.engine.sharding import set_gradient_sync
+from steadytrain.engine.side_pass import Saved, side_pass
 from steadytrain.errors import (
     BadInputError,
     DoesNotFitError,
@@ -47,7 +46,7 @@ from steadytrain.errors import (
     UserCodeError,
 )
 from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
-from steadytrain.user_state import restore, select, snapshot
+from steadytrain.user_state import select
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
 Emit = Callable[[Event, dict], None]
@@ -354,18 +353,12 @@ class StepRunner:
 
         `timed`: also measure the forward+backward and optimizer phases on the device's clock
         (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`."""
-        rng = get_rng_state()
-        carried = snapshot(self.user_state)
-        statistics = [b.clone() for b in self.norm_statistics]
+        saved = Saved(rng=True, buffers=self.norm_statistics, user_state=self.user_state)
         self._shrinks_before_step = self.state.shrink_count
 
         def recover(oom: OutOfMemory) -> None:
             self._recover(oom)
-            set_rng_state(rng)
-            restore(self.user_state, carried)
-            with torch.no_grad():
-                for buffer, saved in zip(self.norm_statistics, statistics, strict=True):
-                    buffer.copy_(saved)
+            saved.put_back()  # the redo draws and starts from what the failed attempt did
 
         return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
@@ -546,11 +539,8 @@ class StepRunner:
                         loss.add(self.loss_fn(self.model, piece), batch_len(piece))
                 return loss
 
-        carried = snapshot(self.user_state)  # the probe never advances the program's state
-        try:
+        with side_pass(user_state=self.user_state):  # the probe never advances the state
             loss, oom = call_or_oom(forward_only, self.device.empty_cache)
-        finally:
-            restore(self.user_state, carried)
         if not self.group.active:
             return None if loss is None else float(loss.mean())
         count = None if loss is None or not loss.token_mode else loss.count.sum()

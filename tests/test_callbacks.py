@@ -1,0 +1,117 @@
+"""Callbacks: every ``on_*`` method of steadytrain's own callbacks is an event the loop calls, and
+a user's callback with an ``on_*`` method no event calls (``on_train_end``, from another
+library) is refused before anything runs: exit 5, naming the method and the event meant."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+import steadytrain.checkpoint
+import steadytrain.safety
+import steadytrain.telemetry
+from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.entry import entrypoint
+from steadytrain.errors import UserCodeError
+from steadytrain.events import Event
+from steadytrain.user_state import CarriedState
+
+EVENTS = {event.method for event in Event}
+
+
+def _subclasses(cls: type) -> set[type]:
+    found = set(cls.__subclasses__())
+    for sub in list(found):
+        found |= _subclasses(sub)
+    return found
+
+
+def test_every_on_method_of_the_packages_callbacks_is_an_event():
+    """The loop's callbacks come from the packages the Trainer and RunGuard put together (the
+    checkpoint, safety, telemetry, user_state): each Callback subclass defined there, its on_*
+    methods, own and inherited."""
+    for package in (steadytrain.checkpoint, steadytrain.safety, steadytrain.telemetry):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            importlib.import_module(module.name)
+    importlib.import_module("steadytrain.integrations.guard")
+    ours = [c for c in _subclasses(Callback) if c.__module__.startswith("steadytrain.")]
+    assert len(ours) >= 10, ours  # the watchdog, memory watch, checkpoint, telemetry, ...
+    for cls in ours:
+        methods = {
+            name
+            for name, value in inspect.getmembers(cls)
+            if name.startswith("on_") and callable(value)
+        }
+        assert methods <= EVENTS, (cls, methods - EVENTS)
+
+
+class OnTrainEnd(Callback):
+    """Written for Hugging Face's or Keras's names: `on_train_end` would never be called."""
+
+    def on_train_end(self, state, control, info):
+        raise AssertionError("never called")
+
+
+class Misspelt:
+    """A duck-typed callback (no base class) with one method misspelt."""
+
+    def on_step_end(self, state, control, info): ...
+    def on_epoch_ending(self, state, control, info): ...
+
+
+class CarriedWithAnUnknownMethod(CarriedState):
+    def on_batch_end(self, state, control, info): ...
+
+
+def _trainer(tmp_path, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    data = [(torch.randn(2), torch.randn(1)) for _ in range(8)]
+    config = TrainConfig(run_dir=str(tmp_path / "run"), effective_batch_size=4, max_steps=1)
+    return Trainer(
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        data,
+        config,
+        **kwargs,
+    )
+
+
+def test_an_on_method_no_event_calls_exits_5_naming_the_event_meant(tmp_path, capsys):
+    @entrypoint
+    def main():
+        return _trainer(tmp_path, callbacks=[OnTrainEnd()]).fit()
+
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 5
+    err = capsys.readouterr().err
+    assert "OnTrainEnd has a method on_train_end, which no event calls" in err
+    assert "did you mean on_fit_end?" in err and "on_step_end" in err  # the events listed
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before the run wrote anything
+
+
+@pytest.mark.parametrize(
+    ("where", "method", "meant"),
+    [
+        ("callbacks", "on_epoch_ending", "on_epoch_end"),  # the closest name (difflib)
+        ("user_state", "on_batch_end", "on_step_end"),  # another library's name for it
+    ],
+)
+def test_the_closest_event_is_named(tmp_path, where, method, meant):
+    kwargs = (
+        {"callbacks": [Misspelt()]}
+        if where == "callbacks"
+        else {"user_state": {"hidden": CarriedWithAnUnknownMethod()}}
+    )
+    with pytest.raises(UserCodeError) as refused:
+        _trainer(tmp_path, **kwargs)
+    assert refused.value.exit_code == 5
+    assert f"a method {method}, which no event calls" in str(refused.value)
+    assert f"did you mean {meant}?" in str(refused.value)

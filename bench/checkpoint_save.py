@@ -1,7 +1,8 @@
 """Checkpoint save stall: synchronous vs asynchronous, against the disk's own write bandwidth.
 
 A model and AdamW state of about 1 GB in all live on the device; each save captures the whole
-training state (steadytrain.safety.state.capture_payload: copies to host memory) and commits it
+training state (steadytrain.checkpoint.run_state.RunState.capture: copies to host memory) and
+commits it
 through the CheckpointStore (staging, fsync, manifest, rename). The stall is what the training
 loop waits for: for a sync save, capture + write + commit; for an async save, capture + handing
 the payload to the writer thread. The disk bandwidth is measured in the same run by writing the
@@ -26,9 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
+from steadytrain.checkpoint.host import HostBuffers
+from steadytrain.checkpoint.ranks import Ranks, RngState
+from steadytrain.checkpoint.run_state import RunState
+from steadytrain.checkpoint.state import OPTIMIZER_FILE, ModelState, ObjectState, TrainStateState
+from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.events import TrainState
-from steadytrain.safety.checkpoint import CheckpointStore
-from steadytrain.safety.state import HostBuffers, capture_payload
 
 
 def build(params_m: float, device: str):
@@ -75,7 +79,17 @@ def main() -> None:
     params_m = 4.0 if args.smoke else args.params_m
     model, opt = build(params_m, device)
     state = TrainState(step=1)
-    identity = {"bench": True}
+    ranks = Ranks()
+    run_state = RunState(
+        {
+            "model": ModelState(model),
+            "optimizer": ObjectState(OPTIMIZER_FILE, opt, "opt", buffered=True),
+            "train_state": TrainStateState(state),
+            "rng": RngState(ranks),
+        },
+        {"bench": True},
+        ranks,
+    )
     folder = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="."))
     rows = {"sync": [], "async_stall": [], "async_total": []}
     host = HostBuffers()  # as the trainer does: allocated once, reused by every save
@@ -87,7 +101,7 @@ def main() -> None:
                 store = CheckpointStore(run_dir, keep_last=2)
                 sync(device)
                 start = time.perf_counter()
-                payload = capture_payload(state, model, opt, None, None, identity, None, host)
+                payload = run_state.capture(None, host)
                 if mode == "sync":
                     path = store.save(1, payload)
                     rows["sync"].append(time.perf_counter() - start)

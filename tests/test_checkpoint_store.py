@@ -18,9 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from steadytrain.errors import BadInputError
-from steadytrain.safety import checkpoint as ckpt
-from steadytrain.safety.checkpoint import (
+from steadytrain.checkpoint import store as ckpt
+from steadytrain.checkpoint.store import (
     FAULT_ENV,
     FORMAT_VERSION,
     MANIFEST,
@@ -29,6 +28,7 @@ from steadytrain.safety.checkpoint import (
     DiskFullError,
     Payload,
 )
+from steadytrain.errors import BadInputError
 
 TESTS = Path(__file__).resolve().parent
 FILES = ("model.safetensors", "optimizer.pt", "trainer_state.json")
@@ -130,8 +130,8 @@ CHILD_PRELUDE = f"""
 import os, sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from test_checkpoint_store import make_payload
-from steadytrain.safety import checkpoint as ckpt
-from steadytrain.safety.checkpoint import CheckpointStore
+from steadytrain.checkpoint import store as ckpt
+from steadytrain.checkpoint.store import CheckpointStore
 """
 
 

@@ -101,7 +101,7 @@ def test_the_supervisor_and_the_trainer_read_one_variable(monkeypatch):
 
 def test_one_version_read_by_the_package_and_the_checkpoint_manifest():
     from steadytrain._version import __version__
-    from steadytrain.safety import checkpoint
+    from steadytrain.checkpoint import store as checkpoint
 
     assert steadytrain.__version__ == checkpoint.__version__ == __version__
 

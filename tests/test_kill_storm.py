@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import WORKLOADS, run_workload
 
-from steadytrain.safety.checkpoint import CheckpointStore
+from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.telemetry.files import read_jsonl
 
 SAVE_EVERY = 3

@@ -73,6 +73,59 @@ def test_the_layer_contract_fails_on_an_import_against_the_order(tmp_path, monke
     assert kept, report
 
 
+def _toy_of_the_real_layers(tmp_path: Path, monkeypatch, imports: dict[str, str]) -> Path:
+    """A package `toyreal` with one module per name in pyproject.toml's layers (same order,
+    same siblings), `imports` its only imports (module -> module it imports), and a copy of the
+    real contracts with the package renamed: what the real contract says about an import."""
+    import tomllib
+
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    package = tmp_path / "toyreal"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text("")
+    lines = ["[importlinter]", "root_package = toyreal"]
+    for i, contract in enumerate(settings["contracts"]):
+        layers = contract["layers"]
+        for layer in layers:
+            for name in layer.replace(":", "|").split("|"):
+                name = name.strip()
+                (package / f"{name}.py").write_text(
+                    f"import toyreal.{imports[name]}\n" if name in imports else ""
+                )
+        lines += [
+            f"[importlinter:contract:c{i}]",
+            f"name = {contract['name']}",
+            "type = layers",
+            "containers = toyreal",
+            "layers =",
+            *(f"    {layer}" for layer in layers),
+        ]
+    config = tmp_path / "setup.cfg"
+    config.write_text("\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return config
+
+
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("engine", "checkpoint"),  # the loop knows events, not checkpoints
+        ("safety", "checkpoint"),  # siblings: none imports another
+        ("checkpoint", "telemetry"),
+        ("memory", "checkpoint"),
+    ],
+)
+def test_the_real_contract_fails_on_the_engine_or_a_sibling_importing_checkpoint(
+    tmp_path, monkeypatch, importer, imported
+):
+    kept, report = run_contracts(_toy_of_the_real_layers(tmp_path, monkeypatch, {}))
+    assert kept, report
+    config = _toy_of_the_real_layers(tmp_path, monkeypatch, {importer: imported})
+    kept, report = run_contracts(config)
+    assert not kept
+    assert f"toyreal.{importer} -> toyreal.{imported}" in report
+
+
 # -- sizes ------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from steadytrain import TrainConfig, Trainer
+from steadytrain.checkpoint.state import load_train_state
 from steadytrain.device import resolve_device
 from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
 from steadytrain.errors import ConfigError
@@ -28,7 +29,6 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import Mode, plan
 from steadytrain.memory.savers import MemorySavers, Savers
 from steadytrain.recipes.finetune_config import FinetuneConfig
-from steadytrain.safety.state import load_train_state
 
 GiB = 2**30
 LAYERS, HIDDEN, SEQ, VOCAB = 3, 64, 16, 128

@@ -224,9 +224,9 @@ ALLOWED = {
     "_durable.py": "the writer itself",
     "device/system.py": "/proc/self/clear_refs",
     "device/selftest.py": "a temporary folder of its own",
-    "safety/checkpoint.py": "the checkpoint store: its own folder, checked, files made O_EXCL",
+    "checkpoint/store.py": "the checkpoint store: its own folder, checked, files made O_EXCL",
     "safety/lock.py": "the lock: O_NOFOLLOW, a hard link refused, its folder via make_folder",
-    "safety/state.py": "torch.save into the checkpoint store's sink",
+    "checkpoint/state.py": "torch.save into the checkpoint store's sink",
     "config.py": "TrainConfig.dump: write_atomic into the file's own folder",
 }
 

@@ -150,9 +150,11 @@ def test_a_sharded_rank_0_copies_no_model_or_optimizer_state_into_its_capture():
     """Sharded, the model and optimizer are written through DCP; rank 0 copied its DTensor
     shards into the host buffers first (then dropped them), which on CUDA fails: "aten.copy_
     got mixed torch.Tensor and DTensor" at the first checkpoint on two GPUs."""
+    from steadytrain.checkpoint.host import HostBuffers
+    from steadytrain.checkpoint.ranks import Ranks, RngState
+    from steadytrain.checkpoint.run_state import RunState
+    from steadytrain.checkpoint.state import ModelState, ObjectState, TrainStateState
     from steadytrain.events import TrainState
-    from steadytrain.safety.sharded import RanksState
-    from steadytrain.safety.state import HostBuffers
 
     class Untouchable(torch.nn.Module):
         def state_dict(self, *args, **kwargs):
@@ -162,11 +164,15 @@ def test_a_sharded_rank_0_copies_no_model_or_optimizer_state_into_its_capture():
         def state_dict(self):
             raise AssertionError("the sharded optimizer was captured")
 
-    state = RanksState(
-        TrainState(steps_per_epoch=4, max_steps=8, effective_batch_size=8, micro_batch_size=1),
-        Untouchable(), Optimizer(), None, None, {"world_size": 2},
-        rank=0, world_size=2, sharded=True,
-    )  # fmt: skip
+    ranks = Ranks(rank=0, world_size=2, sharded=True)
+    train = TrainState(steps_per_epoch=4, max_steps=8, effective_batch_size=8, micro_batch_size=1)
+    states = {
+        "model": ModelState(Untouchable()),
+        "optimizer": ObjectState("optimizer.pt", Optimizer(), "opt", buffered=True),
+        "train_state": TrainStateState(train),
+        "rng": RngState(ranks),
+    }
+    state = RunState(states, {"world_size": 2}, ranks)
     payload = state.capture(None, HostBuffers())
     assert "model.safetensors" not in payload.tensors
     assert "optimizer.pt" not in payload.objects
@@ -179,8 +185,8 @@ def test_a_rendezvous_on_a_gpu_waits_on_the_host_for_every_rank(monkeypatch, whe
     folder before rank 1's files were there (a resume then refused the checkpoint)."""
     import torch.distributed as dist
 
+    from steadytrain.checkpoint import ranks as sharded
     from steadytrain.engine import distributed
-    from steadytrain.safety import sharded
 
     order: list = []
     module, function = (

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from steadytrain import TrainConfig, Trainer
+from steadytrain.checkpoint.fingerprint import data_fingerprint, digest_value
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.collate import PerSample, collate
-from steadytrain.safety.fingerprint import data_fingerprint, digest_value
 
 
 @dataclasses.dataclass
@@ -120,7 +120,7 @@ def test_the_fingerprint_tells_samples_apart_and_notes_the_weak_ones():
 
 def test_a_set_of_strings_digests_the_same_in_another_process():
     code = (
-        "import hashlib; from steadytrain.safety.fingerprint import digest_value; "
+        "import hashlib; from steadytrain.checkpoint.fingerprint import digest_value; "
         "d = hashlib.sha256(); digest_value(d, {'alpha', 'beta', 'gamma', 'delta'}, set()); "
         "print(d.hexdigest())"
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import steadytrain
+from steadytrain.checkpoint.state import load_train_state
 from steadytrain.device import OutOfMemory, call_or_oom, retry_on_oom
 from steadytrain.engine import Loop
 from steadytrain.errors import BadInputError
@@ -16,7 +17,6 @@ from steadytrain.events import Control, Dispatcher, StepMetrics, TrainState
 from steadytrain.memory.chunked_loss import CausalLMLoss
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
-from steadytrain.safety.state import load_train_state
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried "

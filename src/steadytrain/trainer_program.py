@@ -5,9 +5,9 @@ A map-style dataset is batched by steadytrain: `shuffle` and `drop_last` of the 
 permutations, exact on resume). A `DataLoader` keeps its own sampler (its order, drawn as its own
 iterator draws it), its `drop_last` and its collate_fn; a config that sets `shuffle` or
 `drop_last` against it is refused, naming the field. `arithmetic_event` is the one line at the
-start of a run that lists every setting that changes the arithmetic. A checkpoint holds the
-program's part beside the engine's: a DataLoader's drawn orders and each user_state's
-state_dict(). Evaluation is built from the config, `eval_data` and `eval_fn`.
+start of a run that lists every setting that changes the arithmetic (what a checkpoint holds of
+the program, a DataLoader's drawn orders and each user_state's state_dict(), is
+checkpoint/state.py's). Evaluation is built from the config, `eval_data` and `eval_fn`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,11 @@ from torch.utils.data._utils.collate import default_collate
 
 from steadytrain.config import TrainConfig
 from steadytrain.engine import OptimizerBatchSampler, StepRunner
-from steadytrain.engine.batching import to_device
 from steadytrain.engine.collate import collate
 from steadytrain.engine.evaluation import EvalFn, Evaluation, takes_metric
 from steadytrain.engine.sampler import LoaderOrder
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
-from steadytrain.safety.checkpoint import Payload
-from steadytrain.safety.state import to_host
-
-DATA_ORDER_FILE = "data_order.safetensors"  # a DataLoader's drawn epoch orders
-USER_STATE_FILE = "user_state.pt"  # state_dict() of each user_state object, by name
 
 
 @dataclass
@@ -213,59 +207,6 @@ def dropout_note(model: torch.nn.Module, cfg: TrainConfig) -> str | None:
         "split again after an out-of-memory) the masks differ from those of the whole batch, "
         "so the losses differ from an unsplit run (their expectation does not)"
     )
-
-
-def loader_orders(sampler: OptimizerBatchSampler) -> dict[str, torch.Tensor]:
-    """The drawn epoch orders of a DataLoader's sampler, for the checkpoint (empty otherwise)."""
-    order = sampler.loader_order
-    if order is None:
-        return {}
-    return {
-        f"range-{e}" if isinstance(o, range) else str(e): torch.tensor(
-            [len(o)] if isinstance(o, range) else o, dtype=torch.int64
-        )
-        for e, o in order.drawn.items()
-    }
-
-
-def restore_loader_orders(sampler: OptimizerBatchSampler, saved: dict[str, torch.Tensor]) -> None:
-    """The orders `loader_orders` saved: a sequential epoch as its length, others as indices."""
-    if sampler.loader_order is not None:
-        sampler.loader_order.drawn = {
-            int(e.removeprefix("range-")): range(int(t[0]))
-            if e.startswith("range-")
-            else t.tolist()
-            for e, t in saved.items()
-        }
-
-
-def with_program_state(
-    payload: Payload, sampler: OptimizerBatchSampler, user_state: dict[str, Any]
-) -> Payload:
-    """The checkpoint's payload plus what the program keeps: a DataLoader's drawn orders and the
-    user_state objects' state_dict()."""
-    orders = loader_orders(sampler)
-    if orders:
-        payload.tensors[DATA_ORDER_FILE] = orders
-    if user_state:
-        payload.objects[USER_STATE_FILE] = {
-            name: to_host(obj.state_dict(), key=f"user_state {name!r}")
-            for name, obj in user_state.items()
-        }
-    return payload
-
-
-def restore_program_state(
-    payload: Payload,
-    sampler: OptimizerBatchSampler,
-    user_state: dict[str, Any],
-    device: torch.device,
-) -> None:
-    restore_loader_orders(sampler, payload.tensors.get(DATA_ORDER_FILE, {}))
-    saved = payload.objects.get(USER_STATE_FILE, {})
-    for name, obj in user_state.items():
-        if name in saved:
-            obj.load_state_dict(to_device(saved[name], device))
 
 
 def check_evaluation(

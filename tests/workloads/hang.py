@@ -159,7 +159,7 @@ def main():
         blocked_in_sleep(3600)
 
     if args.slow_save:  # a save that takes longer than hang_timeout must not count as a hang
-        from steadytrain.safety.checkpoint import CheckpointStore
+        from steadytrain.checkpoint.store import CheckpointStore
 
         real_save = CheckpointStore.save
 

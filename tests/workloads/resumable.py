@@ -152,7 +152,7 @@ def main():
         Path(args.pid_file).write_text(str(os.getpid()))
 
     if args.double_sigint:  # a second Ctrl-C arrives while the final checkpoint is written
-        from steadytrain.safety.checkpoint import CheckpointStore
+        from steadytrain.checkpoint.store import CheckpointStore
 
         real_save = CheckpointStore.save
 

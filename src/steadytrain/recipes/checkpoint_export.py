@@ -6,7 +6,9 @@ engine's format; peft reads ``adapter_config.json`` and ``adapter_model.safetens
 rebuilds the run's model exactly as the fine-tune did (its ``training_config.json``, written into
 the run directory when training starts), loads the verified checkpoint into it and saves the
 adapter the way ``final/`` is saved, atomically, under ``RUN_DIR/adapters/step-NNNNNNNN/``.
-`merge`, `generate` and `evaluate` given a checkpoint folder export it this way first.
+`merge`, `generate` and `evaluate` given a checkpoint folder export it this way first. Finding
+and reading the checkpoint is the checkpoint package's (checkpoint/export.py); rebuilding the
+fine-tune's model and writing the adapter is this recipe's.
 """
 
 from __future__ import annotations
@@ -17,41 +19,12 @@ from pathlib import Path
 import torch
 
 from steadytrain import run_files
+from steadytrain.checkpoint.export import checkpoint_folder, is_checkpoint_folder, load_trained
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.finetune import TRAINING_CONFIG, export_adapter
 from steadytrain.recipes.finetune_config import FinetuneConfig
-from steadytrain.safety.checkpoint import MANIFEST, CheckpointStore
-from steadytrain.safety.state import MODEL_FILE, load_model_tensors
 
 ADAPTERS = run_files.ADAPTERS
-
-
-def is_checkpoint_folder(path: Path) -> bool:
-    """A committed checkpoint folder: RUN_DIR/checkpoints/step-NNNNNNNN with its manifest."""
-    return (
-        path.parent.name == run_files.CHECKPOINTS
-        and path.name.startswith("step-")
-        and (path / MANIFEST).is_file()
-        and (path / MODEL_FILE).is_file()
-    )
-
-
-def checkpoint_folder(run_dir: Path, step: int | None) -> Path:
-    """The checkpoint of `step` in `run_dir` (the newest that verifies when None)."""
-    store = CheckpointStore(run_dir)
-    committed = dict(store.committed())
-    if step is None:
-        latest = store.latest()
-        if latest is None:
-            raise BadInputError(f"{run_dir}: has no checkpoint yet; nothing to export")
-        return latest[1]
-    if step not in committed:
-        have = ", ".join(str(s) for s in sorted(committed)) or "none"
-        raise BadInputError(
-            f"--step {step}: {run_dir / 'checkpoints'} holds no checkpoint of that step "
-            f"(committed: {have}); save_total_limit keeps only the newest ones"
-        )
-    return committed[step]
 
 
 def export_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
@@ -65,9 +38,8 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     if (target / "adapter_config.json").is_file():
         return target
     config = _training_config(run_dir)
-    payload = CheckpointStore(run_dir).load(folder)  # verified against its manifest
     model, tokenizer = _rebuild(config)
-    load_model_tensors(model, payload.tensors[MODEL_FILE])
+    load_trained(model, run_dir, folder)  # verified against its manifest
     return export_adapter(model, tokenizer, config, target, root=run_dir)
 
 

@@ -34,7 +34,7 @@ The limit of a phase (`HangWatchdog.limit`):
   the median step time once 5 steps have run in this process;
 * the first step of each process (compilation, first allocations, data workers starting): at
   least 600 s;
-* a checkpoint save (`allowance`, entered by `CheckpointSaver.on_step_end`): at least 300 s, and
+* a checkpoint save (`allowance`, entered by `CheckpointWriter.on_step_end`): at least 300 s, and
   at least 4 times the longest save so far.
 
 Under torchrun each rank runs its own watchdog, writing to its own folder; the report, the event
@@ -603,7 +603,7 @@ def waiting_in(collective: str) -> Iterator[None]:
 @contextlib.contextmanager
 def allowance(phase: str) -> Iterator[None]:
     """Give a long operation of the running fit (a checkpoint save) its own limit; a no-op when
-    no watchdog runs. A function of the module so that `CheckpointSaver` needs no reference to the
+    no watchdog runs. A function of the module so that `CheckpointWriter` needs no reference to the
     watchdog (the trainer builds both)."""
     watchdog = _active
     if watchdog is None:

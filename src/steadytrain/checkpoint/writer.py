@@ -1,5 +1,6 @@
-"""The checkpoint saver (a callback): when to save, and the save itself (state capture is the
-trainer's). Not to be confused with activation checkpointing, which recomputes activations.
+"""The checkpoint writer (a callback): when to write a checkpoint, and the write itself (what
+goes in one is `checkpoint.state`'s). "Saver" names the memory savers (activation checkpointing,
+chunked loss, offload), never this.
 
 Saves every `save_every_steps` optimizer steps, when a callback asks (`control.request_save()`,
 e.g. on a signal), and at the end of a run that finished or was stopped; never after an error,
@@ -18,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain._units import format_bytes
+from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.device.budget import cpu_headroom
 from steadytrain.errors import DiskFullError, RunDiskFullError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.safety.checkpoint import CheckpointStore, Payload
-from steadytrain.safety.watchdog import allowance
 
 STOP_CODES = (0, 130, 143)
 
@@ -62,7 +62,7 @@ def _kept(run_dir: str | Path, keep_last: int) -> str:
 
 
 def copy_room(device: Any, need_bytes: Callable[[], int]) -> Callable[[], str | None]:
-    """For `CheckpointSaver(room=...)`: on CPU and MPS, where host memory is the training's
+    """For `CheckpointWriter(room=...)`: on CPU and MPS, where host memory is the training's
     memory, a background save's copy of the state is held while the next step runs, so the copy
     and that step's gradients (`need_bytes`) must fit in what is free; returns why they do not
     (the save is then synchronous, written from the tensors themselves), or None when they fit.
@@ -87,7 +87,7 @@ def copy_room(device: Any, need_bytes: Callable[[], int]) -> Callable[[], str | 
     return why_not
 
 
-class CheckpointSaver(Callback):
+class CheckpointWriter(Callback):
     def __init__(
         self,
         store: CheckpointStore,
@@ -97,12 +97,16 @@ class CheckpointSaver(Callback):
         record: Callable[[str, dict], None],
         best: CheckpointStore | None = None,
         room: Callable[[], str | None] | None = None,
+        allowance: Callable[[str], contextlib.AbstractContextManager] | None = None,
     ):
         """`capture(state, copy)`: the payload, copied to host memory when `copy`. `best`:
-        keep_best's store. `room`: why a background copy does not fit now (`copy_room`)."""
+        keep_best's store. `room`: why a background copy does not fit now (`copy_room`).
+        `allowance(phase)`: the hang watchdog's longer limit while a save runs (passed in by
+        the Trainer: the checkpoint package does not import the watchdog)."""
         self.store, self.capture, self.every = store, capture, every
         self.async_save, self.record = async_save, record
         self.best, self.room = best, room
+        self.allowance = allowance or (lambda phase: contextlib.nullcontext())
         self.last_saved: int | None = None
         self._in_flight: tuple[int, float] | None = None  # (step, seconds the loop was held)
 
@@ -113,7 +117,7 @@ class CheckpointSaver(Callback):
         self._settle(block=False)  # a background save that failed stops the run here
         if state.step % self.every == 0 or control.save_requested:
             metrics = info["metrics"].resolve()  # the step's loss belongs in the checkpoint
-            with allowance("checkpoint save"):  # the hang watchdog's limit for saves
+            with self.allowance("checkpoint save"):  # the hang watchdog's limit for saves
                 metrics["checkpoint_time"] = self.save(state, final=control.stop_requested)
             control.save_requested = False
 
@@ -123,7 +127,7 @@ class CheckpointSaver(Callback):
         if self.best is None or not info.get("best"):
             return
         start = time.perf_counter()
-        with allowance("checkpoint save"), _disk_full_exits_6():
+        with self.allowance("checkpoint save"), _disk_full_exits_6():
             self._settle(block=True)  # the capture reuses host buffers a save may still read
             self.best.save(state.step, self.capture(state, False))
         self.record(
@@ -144,7 +148,6 @@ class CheckpointSaver(Callback):
 
     def save(self, state: TrainState, final: bool) -> float:
         """Save now; returns the seconds the loop was held (the whole write when synchronous)."""
-        start = time.perf_counter()
         start = time.perf_counter()
         self._settle(block=True)  # the capture reuses host buffers the last save may still read
         background = self.async_save and not final

@@ -414,7 +414,7 @@ class CheckpointStore:
             if tensor.device.type != "cpu":
                 raise ValueError(
                     f"save_async: {name} is on {tensor.device}; copy the state to host memory "
-                    "first (steadytrain.safety.state.to_host), so training can go on meanwhile"
+                    "first (steadytrain.checkpoint.state.to_host), so training can go on meanwhile"
                 )
         thread = threading.Thread(
             target=self._run_in_background,

@@ -1,0 +1,182 @@
+"""The run's identity: what must not change across a resume (the config values that define the
+run, the model's parameter shapes, the frozen base's fingerprint, the optimizer and schedule,
+the data fingerprint). A checkpoint of another run is refused before anything loads, naming
+each change, old and new, and the override that lets it through, or a new run_dir."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from steadytrain.checkpoint.fingerprint import data_fingerprint
+from steadytrain.errors import BadInputError
+
+
+def frozen_fingerprint(model: torch.nn.Module) -> str | None:
+    """Names, shapes, dtypes and a sample of the values of the frozen parameters: enough to tell
+    that a checkpoint of trainable parts belongs to this base model, without hashing all of it."""
+    digest = hashlib.sha256()
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    for name, param in frozen:
+        whole = param.detach()
+        if hasattr(whole, "full_tensor"):  # sharded (FSDP): the plain model's fingerprint
+            whole = whole.full_tensor()
+        sample = whole.flatten()[:: max(1, param.numel() // 64)][:64]
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+        digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_shape(model: torch.nn.Module) -> str:
+    """A fingerprint of the model's parameter names, shapes, dtypes and trainability."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+    return digest.hexdigest()[:16]
+
+
+def optimizer_identity(optimizer: torch.optim.Optimizer) -> str:
+    """Class and hyperparameters of a freshly built optimizer, per parameter group."""
+    groups = [
+        {k: v for k, v in group.items() if k != "params"} | {"size": len(group["params"])}
+        for group in optimizer.param_groups
+    ]
+    return f"{type(optimizer).__name__}{groups}"
+
+
+def schedule_identity(scheduler: Any) -> str | None:
+    if scheduler is None:
+        return None
+    state = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
+    return f"{type(scheduler).__name__}{sorted(state.items(), key=lambda kv: kv[0])}"
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """One line per changed value, `field: old -> new`; an optimizer's or a schedule's change
+    is broken down to the hyperparameter (`optimizer: lr: 0.003 -> 0.001`)."""
+    lines = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if old != new and key in _FINGERPRINTS:
+            lines.append(f"{key}: {_FINGERPRINTS[key]} (fingerprint {old} -> {new})")
+        elif old != new:
+            detail = _detail(old, new)
+            lines += [f"{key}: {d}" for d in detail] if detail else [f"{key}: {old!r} -> {new!r}"]
+    return lines
+
+
+_FINGERPRINTS = {
+    "model": "the names, shapes, dtypes or trainability of the model's parameters differ",
+    "frozen_base": "the frozen parameters (the base model) hold other values",
+    "data": "the dataset's length or samples differ",
+}
+"""Identity fields kept as a fingerprint: what a change of one means, said with it."""
+
+
+def override_hint(refused: list[str]) -> str:
+    """The `resume_overrides` entry that would let exactly these differences through."""
+    fields = dict.fromkeys(
+        "model" if d.split(":", 1)[0] == "frozen_base" else d.split(":", 1)[0] for d in refused
+    )
+    return f"resume_overrides: {list(fields)}"
+
+
+def _parsed(identity: Any) -> tuple[str, list] | None:
+    """`optimizer_identity` / `schedule_identity` text back into (class name, values)."""
+    if not isinstance(identity, str) or "[" not in identity:
+        return None
+    name, _, rest = identity.partition("[")
+    try:
+        values = ast.literal_eval("[" + rest)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None  # a value without a literal form (a tensor lr): shown whole
+    return name, values
+
+
+def _detail(old: Any, new: Any) -> list[str]:
+    before, after = _parsed(old), _parsed(new)
+    if before is None or after is None:
+        return []
+    if before[0] != after[0]:
+        return [f"{before[0]} -> {after[0]}"]
+    groups_a, groups_b = ([_as_dict(g) for g in x[1]] for x in (before, after))
+    if None in groups_a or None in groups_b:  # a schedule: one list of (key, value) pairs
+        groups_a, groups_b = [_as_dict(before[1])], [_as_dict(after[1])]
+        if None in groups_a + groups_b:
+            return []
+    if len(groups_a) != len(groups_b):
+        return [f"parameter groups: {len(groups_a)} -> {len(groups_b)}"]
+    lines = []
+    for i, (a, b) in enumerate(zip(groups_a, groups_b, strict=True)):
+        prefix = f"group {i} " if len(groups_a) > 1 else ""
+        lines += [
+            f"{prefix}{k}: {a.get(k)!r} -> {b.get(k)!r}"
+            for k in sorted(set(a) | set(b), key=str)
+            if a.get(k) != b.get(k)
+        ]
+    return lines
+
+
+def _as_dict(value: Any) -> dict | None:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, list) and all(isinstance(v, tuple) and len(v) == 2 for v in value):
+        return dict(value)
+    return None
+
+
+def run_identity(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: Any,
+    settings: dict[str, Any],
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
+    """What defines a run (`settings`: the config values that do, model, optimizer, schedule,
+    data); a checkpoint of a different run must not be resumed into it. What the data
+    fingerprint checks by type only is described in `notes`."""
+    return {
+        **settings,
+        "model": model_shape(model),
+        "frozen_base": frozen_fingerprint(model),
+        "optimizer": optimizer_identity(optimizer),
+        "schedule": schedule_identity(scheduler),
+        "data": data_fingerprint(data, notes),
+    }
+
+
+def check_identity(
+    saved: dict[str, Any], now: dict[str, Any], allowed: Collection[str], source: Any
+) -> list[str]:
+    """The differences `allowed` lets through (``resume_overrides``; ``model`` also allows a
+    changed ``frozen_base``; a changed ``world_size`` always goes through: after a lost GPU
+    each rank's share changes, the global batch and the update do not). Any other difference
+    is a `BadInputError` naming them."""
+    changed = differences({"world_size": 1, **saved}, {"world_size": 1, **now})
+
+    def field_of(difference: str) -> str:
+        return difference.split(":", 1)[0]
+
+    overridden = [
+        d
+        for d in changed
+        if field_of(d) in allowed
+        or field_of(d) == "world_size"
+        or (field_of(d) == "frozen_base" and "model" in allowed)
+    ]
+    refused = [d for d in changed if d not in overridden]
+    if refused:
+        raise BadInputError(
+            f"resume: {source} belongs to a different run; what changed (old -> new):\n  "
+            + "\n  ".join(refused)
+            + "\nUse the settings, model, optimizer and data of that run, start a new run_dir, "
+            f"or allow these changes explicitly in the config: {override_hint(refused)}"
+        )
+    return overridden

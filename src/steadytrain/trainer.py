@@ -18,6 +18,25 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import run_files
+from steadytrain.checkpoint.continuity import ContinuityCheck
+from steadytrain.checkpoint.host import HostBuffers
+from steadytrain.checkpoint.identity import run_identity
+from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
+from steadytrain.checkpoint.run_state import RunState
+from steadytrain.checkpoint.state import (
+    OPTIMIZER_FILE,
+    REQUIRED_FILES,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    DataOrderState,
+    ModelState,
+    ObjectState,
+    TrainStateState,
+    UserStates,
+    model_tensors_names,
+)
+from steadytrain.checkpoint.store import CheckpointStore, Payload
+from steadytrain.checkpoint.writer import CheckpointWriter, copy_room, full_disk_ends_the_run
 from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.device import Device, resolve_device, seed_everything
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
@@ -37,7 +56,6 @@ from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import (
     SIGNAL_EXITS,
     BadInputError,
-    CheckpointError,
     ConfigError,
     RankOutOfMemory,
     SteadytrainError,
@@ -49,27 +67,16 @@ from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
-from steadytrain.safety.checkpoint import CheckpointStore, Payload
 from steadytrain.safety.child import (
     announce_run_dir,
     micro_cap_from_supervisor,
     savers_from_supervisor,
 )
-from steadytrain.safety.continuity import ContinuityCheck
 from steadytrain.safety.failure_record import record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.saving import CheckpointSaver, copy_room, full_disk_ends_the_run
-from steadytrain.safety.sharded import RanksState, RankStore
 from steadytrain.safety.signals import SignalStop
-from steadytrain.safety.state import (
-    REQUIRED_FILES,
-    HostBuffers,
-    loading,
-    model_tensors_names,
-    run_identity,
-)
-from steadytrain.safety.watchdog import HangWatchdog, startup_phase, waiting_in
+from steadytrain.safety.watchdog import HangWatchdog, allowance, startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.files import RunFiles
@@ -82,8 +89,6 @@ from steadytrain.trainer_program import (
     make_evaluation,
     make_sampler,
     order_identity,
-    restore_program_state,
-    with_program_state,
 )
 from steadytrain.user_state import check_user_state, select
 
@@ -151,6 +156,10 @@ class Trainer:
         self._notes: list[str] = []
         self._distributed: dict[str, Any] = {}  # the mode `_set_up` chose (engine/sharding.py)
         self._stopped_by: str | None = None  # the signal that stopped the last fit ("SIGTERM")
+        self.after_identity_check: list[Callable[[Path], None]] = []
+        """Called with the run directory once it is locked and its checkpoint, if any, is known
+        to be this run's (loaded), before the run writes anything else: a caller's own files
+        (the fine-tune's training_config.json and training.log) are written only then."""
 
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened.
@@ -332,21 +341,26 @@ class Trainer:
         self._distributed |= shard(model, group)
         return dataclasses.replace(group, sharded=True)
 
-    def _run_state(self, run: _Run) -> RanksState:
-        """What a checkpoint holds, and the run's identity (its data fingerprint reads samples)."""
+    def _run_state(self, run: _Run) -> RunState:
+        """What a checkpoint holds: the run's stateful objects by name (checkpoint/state.py),
+        one rank or many, and the run's identity (its data fingerprint reads samples)."""
         identity = self._identity(run.model, run.optimizer, run.scheduler)
-        scaler, group = run.precision.scaler, run.group
-        return RanksState(
-            run.state,
-            run.model,
-            run.optimizer,
-            run.scheduler,
-            scaler,
-            identity,
-            rank=group.rank,
-            world_size=group.world_size,
-            sharded=group.sharded,
-        )
+        ranks = Ranks(run.group.rank, run.group.world_size, run.group.sharded)
+        states = {
+            "model": ModelState(run.model),
+            "optimizer": ObjectState(OPTIMIZER_FILE, run.optimizer, "opt", buffered=True),
+            "scheduler": ObjectState(SCHEDULER_FILE, run.scheduler, "scheduler"),
+            "scaler": ObjectState(SCALER_FILE, run.precision.scaler, "scaler", optional=True),
+            "train_state": TrainStateState(run.state),
+            "rng": RngState(ranks),
+            "data_order": DataOrderState(run.sampler),
+            "user_state": UserStates(self.user_state, run.device.torch_device),
+        }
+        if run.scheduler is None:
+            del states["scheduler"]
+        if run.precision.scaler is None:
+            del states["scaler"]
+        return RunState(states, identity, ranks)
 
     def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
         """The run's identity; what the data fingerprint checks by type only goes to _notes."""
@@ -375,18 +389,17 @@ class Trainer:
         """Load the newest verified checkpoint into the fresh objects, if there is one; put the
         memory savers in force; apply the supervisor's micro-batch cap. Returns the loss the
         first resumed step must reproduce (None when there is nothing to check)."""
-        found, overridden, expected_loss = self._load_newest(run, store, files)
+        found = run.checkpoint.resume(store, self.config.resume_overrides, files.record)
         if found is not None:
-            step, path = found
-            for difference in overridden:
-                files.record("resume_override", {"step": step, "change": difference})
-            if run.checkpoint.rng_note is not None:
-                files.record("note", {"step": step, "message": run.checkpoint.rng_note})
+            for difference in found.overridden:
+                files.record("resume_override", {"step": found.step, "change": difference})
+            if run.checkpoint.ranks.rng_note is not None:
+                files.record("note", {"step": found.step, "message": run.checkpoint.ranks.rng_note})
             files.record(
                 "resume",
                 {
-                    "step": step,
-                    "checkpoint": path.name,
+                    "step": found.step,
+                    "checkpoint": found.path.name,
                     "micro_batch_size": run.state.micro_batch_size,
                 },
             )
@@ -399,39 +412,9 @@ class Trainer:
                 "micro_batch_cap", {"old": run.state.micro_batch_size, "new": cap, "reason": reason}
             )
             run.state.micro_batch_size = cap
-        return expected_loss
-
-    def _load_newest(
-        self, run: _Run, store: CheckpointStore, files: RunFiles
-    ) -> tuple[tuple[int, Path] | None, list[str], float | None]:
-        """The newest verified checkpoint that loads, loaded into the run's objects; a damaged
-        one (it verifies, but its content does not load: a pickle weights_only refuses, a
-        malformed RNG stream, a state of another step) is skipped with a `checkpoint_skipped`
-        event and the one before it is tried; none left is a CheckpointError (exit 2).
-        Returns the checkpoint, the identity differences allowed and the loss the first
-        resumed step must reproduce."""
-        refused: dict[str, list[str]] = {}
-        while (found := store.latest(refused)) is not None:
-            path = found[1]
-            try:
-                payload = store.load(path)
-                overridden, expected = run.checkpoint.load(
-                    payload, path, self.config.resume_overrides
-                )
-                with loading(path, lambda: "the data order or the program's state"):
-                    restore_program_state(
-                        payload, run.sampler, self.user_state, run.device.torch_device
-                    )
-            except CheckpointError as exc:
-                problems = [(str(exc).strip().splitlines() or [""])[0]]
-                files.record(
-                    "checkpoint_skipped",
-                    {"checkpoint": path.name, "path": str(path), "problems": problems},
-                )
-                refused[path.name] = problems
-                continue
-            return found, overridden, expected
-        return None, [], None
+        for confirmed in self.after_identity_check:  # locked, and the checkpoint is this run's
+            confirmed(Path(self.config.run_dir))
+        return found.expected_loss if found is not None else None
 
     def _callbacks(
         self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
@@ -443,8 +426,7 @@ class Trainer:
         def capture(state: TrainState, copy: bool = True) -> Payload:
             # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
             next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
-            payload = run.checkpoint.capture(next_loss, host, copy)
-            return with_program_state(payload, run.sampler, self.user_state)
+            return run.checkpoint.capture(next_loss, host, copy)
 
         async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
         async_save = async_save and not run.group.active  # every rank writes: collective saves
@@ -462,7 +444,7 @@ class Trainer:
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CpuContention.from_config(cfg, run.device, record),
-            CheckpointSaver(
+            CheckpointWriter(
                 store if main else RankStore(),
                 capture,
                 cfg.save_every_steps,
@@ -476,6 +458,7 @@ class Trainer:
                 if cfg.keep_best
                 else None,
                 room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
+                allowance=allowance,
             ),
             SignalStop(record),
             continuity,
@@ -720,7 +703,7 @@ class _Run:
     emit: Dispatcher
     group: Group
     scheduler: Any = None
-    checkpoint: RanksState | None = None  # set by `Trainer._run_state`, under the watchdog
+    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
     resumed: bool = False
 
 

@@ -135,8 +135,11 @@ class FinetuneJob:
         size, batch = len(self.train_data), self.config.effective_batch_size
         return size // batch if self.train_config.drop_last else math.ceil(size / batch)
 
-    def run(self) -> FitResult:
-        """Train through `Trainer` and, when it finished (exit 0), export final/."""
+    def run(self, confirmed: Callable[[Path], Any] | None = None) -> FitResult:
+        """Train through `Trainer` and, when it finished (exit 0), export final/. The run's
+        training_config.json is written, and `confirmed(run_dir)` called (the training log's
+        start), only once the Trainer holds the run directory and found its checkpoint, if
+        any, to be this run's: a start refused there (locked, another run) writes nothing."""
         cfg = self.config
         total, warmup = cfg.schedule(self.steps_per_epoch())
         trainer = Trainer(
@@ -149,8 +152,7 @@ class FinetuneJob:
             collate_fn=Collator(pad_token_id(self.tokenizer)),
             eval_data=self.eval_data if cfg.evaluates_during_training() else None,
         )
-        if int(os.environ.get("RANK", "0")) == 0:
-            record_config(cfg, Path(self.train_config.run_dir))
+        trainer.after_identity_check.append(lambda run_dir: self._confirmed(run_dir, confirmed))
         result = trainer.fit()
         if result.exit_code != 0 or int(os.environ.get("RANK", "0")) != 0:
             return result  # one process exports; a stopped run has nothing final to export
@@ -166,6 +168,12 @@ class FinetuneJob:
             f"  steadytrain report {result.run_dir}"
         )
         return result
+
+    def _confirmed(self, run_dir: Path, then: Callable[[Path], Any] | None) -> None:
+        if then is not None:
+            then(run_dir)
+        if int(os.environ.get("RANK", "0")) == 0:
+            record_config(self.config, run_dir)
 
     def final_evaluation(self, batch_size: int) -> float | None:
         """The loss on the eval data after training, said on the console: the engine's
@@ -196,8 +204,7 @@ def run_finetune(
     config = FinetuneConfig.load(config_path, overrides)
     with training_log() as log:
         job = FinetuneJob(config)  # a refusal here writes nothing
-        log.start(Path(job.train_config.run_dir))
-        return job.run()
+        return job.run(confirmed=log.start)  # nor one before the run is known to be this run
 
 
 def _check_data_files(config: FinetuneConfig) -> None:
@@ -378,8 +385,9 @@ def _export_disk_full(
 
 
 def record_config(config: FinetuneConfig, run_dir: Path) -> None:
-    """RUN_DIR/training_config.json: the resolved config, written before training, so a
-    checkpoint can be exported as an adapter while the run is still going."""
+    """RUN_DIR/training_config.json: the resolved config, written before training (once the run
+    directory is locked and known to be this run's), so a checkpoint can be exported as an
+    adapter while the run is still going."""
     text = json.dumps(config.resolved(), indent=2) + "\n"
     write_atomic(run_dir / TRAINING_CONFIG, text, root=run_files.top(run_dir))
 

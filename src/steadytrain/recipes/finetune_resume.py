@@ -1,12 +1,17 @@
 """Rerunning a fine-tune on an interrupted output_dir: which changes keep the run the same run.
 
-The engine refuses a resume whose run-defining settings changed (`safety.state.check_identity`).
-In a fine-tune's terms the seed's own advice is to lower ``per_device_train_batch_size``, to
-change ``gradient_accumulation_steps`` or to switch ``gradient_checkpointing``: when the effective
-batch (per_device_train_batch_size × gradient_accumulation_steps × processes) is unchanged these
-are the same run and the resume goes on, saying what changed. A changed effective batch is
-refused here, before anything loads, in the config's own names, with the `resume_overrides` entry
-that would allow it on purpose.
+A setting changed since the run started gets one answer, before anything loads or is written:
+
+* the same run, said on the first line and resumed: the batch split
+  (``per_device_train_batch_size`` × ``gradient_accumulation_steps`` while the effective batch
+  stays), the memory savers, logging, saving, evaluation, the length of the run;
+* another run, refused (exit 2) naming the setting, its old and new value, and the fix: a
+  changed effective batch, seed or data may be allowed on purpose with ``resume_overrides``
+  (which then works); a setting the saved state holds or was built from (the base model, the
+  adapter's rank, targets and scale, quantization, the optimizer's and the schedule's
+  hyperparameters) can only be set back, or the run started in a new output_dir.
+
+The engine's own identity check (`checkpoint.identity.check_identity`) still guards the resume.
 """
 
 from __future__ import annotations
@@ -24,22 +29,89 @@ BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 def resume_changes(config: FinetuneConfig, run_dir: Path) -> list[str]:
     """What changed since the interrupted run in `run_dir` started (one line each, `key: old ->
-    new`); [] for a new run. Raises BadInputError when the effective batch changed and
-    ``resume_overrides`` does not allow it."""
+    new`, nested keys dotted: `lora.r`); [] for a new run. Raises BadInputError when a change
+    makes it another run and ``resume_overrides`` does not allow it."""
     recorded = _recorded(run_dir)
     if recorded is None:
         return []
     now = config.resolved()
+    before, after = _flat(recorded), _flat(now)
     changed = [
-        f"{key}: {recorded.get(key)!r} -> {now.get(key)!r}"
-        for key in sorted(set(recorded) | set(now))
-        if recorded.get(key) != now.get(key) and key != "resume_overrides"
+        key
+        for key in sorted(set(before) | set(after))
+        if before.get(key) != after.get(key) and key != "resume_overrides"
     ]
     old = _effective(recorded, config.world_size)
-    allowed = "effective_batch_size" in (now.get("resume_overrides") or [])
-    if old is not None and old != config.effective_batch_size and not allowed:
+    allowed = set(now.get("resume_overrides") or [])
+    if (
+        old is not None
+        and old != config.effective_batch_size
+        and "effective_batch_size" not in allowed
+    ):
         raise BadInputError(_batch_refusal(old, recorded, config, run_dir))
-    return changed
+    refused = [
+        _refusal(key, before.get(key), after.get(key))
+        for key in changed
+        if _defining(key) is not None and _defining(key)[1] not in allowed
+    ]
+    if refused:
+        raise BadInputError(
+            f"resume: {run_dir} holds an interrupted run; "
+            + ("this change makes" if len(refused) == 1 else "these changes make")
+            + " it another run:\n  "
+            + "\n  ".join(refused)
+        )
+    return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in changed]
+
+
+# setting (or its block) -> (what the saved state holds of it, the resume_overrides entry that
+# allows the change, None where none can: the saved tensors or states were built from it)
+_DEFINING: dict[str, tuple[str, str | None]] = {
+    "model_name_or_path": ("the frozen base the adapter was trained on", None),
+    "lora.r": ("the shapes of the adapter's saved tensors", None),
+    "lora.target_modules": ("which layers the saved adapter tensors belong to", None),
+    "lora.lora_alpha": ("the scale the saved adapter was trained with", None),
+    "quantization": ("the base weights the adapter was trained on", None),
+    "learning_rate": ("the optimizer's saved state (it would keep the old value)", None),
+    "weight_decay": ("the optimizer's saved state (it would keep the old value)", None),
+    "adam_beta1": ("the optimizer's saved state (it would keep the old value)", None),
+    "adam_beta2": ("the optimizer's saved state (it would keep the old value)", None),
+    "adam_epsilon": ("the optimizer's saved state (it would keep the old value)", None),
+    "optim": ("the optimizer's saved state", None),
+    "lr_scheduler_type": ("the schedule's saved state", None),
+    "warmup_steps": ("the schedule's saved state", None),
+    "warmup_ratio": ("the schedule's saved state", None),
+    "seed": ("the data order and the random draws", "seed"),
+    "train_file": ("the training data", "data"),
+    "max_seq_length": ("the training data (its token windows)", "data"),
+    "packing": ("the training data (its token windows)", "data"),
+}
+
+
+def _defining(key: str) -> tuple[str, str | None] | None:
+    """What a change of `key` changes, and the override that allows it; None: the same run."""
+    return _DEFINING.get(key) or _DEFINING.get(key.split(".", 1)[0])
+
+
+def _refusal(key: str, old: Any, new: Any) -> str:
+    what, override = _defining(key)
+    fix = (
+        f'or allow it on purpose with "resume_overrides": ["{override}"]'
+        if override is not None
+        else "or start a new output_dir"
+    )
+    return f"{key}: {old!r} -> {new!r} ({what}); set it back to {old!r}, {fix}"
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested blocks as dotted keys: {"lora": {"r": 8}} -> {"lora.r": 8}."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _effective(recorded: dict[str, Any], world_size: int) -> int | None:

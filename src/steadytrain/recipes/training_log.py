@@ -2,8 +2,9 @@
 closes (the seed's ``tail -100 logs/training.log``). Everything written to stderr while the run
 is in the block (our lines, the progress lines, warnings, the error that ended it) goes to the
 file as well, each write flushed, so a SIGKILL loses nothing already shown. Until `start` names
-the run directory the lines are held in memory: a config refused before training writes
-nothing."""
+the run directory the lines are held in memory; the fine-tune calls it once the run directory is
+locked and its checkpoint, if any, is known to be this run's, so a start refused before that (a
+bad config, a run directory in use, another run's checkpoint) writes nothing."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from steadytrain.safety.supervisor import (
     last_micro_batch_size,
     read_oom_kill_count,
 )
+from steadytrain.safety.watchdog import ENV_START_WATCH
 from steadytrain.telemetry.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -825,12 +826,42 @@ def test_a_stale_heartbeat_of_our_child_is_killed_as_a_hang(tmp_path):
     assert time.monotonic() - started < 30
     assert code == 4, out.getvalue()  # a hang, then no restart left without progress
     assert "treating it as a hang" in out.getvalue()
+    # the line says who caught it: the supervisor killed it, the child's watchdog did not
+    assert "hang detected by the supervisor: the child's heartbeat file stood still" in (
+        out.getvalue()
+    )
+    assert "hang detected by the watchdog" not in out.getvalue()
     (hang,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "hang"]
     assert hang["detected_by"] == "supervisor" and hang["step"] == 7 and hang["exit_code"] == -9
     gave_up = [
         e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "supervisor_gave_up"
     ]
     assert gave_up[0]["last_exit_code"] == 75
+
+
+def test_an_attempt_without_a_heartbeat_is_killed_and_the_line_names_the_supervisor(tmp_path):
+    """Issue 27: a steadytrain run (an older config.json) whose attempt writes no heartbeat (it
+    hangs before importing steadytrain): killed after --first-heartbeat-timeout, and the line
+    says the supervisor caught it, not the watchdog. The child is told where to watch itself
+    from its start (ENV_START_WATCH: the run directory and that limit)."""
+    (tmp_path / "config.json").write_text("{}")
+    seen = tmp_path / "start-watch.txt"
+    code = (
+        "import os, sys, time; from pathlib import Path; "
+        f"Path(sys.argv[1]).write_text(os.environ.get({ENV_START_WATCH!r}, '')); time.sleep(60)"
+    )
+    out = io.StringIO()
+    opts = SupervisorOptions(run_dir=tmp_path, max_restarts=0, first_heartbeat_s=1.0)
+    started = time.monotonic()
+    command = [sys.executable, "-c", code, str(seen)]
+    assert Supervisor(command, opts, environ=clean_environ(), out=out).run() == 4, out.getvalue()
+    assert time.monotonic() - started < 30
+    assert "hang detected by the supervisor: no heartbeat" in out.getvalue()
+    assert "--first-heartbeat-timeout 1 s); killed" in out.getvalue()
+    assert "hang detected by the watchdog" not in out.getvalue()
+    assert json.loads(seen.read_text()) == {"run_dir": str(tmp_path), "limit_s": 1.0}
+    (hang,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert hang["detected_by"] == "supervisor" and hang["phase"] == "start-up"
 
 
 # ---- a library's checkpoint is progress (issue 24 item 2) ----------------------------------

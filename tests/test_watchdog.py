@@ -210,7 +210,12 @@ def wait_until(condition, what: str, timeout: float = 60.0) -> None:
 
 def make(tmp_path: Path, timeout, action: str = "exit") -> tuple[HangWatchdog, list]:
     recorded: list = []
-    dog = HangWatchdog(tmp_path, timeout, action, FakeDevice(), lambda n, i: recorded.append(n))
+
+    def record(name: str, info: dict) -> None:
+        if name != "hang_watch":  # the allowance's line at the start, not a finding
+            recorded.append(name)
+
+    dog = HangWatchdog(tmp_path, timeout, action, FakeDevice(), record)
     return dog, recorded
 
 
@@ -229,10 +234,27 @@ def test_limits_auto_median_first_step_and_saves(tmp_path):
     dog._saving = "checkpoint save"
     assert dog.limit() == (800.0, "checkpoint save")  # 4 x the longest save
 
+    dog.steps_done, dog._startup, dog._saving = 0, "data fingerprint", None
+    assert dog.limit() == (wd.STARTUP_S, "data fingerprint")
+    assert "may each go 600 s" in dog.allowance_text()
+
     fixed, _ = make(tmp_path, 3)
-    assert fixed.limit() == (wd.FIRST_STEP_S, "first step")
-    fixed.steps_done = 1
+    assert fixed.limit() == (3.0, "first step")  # an explicit limit bounds the first step
+    fixed._startup = "data fingerprint"
+    assert fixed.limit() == (3.0, "data fingerprint")  # and the start-up phases
+    fixed._startup = "set-up"
+    assert fixed.limit() == (wd.STARTUP_S, "set-up")  # first imports, a large model's move
+    fixed._waiting = "broadcast (parameters)"
+    assert fixed.limit() == (3.0, "broadcast (parameters) in set-up")  # a collective: bounded
+    fixed._waiting = None
+    fixed._startup, fixed.steps_done = None, 1
     assert fixed.limit() == (3.0, "step")  # a configured number is used as is
+    fixed._saving = "checkpoint save"
+    assert fixed.limit() == (wd.SAVE_FLOOR_S, "checkpoint save")  # a save keeps its allowance
+    fixed._saving = None
+    assert "3 s without progress is a hang, in start-up, the first step and every collective" in (
+        fixed.allowance_text()
+    )
     assert fixed.poll_s == pytest.approx(3 / 8)
     with pytest.raises(ValueError, match="hang_action"):
         make(tmp_path, 3, "kill")

@@ -13,6 +13,11 @@ from steadytrain.errors import (
 )
 from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
 
+if __import__("os").environ.get("STEADYTRAIN_START_WATCH"):  # under `steadytrain run`
+    from steadytrain.safety.watchdog import watch_from_start
+
+    watch_from_start()  # a hang before fit() is caught too
+
 
 def __getattr__(name: str):
     # The trainer imports torch; the CLI's light commands (config, report) should not pay for it.

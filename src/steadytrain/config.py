@@ -151,10 +151,12 @@ class TrainConfig(BaseModel):
     hang_timeout: Literal["auto"] | Annotated[float, Field(gt=0)] = Field(
         "auto",
         description="Seconds without progress before a hang is declared. 'auto': the larger of "
-        "300 s and 10 × the median step time (after 5 steps). Whatever the value, each start-up "
-        "phase of fit() (data fingerprint, checkpoint load, plan, compile) and the first step "
-        "of each process get at least 600 s (compilation, first allocations, data warm-up) and "
-        "a checkpoint save at least 300 s and 4 × the longest save so far.",
+        "300 s and 10 × the median step time (after 5 steps); each start-up phase of fit() "
+        "(data fingerprint, checkpoint load, plan, compile) and the first step of each process "
+        "get 600 s (compilation, first allocations, data warm-up). A number bounds those too, "
+        "and every collective; the set-up before them (model placement, optimizer) keeps 600 s, "
+        "a checkpoint save at least 300 s and 4 × the longest save so far. The console says "
+        "which allowance holds when fit() starts.",
     )
     hang_action: Literal["exit", "report"] = Field(
         "exit",

@@ -72,7 +72,7 @@ from steadytrain.safety.child import (
     micro_cap_from_supervisor,
     savers_from_supervisor,
 )
-from steadytrain.safety.failure_record import record_exit, record_failure
+from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop
@@ -189,6 +189,11 @@ class Trainer:
                 group.leave(exc)  # at once: the other ranks wait in a collective
             raise
         except Exception as exc:
+            ran_out = group.out_of_memory_before_steps(exc)  # under torchrun: exit 76, named
+            if ran_out is not None:
+                keep_traceback(own_dir, exc)
+                record_exit(own_dir, ran_out, group.describe())
+                group.leave(ran_out)  # at once: the other ranks wait in a collective
             theirs = record_failure(own_dir, exc)  # theirs before the loop: planning, a batch
             record_exit(own_dir, theirs or exc, group.describe())
             if theirs is None:
@@ -212,22 +217,24 @@ class Trainer:
 
     def _fit_locked(self, run_dir: Path, group: Group) -> FitResult:
         cfg = self.config
-        run = self._set_up(group)
-        tensorboard = TensorBoardLog.from_config(cfg, run_dir) if group.is_main else None
-        compiled = compile_wanted(cfg.compile, run.device.type)
-        if compiled:
-            check_compiler(run.device.type)
         files = RunFiles(group.own_dir(run_dir))
         console = console_callback(cfg, errors_only=not group.is_main)  # one progress display
         record = _recorder(files, console)
-        # Watched from here: each start-up phase has a heartbeat, a name and watchdog.STARTUP_S;
-        # a rank's report names it and the collective it waits in (name_waits)
+        # Watched from here: the set-up (the parameters' broadcast, where a communicator is set
+        # up) and each start-up phase have a heartbeat, a name and a limit; a rank's report
+        # names it and the collective it waits in (name_waits)
         watchdog = HangWatchdog.from_config(
-            cfg, group.own_dir(run_dir), run.device, record, group.rank, group.world_size
+            cfg, group.own_dir(run_dir), None, record, group.rank, group.world_size
         )
         name_waits(waiting_in)
-        watchdog.start(run.state, "data fingerprint")
+        watchdog.start(None, "set-up")
         try:
+            run = self._set_up(group)
+            watchdog.set_up_done(run.state, run.device, "data fingerprint")
+            tensorboard = TensorBoardLog.from_config(cfg, run_dir) if group.is_main else None
+            compiled = compile_wanted(cfg.compile, run.device.type)
+            if compiled:
+                check_compiler(run.device.type)
             run.checkpoint = self._run_state(run)
             store = CheckpointStore(
                 run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES

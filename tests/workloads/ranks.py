@@ -3,17 +3,24 @@
     python ranks.py RUN_DIR [--loss mean|tokens|wide] [--micro N] [--steps S] [--batch B]
                             [--limit-mib M --limit-rank R] [--save-every N]
                             [--kill-rank R --kill-at S] [--block-rank R --block-at S]
-                            [--hang-timeout T] [--micro-at M1,M2,...]
+                            [--hang-timeout T] [--hang-action A] [--block-seconds S]
+                            [--micro-at M1,M2,...] [--optimizer-mib N]
     python -m torch.distributed.run --nproc_per_node 2 ranks.py RUN_DIR ...
 
 --loss mean: a sample-mean loss; tokens: a token-weighted loss over padded sequences of uneven
 length, returned as (loss_sum, count); wide: a wide MLP whose activations grow with the
 micro-batch (for the out-of-memory test). With --limit-mib, rank R's address space is capped at
 (current size + M MiB) after a warm-up pass and a warm-up collective. With --kill-at, rank R
-SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0).
+SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART and
+TORCHELASTIC_RESTART_COUNT unset or 0).
 With --block-at, rank R sleeps forever after its first micro-batch of step S of the first
-attempt (the other ranks then wait for it in the step's agreement); --hang-timeout sets the
-watchdog's limit (seconds). --micro-at runs step i at micro-batch Mi, as a run that shrank
+attempt (the other ranks then wait for it in the step's agreement); --block-at 0 blocks rank R
+at the start of the first step instead, before its first collective, in
+blocked_before_first_collective (the other ranks then wait in the first step's first
+collective); --block-seconds ends the block after S seconds. --hang-timeout sets the watchdog's limit (seconds), --hang-action its action.
+--optimizer-mib N: rank --limit-rank's optimizer factory first takes N MiB at once (an optimizer
+that allocates its state when built), out of memory under a smaller --limit-mib.
+--micro-at runs step i at micro-batch Mi, as a run that shrank
 at those steps did (a shrink redoes the whole step at the smaller size).
 Rank 0 writes RUN_DIR/params.pt and RUN_DIR/result.json.
 """
@@ -91,6 +98,12 @@ def limit_memory(model, data, loss_fn, mib: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
+def first_attempt() -> bool:
+    """Neither `steadytrain run` nor torchrun's own --max-restarts has restarted this process."""
+    restarts = ("STEADYTRAIN_RESTART", "TORCHELASTIC_RESTART_COUNT")
+    return all(os.environ.get(name, "0") == "0" for name in restarts)
+
+
 class KillAt(Callback):
     """SIGKILL this rank at the end of step `step` of the first attempt."""
 
@@ -98,8 +111,7 @@ class KillAt(Callback):
         self.rank, self.step = rank, step
 
     def on_step_end(self, state, control, info) -> None:
-        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
-        if first and state.step == self.step and dist.get_rank() == self.rank:
+        if first_attempt() and state.step == self.step and dist.get_rank() == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -114,6 +126,36 @@ class BlockAt(Callback):
         if first and state.step + 1 == self.step and dist.get_rank() == self.rank:
             while True:
                 time.sleep(3600)
+
+
+def blocked_before_first_collective(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 3600.0))
+
+
+class BlockFirstStep(Callback):
+    """Block `seconds` at the start of the first step of the first attempt, on `rank`."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def on_step_start(self, state, control, info) -> None:
+        first = os.environ.get("STEADYTRAIN_RESTART", "0") == "0"
+        if first and state.step == 0 and dist.get_rank() == self.rank:
+            blocked_before_first_collective(self.seconds)
+
+
+def eager_state(factory, mib: int):
+    """`factory`, whose optimizer takes `mib` MiB of state when it is built."""
+
+    def build(params):
+        state = torch.ones(mib * 2**20 // 4)  # written: the pages are taken, not only reserved
+        optimizer = factory(params)
+        optimizer.eager_state = state
+        return optimizer
+
+    return build
 
 
 class MicroAt(Callback):
@@ -142,6 +184,9 @@ def main() -> None:
     parser.add_argument("--block-rank", type=int, default=1)
     parser.add_argument("--block-at", type=int)
     parser.add_argument("--hang-timeout", type=float)
+    parser.add_argument("--hang-action", choices=["exit", "report"])
+    parser.add_argument("--block-seconds", type=float, default=float("inf"))
+    parser.add_argument("--optimizer-mib", type=int)
     parser.add_argument("--micro-at", type=lambda s: [int(m) for m in s.split(",")])
     args = parser.parse_args()
     model, data, loss_fn = build(args.loss)
@@ -160,13 +205,18 @@ def main() -> None:
         precision="fp32",
         log_every_steps=1,
         **({"hang_timeout": args.hang_timeout} if args.hang_timeout else {}),
+        **({"hang_action": args.hang_action} if args.hang_action else {}),
     )
     callbacks = [KillAt(args.kill_rank, args.kill_at)] if args.kill_at else []
     if args.block_at:
         callbacks.append(BlockAt(args.block_rank, args.block_at))
+    if args.block_at == 0:
+        callbacks.append(BlockFirstStep(args.block_rank, args.block_seconds))
+    optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
+    if args.optimizer_mib and dist.get_rank() == args.limit_rank:
+        optimizer = eager_state(optimizer, args.optimizer_mib)
     if args.micro_at:
         callbacks.append(MicroAt(args.micro_at))
-    optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
     result = Trainer(model, optimizer, loss_fn, data, config, callbacks=callbacks).fit()
     if dist.is_initialized():  # the script's own group (--limit-mib); the Trainer's is closed
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from steadytrain import run_files
 from steadytrain.device.core import wait_on_host
-from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.errors import BadInputError, RankOutOfMemory, SteadytrainError
 
 
 def _unwatched(name: str) -> contextlib.AbstractContextManager:
@@ -47,6 +47,33 @@ def name_waits(hook: Callable[[str], contextlib.AbstractContextManager]) -> None
     `waiting_in`, so a hang report names the collective (another rank never reached it)."""
     global _waiting_in
     _waiting_in = hook
+
+
+def attempt_store(environ) -> Any:
+    """The process group's store for a restart by torchrun itself (`--max-restarts`): None
+    for a first attempt, or where the workers' store is made afresh for each attempt.
+
+    torchrun's agents keep one TCP store for every round of their rendezvous and hand it to the
+    workers of each attempt (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch's default): the keys
+    the ranks of the attempt before wrote there (each rank's address, NCCL's unique id) are
+    still there, and a restarted rank reads them before its peer has written the new ones (gloo:
+    "connectFullMesh failed ... Connection refused"; NCCL: a communicator that never forms).
+    The keys of each attempt go under a prefix of its own, as torchrun's restart count names
+    it. A script that makes its own process group can set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    for torchrun instead (docs/distributed.md)."""
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    from datetime import timedelta
+
+    store = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        int(environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"steadytrain/attempt-{attempt}", store)
 
 
 class RanksOutOfMemory(MemoryError):
@@ -103,7 +130,12 @@ class Group:
                 "install a torch build with distributed support or run one process"
             )
         # No backend named: gloo for CPU tensors and, where CUDA is there, NCCL for CUDA ones.
-        dist.init_process_group()
+        store = attempt_store(os.environ)
+        if store is None:
+            dist.init_process_group()
+        else:
+            rank = int(os.environ["RANK"])
+            dist.init_process_group(store=store, rank=rank, world_size=world)
         return dataclasses.replace(cls._of_initialized(), owned=True)
 
     def close(self) -> None:
@@ -120,6 +152,25 @@ class Group:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(error.exit_code)
+
+    def out_of_memory_before_steps(self, exc: BaseException) -> RankOutOfMemory | None:
+        """An out-of-memory that ended this rank's `fit()` before its steps (the model's move,
+        the optimizer a factory builds, the start-up), as `RankOutOfMemory` naming this rank
+        (exit 76: `steadytrain run` restarts the group, and names the rank that ran out); None
+        for a group of one, for an error that is not an out-of-memory, or for one from the
+        steps, which the loop has classified already (`steadytrain_step`)."""
+        from steadytrain.device import is_oom
+
+        if not self.active or getattr(exc, "steadytrain_step", None) is not None:
+            return None
+        if not isinstance(exc, Exception) or isinstance(exc, SteadytrainError) or not is_oom(exc):
+            return None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return RankOutOfMemory(
+            f"out of memory on rank {self.rank} of {self.world_size} before the first step (the "
+            f"model's placement, the optimizer or the start-up): {type(exc).__name__}: {first}; "
+            "exiting 76 so that `steadytrain run` restarts the group"
+        )
 
     def settle(self) -> None:
         """Wait until every rank is here (a fit that ended well), and leave gloo's worker

@@ -206,6 +206,8 @@ class ChildExit:
     memory: MemoryAtKill | None = None
     rank: RankEnd | None = None
     launcher_code: int | None = None
+    hang_by: str | None = None
+    """Who caught a hang when it was not the child's own watchdog (the supervisor killed it)."""
 
     @classmethod
     def of(
@@ -294,6 +296,8 @@ class ChildExit:
             )
         elif rc in NOT_RESTARTABLE:
             text = f"child exited {rc}: {NOT_RESTARTABLE[rc]}"
+        elif rc == HANG and self.hang_by is not None:
+            text = f"hang detected by {self.hang_by}"
         elif rc == HANG:
             text = f"hang detected by the watchdog (exit {HANG})"
         elif rc == SHRINK:

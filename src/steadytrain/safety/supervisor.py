@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -83,7 +84,7 @@ from steadytrain.safety.failures import (
     rank_ends,
     same_failure,
 )
-from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
+from steadytrain.safety.watchdog import ENV_START_WATCH, adopt_backstop_dumps, read_heartbeat
 
 GAVE_UP = 4
 
@@ -180,6 +181,7 @@ class Supervisor:
         self._forwarded = 0
         self._sent_kill = False  # the stop timeout ran out and we sent SIGKILL
         self._hang: _FrozenChild | None = None  # the heartbeat went stale and we are killing
+        self._caught: str | None = None  # how we caught a hang we killed, for the lines
         self._beat_key: tuple[Any, Any] | None = None
         self._beat_seen = 0.0  # our monotonic time when the heartbeat last changed
         self._child_started = 0.0  # our monotonic time when the attempt started
@@ -223,6 +225,9 @@ class Supervisor:
             if self._hang is not None:
                 returncode = self._record_frozen_child(returncode)
             death = self._death(returncode, oom_before, started_wall)
+            if self._caught is not None:  # we killed it: say so, not "the watchdog"
+                death = dataclasses.replace(death, hang_by=self._caught)
+                self._caught = None
             step = progress_step(self.options.run_dir)
             error = self._recorded_error(death, started_wall)
             final = self._final_code(death, step, error, error_before)
@@ -366,6 +371,12 @@ class Supervisor:
 
     def _run_child(self, max_micro: int | None, savers: int | None = None) -> int:
         env = {**self.environ, ENV_SUPERVISED: "1", ENV_RESTART: str(self.restarts)}
+        if self.options.run_dir is not None:  # the child watches itself from its start
+            start = {
+                "run_dir": str(self.options.run_dir),
+                "limit_s": self.options.first_heartbeat_s,
+            }
+            env[ENV_START_WATCH] = json.dumps(start)
         self._hang, self._beat_key = None, None
         self._child_started = time.monotonic()
         if max_micro is not None:
@@ -481,6 +492,10 @@ class Supervisor:
             return
         pid = int(beat["pid"])
         self._hang = _FrozenChild(pid, beat, max(unchanged, stalled), now + DUMP_WAIT_S)
+        self._caught = (
+            f"the supervisor: the child's heartbeat file stood still {self._hang.stalled_s:.0f} s "
+            f"in {beat.get('phase')}, past the {allowed:.0f} s its watchdog allows; killed"
+        )
         dump = beat.get("dump_signal")
         self._say(
             f"no progress from the child (pid {pid}, step {beat.get('step')}, "
@@ -505,6 +520,10 @@ class Supervisor:
         waited = now - self._child_started
         beat = {"pid": proc.pid, "step": progress_step(run_dir), "phase": "start-up"}
         self._hang = _FrozenChild(proc.pid, beat, waited, now)
+        self._caught = (
+            f"the supervisor: no heartbeat {waited:.0f} s after the child started "
+            f"(--first-heartbeat-timeout {self.options.first_heartbeat_s:.0f} s); killed"
+        )
         self._say(
             f"no heartbeat from the child (pid {proc.pid}) {waited:.0f} s after it started, "
             f"past --first-heartbeat-timeout {self.options.first_heartbeat_s:.0f} s: it hung "
@@ -794,6 +813,7 @@ def _positive_int(text: str | None) -> int | None:
     except ValueError:
         return None
     return value if value and value >= 1 else None
+
 
 GENERAL_ADVICE = (
     "shorter sequences, 16-bit weights (precision: bf16, or a fine-tune's bf16: true), a smaller "

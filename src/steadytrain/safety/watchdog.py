@@ -32,8 +32,13 @@ The limit of a phase (`HangWatchdog.limit`):
 
 * steps: ``hang_timeout`` seconds as configured; ``"auto"``: the larger of 300 s and 10 times
   the median step time once 5 steps have run in this process;
-* the first step of each process (compilation, first allocations, data workers starting): at
-  least 600 s;
+* the start-up of `fit()` (the data fingerprint, the checkpoint load, the plan, compilation)
+  and the first step of each process (first allocations, data workers starting, a
+  communicator's set-up in its first collective): with ``"auto"``, 600 s each; an explicit
+  ``hang_timeout`` bounds them too, so a rank stuck in its first collective, or a data set that
+  blocks, is caught within it. The set-up before them (model placement and the parameters'
+  broadcast, the optimizer: `SET_UP`) keeps 600 s, but a collective in it is bounded by an
+  explicit ``hang_timeout``. The console says which allowance holds when the watching starts;
 * a checkpoint save (`allowance`, entered by `CheckpointWriter.on_step_end`): at least 300 s, and
   at least 4 times the longest save so far.
 
@@ -84,19 +89,25 @@ WARMUP_STEPS = 5
 STEP_WINDOW = 50
 """The median is over this many most recent steps, so a run that slows down is followed."""
 FIRST_STEP_S = 600.0
-"""The first step of a process compiles kernels (MPS graphs, torch.compile), makes the first
-allocations and starts data workers; torchtitan gives its first step 300 s, nvidia-resiliency-ext
-60 min. This bound holds whatever hang_timeout says, so a short timeout cannot kill every attempt
-in its first step and make the supervisor give up."""
+"""With hang_timeout "auto": the first step of a process compiles kernels (MPS graphs,
+torch.compile), makes the first allocations, starts data workers and sets up the communicators
+of its first collectives; torchtitan gives its first step 300 s, nvidia-resiliency-ext 60 min.
+An explicit hang_timeout is the limit here too: the user said how long a stall may last."""
 STARTUP_S = 600.0
-"""Each start-up phase of `fit()` (data fingerprint, checkpoint load, plan, compile) may go this
-long without a beat, whatever hang_timeout says: reading a large dataset's samples or a
-multi-GB checkpoint from a slow disk takes minutes, a read that blocks takes forever."""
+"""With hang_timeout "auto": each set-up and start-up phase of `fit()` (model placement,
+optimizer, data fingerprint, checkpoint load, plan, compile) may go this long without a beat:
+reading a large dataset's samples or a multi-GB checkpoint from a slow disk takes minutes, a
+read that blocks takes forever. An explicit hang_timeout bounds these phases too."""
 SAVE_FLOOR_S = 300.0
 """A checkpoint save writes the whole state to disk (seconds to minutes for large models)."""
 SAVE_FACTOR = 4.0
 """A save may take this many times the longest save so far (the state grows, the disk varies)."""
 MAX_POLL_S = 5.0
+SET_UP = "set-up"
+"""The phase of `fit()` that places the model (the parameters' broadcast) and builds the
+optimizer: first imports (torch.optim, torch._dynamo) and a large model's move take their time
+there, so it keeps STARTUP_S whatever hang_timeout says, but a collective in it (where a
+communicator is set up) is bounded by an explicit hang_timeout like any other."""
 EVENTS_TAIL = 20
 """Lines of events.jsonl copied into a hang report: what the run did just before."""
 EVENTS_TAIL_BYTES = 64 * 1024
@@ -200,6 +211,27 @@ class HangWatchdog(Callback):
             return FLOOR_S
         return max(FLOOR_S, MEDIAN_FACTOR * statistics.median(self.step_times[:measured]))
 
+    def first_allowance(self, auto_s: float) -> float:
+        """The limit of a set-up or start-up phase and of the first step: `auto_s` with
+        ``"auto"``, else the configured hang_timeout, which bounds every phase but a save."""
+        return auto_s if self.timeout == "auto" else float(self.timeout)
+
+    def allowance_text(self) -> str:
+        """The console's line when the watching starts: what is a hang, phase by phase."""
+        if self.timeout == "auto":
+            return (
+                f"set-up, start-up and the first step may each go "
+                f"{STARTUP_S:.0f} s without progress; then a step "
+                f"{FLOOR_S:.0f} s, or {MEDIAN_FACTOR:.0f} times the median step when longer "
+                "(hang_timeout auto; a number bounds every phase but the set-up and saves)"
+            )
+        return (
+            f"{float(self.timeout):g} s without progress is a hang, in start-up, the first step "
+            f"and every collective too (hang_timeout); the set-up (model placement, optimizer) "
+            f"may take {STARTUP_S:.0f} s, a checkpoint save {SAVE_FLOOR_S:.0f} s or "
+            f"{SAVE_FACTOR:.0f} times the longest save"
+        )
+
     def limit(self) -> tuple[float, str]:
         """(seconds, phase) for where the run is now; in a collective, the phase names it
         ("all-reduce (agreement) in step") under the limit of the phase it is part of."""
@@ -209,10 +241,12 @@ class HangWatchdog(Callback):
                 max(steady, SAVE_FLOOR_S, SAVE_FACTOR * self._longest_save),
                 self._saving,
             )
+        elif self._startup == SET_UP and self._waiting is None:  # imports, a model's move
+            seconds, phase = STARTUP_S, self._startup
         elif self._startup is not None:
-            seconds, phase = max(steady, STARTUP_S), self._startup
+            seconds, phase = self.first_allowance(STARTUP_S), self._startup
         elif self.steps_done == 0:
-            seconds, phase = max(steady, FIRST_STEP_S), "first step"
+            seconds, phase = self.first_allowance(FIRST_STEP_S), "first step"
         else:
             seconds, phase = steady, "step"
         waiting = self._waiting
@@ -286,12 +320,19 @@ class HangWatchdog(Callback):
         finally:
             self.beats += 1
 
-    def start(self, state: TrainState, phase: str) -> None:
+    def start(self, state: TrainState | None, phase: str) -> None:
         """Start watching before the loop (from `fit()`'s first line of work): the start-up
         phases get heartbeats and a limit too. The frame that calls this must stay on the stack
         for the whole fit; `stop` (or the loop's fit_end) ends the watching."""
         self._startup = phase
         self._begin(state, sys._getframe(1))
+
+    def set_up_done(self, state: TrainState, device: Any, phase: str) -> None:
+        """The set-up watched since `start(None, ...)` made the run's state and device: the
+        step and the memory reading come from them now; `phase` is the next start-up phase."""
+        self._state, self.device = state, device
+        self._startup = phase
+        self.beats += 1
 
     def stop(self) -> None:
         """End the watching of a fit that ends before its loop's fit_end (a refusal at start);
@@ -310,10 +351,11 @@ class HangWatchdog(Callback):
         # library's (steadytrain.integrations); else the frame that emitted fit_start.
         self._begin(state, info.get("fit_frame") or _caller_of_dispatch())
 
-    def _begin(self, state: TrainState, frame: FrameType | None) -> None:
+    def _begin(self, state: TrainState | None, frame: FrameType | None) -> None:
         global _active
         self._state = state
         self._fit_frame, self._fit_thread = frame, threading.get_ident()
+        stop_start_watch()  # watched from the process start until now: this watchdog takes over
         hangs = self.run_dir / run_files.HANGS
         root = run_files.top(self.run_dir)
         # A link planted at the heartbeat would switch the supervisor's hang backstop off
@@ -330,6 +372,8 @@ class HangWatchdog(Callback):
         self._stop.clear()
         self._arm_backstop(self.limit()[0])
         self._write_heartbeat(0.0)
+        with contextlib.suppress(Exception):  # the console says how long a stall may last
+            self.record("hang_watch", {"step": None, "message": self.allowance_text()})
         self._thread = threading.Thread(
             target=self._watch, name="steadytrain-hang-watchdog", daemon=True
         )
@@ -512,7 +556,11 @@ class HangWatchdog(Callback):
                 out.write("\nLast events (events.jsonl):\n")
                 out.writelines(_tail_lines(self.run_dir / run_files.EVENTS, EVENTS_TAIL))
                 out.flush()
-                memory, note = _read_with_timeout(self.device.memory, min(5.0, budget / 2))
+                memory, note = (
+                    _read_with_timeout(self.device.memory, min(5.0, budget / 2))
+                    if self.device is not None
+                    else (None, "(none: the device is chosen in set-up)")
+                )
                 out.write("\nMemory reading:\n")
                 out.write(json.dumps(memory.to_dict(), indent=1) if memory is not None else note)
                 out.write("\n")
@@ -611,6 +659,203 @@ def allowance(phase: str) -> Iterator[None]:
         return
     with watchdog.allowance(phase):
         yield
+
+
+# -- from process start, under `steadytrain run` ----------------------------------------------
+
+ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
+"""Set by `steadytrain run` for its child when it knows the run directory: JSON
+``{"run_dir": ..., "limit_s": ...}`` (limit_s: its --first-heartbeat-timeout). A process that
+imports steadytrain with it set watches itself from then on (`watch_from_start`)."""
+BEFORE_FIT = "before fit() (imports, model and data set-up)"
+
+
+class StartWatch:
+    """The watching of a process from its import of steadytrain until a fit's watchdog takes
+    over (`HangWatchdog` start): a hang in model set-up or data loading before `fit()` is
+    caught too. The same three layers as the fit's watchdog, with the supervisor's
+    --first-heartbeat-timeout as the limit: a thread that writes the heartbeat and, past the
+    limit, a hang report with every thread's stack, a ``hang`` event (detected_by "watchdog",
+    phase `BEFORE_FIT`) and exit 75; faulthandler's timer a margin later for a process that
+    holds the GIL; the heartbeat for the supervisor when the process cannot run at all."""
+
+    def __init__(self, run_dir: Path, limit: float, rank: int = 0):
+        self.run_dir, self.limit, self.rank = Path(run_dir), float(limit), rank
+        self.poll = max(0.05, min(self.limit / 8, MAX_POLL_S))
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._backstop: TextIO | None = None
+        self._backstop_path = self.run_dir / run_files.HANGS / f"backstop-{os.getpid()}.txt"
+        self._signal_registered = False
+
+    def start(self) -> None:
+        root = run_files.top(self.run_dir)
+        make_folder(self.run_dir / run_files.HANGS, root=root)
+        self._backstop = os.fdopen(open_in_run(self._backstop_path, "new", root=root), "w")
+        if DUMP_SIGNAL is not None and signal.getsignal(DUMP_SIGNAL) == signal.SIG_DFL:
+            faulthandler.register(DUMP_SIGNAL, file=self._backstop, all_threads=True)
+            self._signal_registered = True
+        with small_stacks():
+            faulthandler.dump_traceback_later(
+                self.limit + margin_s(self.poll), exit=True, file=self._backstop
+            )
+        self._write_heartbeat()
+        self._thread = threading.Thread(
+            target=self._watch, name="steadytrain-start-watch", daemon=True
+        )
+        with small_stacks():
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Hand over to a fit's watchdog: the thread ends, the timer and the dump signal are
+        disarmed, the backstop file goes (a dump in it becomes a report first)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll + 5.0)
+        faulthandler.cancel_dump_traceback_later()
+        if self._signal_registered:
+            faulthandler.unregister(DUMP_SIGNAL)
+            self._signal_registered = False
+        if self._backstop is not None:
+            self._backstop.close()
+            self._backstop = None
+            with contextlib.suppress(Exception):
+                adopt_backstop_dumps(
+                    self.run_dir, _record_event(self.run_dir), only_pid=os.getpid()
+                )
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            stalled = time.monotonic() - self.started
+            if stalled >= self.limit:
+                self._fire(stalled)
+                return
+            self._write_heartbeat()
+
+    def _write_heartbeat(self) -> None:
+        poll, stalled = self.poll, time.monotonic() - self.started
+        every = min(MAX_POLL_S, max(poll, 1.0))
+        record = {
+            "pid": os.getpid(),
+            "step": None,
+            "phase": BEFORE_FIT,
+            "stalled_s": round(stalled, 3),
+            "limit_s": self.limit,
+            "stale_after_s": self.limit + margin_s(poll) + report_budget_s(self.limit) + 2 * every,
+            "action": "exit",
+            "dump_signal": DUMP_SIGNAL.name if self._signal_registered else None,
+            "dump_file": f"{run_files.HANGS}/backstop-{os.getpid()}.txt",
+            "written": time.time(),
+        }
+        with contextlib.suppress(OSError, SteadytrainError):  # a link is refused, not followed
+            write_atomic(
+                self.run_dir / run_files.HEARTBEAT,
+                json.dumps(record),
+                durable=False,
+                root=run_files.top(self.run_dir),
+            )
+
+    def _fire(self, stalled: float) -> None:
+        if self._stop.is_set():
+            return
+        budget = report_budget_s(self.limit)
+        faulthandler.cancel_dump_traceback_later()
+        if self._backstop is not None:  # the report itself may not block forever
+            with small_stacks():
+                faulthandler.dump_traceback_later(budget, exit=True, file=self._backstop)
+        path = None
+        with contextlib.suppress(OSError, SteadytrainError):
+            path, fd = _new_hang_file(self.run_dir / run_files.HANGS, run_files.top(self.run_dir))
+            with os.fdopen(fd, "w") as out:
+                out.write(
+                    "steadytrain hang report\n"
+                    f"time: {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n"
+                    f"pid: {os.getpid()}\n"
+                    + (f"rank: {self.rank}\n" if self.rank else "")
+                    + f"phase: {BEFORE_FIT}: fit() has not started watching yet\n"
+                    f"no progress for {stalled:.1f} s since the process imported steadytrain "
+                    f"(limit {self.limit:.1f} s: steadytrain run --first-heartbeat-timeout)\n"
+                    f"action: exit ({HANG_EXIT})\n\n"
+                    "Every thread's stack, most recent call first:\n"
+                )
+                out.flush()
+                faulthandler.dump_traceback(out, all_threads=True)
+        info = {
+            "step": None,
+            "phase": BEFORE_FIT,
+            **({"rank": self.rank} if self.rank else {}),
+            "stalled_s": round(stalled, 2),
+            "limit_s": self.limit,
+            "action": "exit",
+            "file": str(path.relative_to(self.run_dir)) if path is not None else None,
+            "detected_by": "watchdog",
+            "exit_code": HANG_EXIT,
+        }
+        with contextlib.suppress(Exception):
+            _record_event(self.run_dir)("hang", info)
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
+        with contextlib.suppress(Exception):
+            sys.stderr.write(
+                f"steadytrain: hang {BEFORE_FIT}: no progress for {stalled:.0f} s since the "
+                f"process imported steadytrain (limit {self.limit:.0f} s, steadytrain run "
+                f"--first-heartbeat-timeout); stacks in {path}; exiting {HANG_EXIT} "
+                "(steadytrain run restarts it)\n"
+            )
+            sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            self._backstop_path.unlink()
+        os._exit(HANG_EXIT)
+
+
+def _record_event(run_dir: Path) -> Callable[[str, dict], None]:
+    def record(name: str, info: dict) -> None:
+        from steadytrain.safety.child import append_event
+
+        append_event(run_dir, {"time": time.time(), "event": name, **info})
+
+    return record
+
+
+_start_watch: StartWatch | None = None
+
+
+def watch_from_start(environ: Any = os.environ) -> StartWatch | None:
+    """Called when steadytrain is imported: under `steadytrain run` (ENV_START_WATCH set), start
+    watching this process before `fit()` (`StartWatch`); the variable is taken out of the
+    environment, so that processes this one starts (data workers, tools) do not watch
+    themselves. Nothing in a multiprocessing child or when the variable is not there."""
+    global _start_watch
+    text = environ.pop(ENV_START_WATCH, None)
+    if not text or _start_watch is not None or multiprocessing.parent_process() is not None:
+        return None
+    try:
+        spec = json.loads(text)
+        run_dir, limit = Path(spec["run_dir"]), float(spec["limit_s"])
+        rank = int(environ.get("RANK", "0") or 0)
+    except (ValueError, KeyError, TypeError):
+        return None
+    own = run_dir if rank == 0 else run_dir / run_files.RANKS / f"rank-{rank}"
+    watch = StartWatch(own, limit, rank)
+    try:
+        watch.start()
+    except (OSError, SteadytrainError) as exc:  # a full disk, a planted link: said, not fatal
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"steadytrain: cannot watch this process before fit(): {exc}\n")
+        watch.stop()
+        return None
+    _start_watch = watch
+    return watch
+
+
+def stop_start_watch() -> None:
+    """A fit's watchdog takes over (or the process no longer needs the start-up watch)."""
+    global _start_watch
+    watch, _start_watch = _start_watch, None
+    if watch is not None:
+        watch.stop()
 
 
 # -- files shared with the supervisor (no torch here) ------------------------------------------

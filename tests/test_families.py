@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from transformers import (
@@ -279,10 +279,8 @@ SMOKE = ("gpt2", "gemma2")  # a Conv1D family and a softcapped, sandwich-normed 
 def test_the_gpu_bench_runs_in_smoke_mode(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "families.py"
     out = tmp_path / "families.json"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(script), "--smoke", "--families", ",".join(SMOKE), "--out", str(out)],
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -7,12 +7,12 @@ MPS, the ladder's rung after checkpointing, and kept by a resume."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -362,11 +362,9 @@ def test_a_resume_keeps_offload_and_old_checkpoints_with_bools_still_load():
 def test_the_gpu_bench_runs_in_smoke_mode(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "offload.py"
     out = tmp_path / "offload.json"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(script), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
@@ -380,9 +378,7 @@ def test_the_gpu_bench_times_both_ways_of_copying_in_one_call(tmp_path):
     script = Path(__file__).resolve().parents[1] / "bench" / "offload.py"
     out = tmp_path / "offload.json"
     args = ["--smoke", "--copies", "serial,overlapped", "--steps", "1", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
-    )
+    done = forkserver.run([sys.executable, str(script), *args], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [(r["in_force"], r["copies"]) for r in runs] == [

@@ -18,8 +18,9 @@ the hang report must show:
     startup  blocked_in_sleep while fit() reads the first sample for the data fingerprint,
              before any step (--startup-s S shortens the start-up phases' limit,
              watchdog.STARTUP_S, from 600 s)
-    before   blocked_in_sleep before fit() is called (no watchdog, no heartbeat: only the
-             supervisor's --first-heartbeat-timeout catches it)
+    before   blocked_in_sleep before fit() is called (no fit() watchdog yet: under
+             steadytrain run, the watch from the process start catches it after
+             --first-heartbeat-timeout)
 
 --once MARKER blocks only while MARKER does not exist (it is created just before blocking, with
 the pid and the wall time the block began), so under `steadytrain run` the first attempt hangs

@@ -300,7 +300,10 @@ def test_generate_command_prints_prompts_and_completions(made, tmp_path):
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [line["prompt"] for line in lines] == ["the cat", "the dog"]
     assert all(line["new_tokens"] >= 1 for line in lines)
-    assert f"adapter {made['final']}" in err.getvalue() and "greedy, seed 0" in err.getvalue()
+    assert (
+        f"adapter {made['final']}" in err.getvalue()
+        and "temperature 0.7, top_p 0.9" in err.getvalue()
+    )
     one = generate(made["run"], ["the dog"], max_new_tokens=8, device="cpu")
     assert one[0].completion == lines[1]["completion"]
 

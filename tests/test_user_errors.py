@@ -233,3 +233,24 @@ def test_supervised_script_exits_5_and_is_not_restarted_when_the_error_repeats(t
     assert "the same error as the attempt before, at the same step (before the first step)" in err
     end = read_jsonl(run_dir / "events.jsonl")[-1]
     assert (end["event"], end["exit_code"]) == ("supervisor_end", 5)
+
+
+def test_the_stop_line_names_the_step_that_failed_and_leaves_the_error_to_its_own_line(
+    tmp_path, capfd
+):
+    """The console's last line of a run stopped by an error says the step the error happened
+    in (not the last finished one) and its kind; the error's text is not glued into it (it
+    follows whole, once, as the error itself)."""
+    calls = []
+
+    def third_fails(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("boom in the third batch")
+        return mse(model, batch)
+
+    fails(tmp_path, loss_fn=third_fails)
+    at = read_jsonl(tmp_path / "run" / "events.jsonl")[-1]["step"]  # the "error" event's
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped at step {at} by an error in your code (third_fails "), last
+    assert f"(exit 5; {at - 1} step(s) done;" in last and "boom" not in last

@@ -4,6 +4,7 @@ interface: the shapes of models and data the other tests rarely use."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -727,3 +728,93 @@ def test_a_data_loader_worker_that_dies_is_one_line_naming_it_and_num_workers_0(
     text = str(error)
     assert "a DataLoader worker (pid " in text and "rerun with num_workers=0" in text
     assert "Traceback" not in text and len(text.splitlines()) == 2
+
+
+def tiny_llama_folder(folder: Path, **generation) -> Path:
+    """A 2-layer Llama with random weights and the byte tokenizer, saved as a model folder;
+    `generation`: the generation_config.json it ships (none when empty)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from steadytrain.recipes.data import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=256, eos_token_id=257, pad_token_id=258, **generation
+    )
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_generate_samples_by_default_and_says_with_what(tmp_path):
+    """`steadytrain generate MODEL PROMPT` as the export's `next:` line prints it: greedy
+    decoding of a small model repeats itself ("the the the"), so without --temperature it
+    samples (the model's generation_config where it samples, else temperature 0.7, top_p 0.9)
+    and prints the settings it used; --temperature 0 is still greedy."""
+    import io
+
+    from rich.console import Console
+
+    from steadytrain.recipes.generate import generate, generate_command
+
+    folder = tiny_llama_folder(tmp_path / "plain")
+    out, err = io.StringIO(), io.StringIO()
+    settings = dict(max_new_tokens=24, device="cpu", json_output=True)
+    generate_command(
+        str(folder), prompt="the cat", console=Console(file=out), err_console=Console(file=err),
+        **settings,
+    )  # fmt: skip
+    assert "sampling at temperature 0.7, top_p 0.9" in err.getvalue() and "seed 0" in err.getvalue()
+    default = json.loads(out.getvalue())["completion"]
+    sampled = generate(folder, ["the cat"], max_new_tokens=24, temperature=0.7, top_p=0.9)
+    greedy = generate(folder, ["the cat"], max_new_tokens=24, temperature=0.0)
+    assert default == sampled[0].completion != greedy[0].completion
+
+    own = tiny_llama_folder(tmp_path / "own", do_sample=True, temperature=1.3, top_k=5)
+    said = []
+    generate(own, ["the cat"], max_new_tokens=4, on_sampling=lambda s: said.append(s.describe(0)))
+    assert said == [
+        "sampling at temperature 1.3, top_p 1, top_k 5 (the model's generation_config), seed 0"
+    ]
+
+
+def test_a_config_file_loads_in_python_with_overrides_as_the_docs_say(tmp_path):
+    """`TrainConfig.load(path, overrides)` as README and docs/config.md show it; the README's
+    command table names every command the CLI has (`export` was missing)."""
+    path = tmp_path / "train.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\neffective_batch_size: 8\nmax_steps: 100\n")
+    loaded = TrainConfig.load(path, {"max_steps": 10})
+    assert (loaded.max_steps, loaded.effective_batch_size) == (10, 8)
+    with pytest.raises(ConfigError, match="max_stepz"):
+        TrainConfig.load(path, {"max_stepz": 10})
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert "TrainConfig.load(" in readme
+    assert "TrainConfig.load(" in (root / "docs" / "config.md").read_text()
+    from steadytrain.cli import app
+
+    commands = [c.name or c.callback.__name__ for c in app.registered_commands]
+    missing = [
+        c for c in commands if f"| `steadytrain {c}" not in readme and f"`{c} " not in readme
+    ]
+    assert not missing, missing
+
+
+def test_a_model_folder_without_weights_is_bad_input_naming_the_weights(tmp_path):
+    """A folder with config.json (and a tokenizer) but no weights file: exit 2 naming the
+    folder and the weights looked for, not a traceback from transformers."""
+    from steadytrain.recipes.generate import generate
+
+    folder = tiny_llama_folder(tmp_path / "no_weights")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(BadInputError) as info:
+        generate(folder, ["the cat"], max_new_tokens=2)
+    text = str(info.value)
+    assert info.value.exit_code == 2 and "cannot load the weights of" in text
+    assert str(folder) in text and "model.safetensors" in text

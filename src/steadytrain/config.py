@@ -580,6 +580,11 @@ def reference_markdown() -> str:
         "field for one check with `--set field=value` (the value is read as YAML: `4`, `null`,",
         "`true`, `12GiB`). A bad config exits with code 2.",
         "",
+        "In Python, `TrainConfig.load(path, overrides=None)` reads a JSON or YAML file; `overrides`",
+        'is a dict of fields that win over the file\'s (`{"max_steps": 10}`), and the result is',
+        "checked as `TrainConfig(...)` is (`ConfigError`, exit 2 under `@entrypoint`, naming every",
+        "problem). `config.dump(path)` writes a config back with every default filled in.",
+        "",
         "| field | default | accepts | meaning |",
         "| --- | --- | --- | --- |",
     ]

@@ -235,12 +235,7 @@ class Trainer:
             compiled = compile_wanted(cfg.compile, run.device.type)
             if compiled:
                 check_compiler(run.device.type)
-            run.checkpoint = self._run_state(run)
-            store = CheckpointStore(
-                run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
-            )
-            with startup_phase("checkpoint load"):
-                expected_loss = self._resume_or_start(run, store, files)
+            store, expected_loss = self._resume_or_start(run, files)
             if run.resumed and run.state.step >= run.state.max_steps:
                 return _already_finished(run.state, store, run_dir)
             if group.is_main:
@@ -392,11 +387,18 @@ class Trainer:
             )
         return sampler
 
-    def _resume_or_start(self, run: _Run, store: CheckpointStore, files: RunFiles) -> float | None:
-        """Load the newest verified checkpoint into the fresh objects, if there is one; put the
-        memory savers in force; apply the supervisor's micro-batch cap. Returns the loss the
-        first resumed step must reproduce (None when there is nothing to check)."""
-        found = run.checkpoint.resume(store, self.config.resume_overrides, files.record)
+    def _resume_or_start(self, run: _Run, files: RunFiles) -> tuple[CheckpointStore, float | None]:
+        """The run's checkpoint states (`_run_state`) and store; the newest verified checkpoint
+        loaded into the fresh objects, if there is one; the memory savers in force; the
+        supervisor's micro-batch cap applied; then `after_identity_check`. Returns the store
+        and the loss the first resumed step must reproduce (None: nothing to check)."""
+        cfg = self.config
+        run.checkpoint = self._run_state(run)
+        store = CheckpointStore(
+            cfg.run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
+        )
+        with startup_phase("checkpoint load"):
+            found = run.checkpoint.resume(store, cfg.resume_overrides, files.record)
         if found is not None:
             for difference in found.overridden:
                 files.record("resume_override", {"step": found.step, "change": difference})
@@ -420,8 +422,8 @@ class Trainer:
             )
             run.state.micro_batch_size = cap
         for confirmed in self.after_identity_check:  # locked, and the checkpoint is this run's
-            confirmed(Path(self.config.run_dir))
-        return found.expected_loss if found is not None else None
+            confirmed(Path(cfg.run_dir))
+        return store, found.expected_loss if found is not None else None
 
     def _callbacks(
         self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list

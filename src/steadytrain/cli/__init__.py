@@ -301,9 +301,17 @@ def generate_command(
         None, "--base", metavar="PATH", help="Base model folder for an adapter."
     ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy (argmax)."),
-    top_p: float = typer.Option(
-        1.0, "--top-p", help="Nucleus sampling mass (with temperature > 0)."
+    temperature: float | None = typer.Option(
+        None,
+        "--temperature",
+        help="0 is greedy (argmax). Default: the model's generation_config where it samples, "
+        "else 0.7.",
+    ),
+    top_p: float | None = typer.Option(
+        None,
+        "--top-p",
+        help="Nucleus sampling mass (with temperature > 0). Default: the model's, else 0.9 "
+        "(1.0 with --temperature).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seeded before every prompt, so results repeat."),
     chat: bool = typer.Option(

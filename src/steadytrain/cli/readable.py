@@ -1,9 +1,10 @@
-"""A console for tables that stay whole when the output is piped or redirected.
+"""A console for tables that stay whole and readable when the output is piped or redirected.
 
 On a terminal rich uses the terminal's width. Elsewhere (`steadytrain plan ... > plan.txt`, a
-pipe into `less` or `grep`) it assumes 80 columns and cuts or wraps every table to fit them, so
-a file holds a table nobody can read. Off a terminal this console is as wide as the lines need;
-a COLUMNS the user set still wins.
+pipe into `less` or `grep`) rich would assume 80 columns; tables at their natural width run to
+~190 columns, wider than most terminals and editors show. Off a terminal this console is
+COLUMNS wide where the user set it, else 100: a table wraps the text inside its cells to fit,
+and nothing is cut.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import TextIO
 
 from rich.console import Console
 
-WIDE = 1000  # columns off a terminal: tables take their natural width, up to this
+PIPED_WIDTH = 100  # columns off a terminal without COLUMNS: cells wrap, nothing is cut
 
 
 def readable_console(file: TextIO | None = None) -> Console:
     console = Console(file=file)
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console
-    return Console(file=file, width=WIDE)
+    return Console(file=file, width=PIPED_WIDTH)

@@ -96,9 +96,19 @@ class Loop:
             code = 130 if isinstance(shown, KeyboardInterrupt) else getattr(shown, "exit_code", 1)
             first_line = (str(shown).strip().splitlines() or [""])[0]
             reason = f"{type(shown).__name__}: {first_line}"
+            kind = type(shown).__name__
             if theirs is not None:
-                reason = f"stopped by an error in your code ({theirs.where}): {theirs.error}"
-            self.emit(Event.FIT_END, {"reason": reason, "exit_code": code})
+                kind = f"an error in your code ({theirs.where})"
+                reason = f"stopped by {kind}: {theirs.error}"
+            self.emit(
+                Event.FIT_END,
+                {
+                    "reason": reason,
+                    "exit_code": code,
+                    "error": kind,
+                    "error_step": self.step_in_progress,
+                },
+            )
             if theirs is not None and theirs is not exc:
                 raise theirs from exc
             with contextlib.suppress(AttributeError, TypeError):  # for the "error" event

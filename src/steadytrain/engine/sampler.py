@@ -112,13 +112,54 @@ class LoaderOrder:
     def __call__(self, epoch: int) -> Sequence[int]:
         if epoch not in self.drawn:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            self.drawn = {epoch: self._draw()}
+            self.drawn = {epoch: self._draw(epoch)}
         return self.drawn[epoch]
 
-    def _draw(self) -> Sequence[int]:
+    def _draw(self, epoch: int) -> Sequence[int]:
         if type(self.sampler) is SequentialSampler:  # 0..n-1: nothing to hold, whatever n is
             return range(len(self.sampler))
+        if callable(getattr(self.sampler, "set_epoch", None)):  # as a loop calls it each epoch
+            self.sampler.set_epoch(epoch)
         return [int(i) for i in self.sampler]
+
+
+class RandomDraws(torch.utils.data.Sampler[int]):
+    """Batches drawn at random each step, with replacement: for each of `steps` optimizer steps,
+    ``torch.randint(num_items, (batch_size,), generator=g)``, the draw of nanoGPT's
+    `get_batch`. Give it to a DataLoader of the same `batch_size` over a dataset whose item i
+    is what the loop builds from index i (a window of tokens starting at i), and pass that
+    DataLoader as `train_data`::
+
+        loader = DataLoader(windows, batch_size=12, sampler=RandomDraws(len(windows), 12, 5000, seed=1337))
+
+    `seed`: epoch 0 draws from ``torch.Generator().manual_seed(seed)``, so a loop that draws
+    from such a generator gets the same batches, in the same order; epoch e from seed + e (the
+    Trainer calls `set_epoch`, so a resumed run draws the epochs it would have drawn). None:
+    from torch's global stream when the epoch starts, as ``torch.randint`` without a generator
+    does. The Trainer draws an epoch's indices when it starts (steps x batch_size of them) and
+    saves them in checkpoints: a resume mid-epoch continues with the same batches."""
+
+    def __init__(self, num_items: int, batch_size: int, steps: int, seed: int | None = None):
+        for name, value in (("num_items", num_items), ("batch_size", batch_size), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RandomDraws: {name} must be a whole number >= 1, got {value!r}")
+        self.num_items, self.batch_size, self.steps, self.seed = num_items, batch_size, steps, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = None
+        if self.seed is not None:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        for _ in range(self.steps):
+            yield from torch.randint(
+                self.num_items, (self.batch_size,), generator=generator
+            ).tolist()
 
 
 class SeededFetch(torch.utils.data.Dataset):

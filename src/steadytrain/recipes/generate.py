@@ -3,8 +3,12 @@ prompt or a file of prompts.
 
 The RNGs are seeded before every prompt, so a prompt's completion depends on the prompt and the
 seed only, not on where it stands in the file: rerunning one line of a prompts file reproduces
-what the whole file gave (on the same device and library versions). Temperature 0 is greedy
-decoding, the argmax at every step.
+what the whole file gave (on the same device and library versions).
+
+Sampling settings (`choose_sampling`): without `--temperature`, the model's own
+`generation_config` where it samples (its temperature, top_p, top_k), else temperature 0.7 and
+top_p 0.9 (greedy decoding of a small model repeats itself: "the the the"). Temperature 0 is
+greedy decoding, the argmax at every step. The settings used are printed on stderr.
 """
 
 from __future__ import annotations
@@ -31,6 +35,67 @@ class Generation:
     prompt_tokens: int
     new_tokens: int
     stopped: str  # "eos": the model ended its text; "length": max_new_tokens was reached
+
+
+DEFAULT_TEMPERATURE, DEFAULT_TOP_P = 0.7, 0.9  # where neither the user nor the model says
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are picked: temperature 0 is greedy; `source` says where the numbers came
+    from. `top_k` None is off."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    source: str
+
+    def describe(self, seed: int) -> str:
+        if self.temperature == 0:
+            return f"greedy ({self.source}), seed {seed}"
+        k = f", top_k {self.top_k}" if self.top_k else ""
+        return (
+            f"sampling at temperature {self.temperature:g}, top_p {self.top_p:g}{k} "
+            f"({self.source}), seed {seed}"
+        )
+
+    def generation_settings(self) -> dict[str, Any]:
+        if self.temperature == 0:
+            # Greedy: clear the model's own sampling defaults, which would only trigger warnings.
+            return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        return {
+            "do_sample": True,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": self.top_k or 0,
+        }
+
+
+def choose_sampling(
+    generation_config: Any, temperature: float | None, top_p: float | None
+) -> Sampling:
+    """The settings a generation uses: the temperature given (0: greedy), else the model's
+    `generation_config` where it samples (do_sample), else DEFAULT_TEMPERATURE and
+    DEFAULT_TOP_P. A `top_p` given wins over either."""
+    if temperature is not None:
+        given = 1.0 if top_p is None else top_p
+        return Sampling(
+            temperature, given, None, "--temperature 0 given" if temperature == 0 else "given"
+        )
+    if getattr(generation_config, "do_sample", False):
+        own_p = getattr(generation_config, "top_p", None) or 1.0
+        return Sampling(
+            float(getattr(generation_config, "temperature", None) or 1.0),
+            own_p if top_p is None else top_p,
+            getattr(generation_config, "top_k", None) or None,
+            "the model's generation_config",
+        )
+    return Sampling(
+        DEFAULT_TEMPERATURE,
+        DEFAULT_TOP_P if top_p is None else top_p,
+        None,
+        "the default where the model sets none; --temperature 0 is greedy",
+    )
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -66,7 +131,7 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_settings(max_new_tokens: int, temperature: float | None, top_p: float | None) -> None:
     problems = []
     if (
         isinstance(max_new_tokens, bool)
@@ -74,9 +139,9 @@ def check_settings(max_new_tokens: int, temperature: float, top_p: float) -> Non
         or max_new_tokens < 1
     ):
         problems.append(f"--max-new-tokens: must be a whole number >= 1, found {max_new_tokens!r}")
-    if not temperature >= 0:
+    if temperature is not None and not temperature >= 0:
         problems.append(f"--temperature: must be >= 0 (0 is greedy), found {temperature!r}")
-    if not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:
         problems.append(f"--top-p: must be in (0, 1], found {top_p!r}")
     if problems:
         raise BadInputError("; ".join(problems))
@@ -106,29 +171,28 @@ def complete(
     prompts: list[str],
     *,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     chat: bool = False,
     device: torch.device | str = "cpu",
+    on_sampling: Callable[[Sampling], None] | None = None,
 ) -> list[Generation]:
     """Generate a completion for each prompt with an already loaded model, one prompt at a time
-    (no padding, so a prompt's result does not depend on its neighbours)."""
+    (no padding, so a prompt's result does not depend on its neighbours). `temperature` None:
+    `choose_sampling` decides; `on_sampling` is told the settings before the first prompt."""
     from steadytrain.recipes.data import pad_token_id
 
     check_settings(max_new_tokens, temperature, top_p)
     config = copy.deepcopy(model.generation_config)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
-    sampling = (
-        {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p), "top_k": 0}
-        # Greedy: clear the model's own sampling defaults, which would only trigger warnings.
-        if temperature > 0
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    )
+    sampling = choose_sampling(model.generation_config, temperature, top_p)
+    if on_sampling is not None:
+        on_sampling(sampling)
     config.update(
         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_token_id(tokenizer)
     )
-    config.update(**sampling)
+    config.update(**sampling.generation_settings())
     stops = set(eos if isinstance(eos, list) else [eos]) - {None}
     results = []
     for prompt in prompts:
@@ -154,17 +218,18 @@ def generate(
     *,
     base: str | None = None,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     chat: bool = False,
     device: str = "auto",
     dtype: str | None = None,
     on_loaded: Callable[[Loaded], None] | None = None,
+    on_sampling: Callable[[Sampling], None] | None = None,
 ) -> list[Generation]:
     """Load `model` (run directory, adapter folder or model folder) and complete `prompts`.
     Every input is checked before the weights load; `on_loaded` is told what will be loaded
-    just before they do."""
+    just before they do, `on_sampling` the sampling settings (`choose_sampling`) after."""
     check_settings(max_new_tokens, temperature, top_p)
     loaded = open_model(model, base, device, dtype, weights=False)
     for prompt in prompts:
@@ -181,14 +246,13 @@ def generate(
         seed=seed,
         chat=chat,
         device=loaded.device.torch_device,
+        on_sampling=on_sampling,
     )
 
 
-def describe(loaded: Loaded, temperature: float, top_p: float, seed: int) -> str:
-    how = "greedy" if temperature == 0 else f"temperature {temperature}, top_p {top_p}"
+def describe(loaded: Loaded) -> str:
     return (
-        f"{loaded.artifact.describe()} on {loaded.device.torch_device} "
-        f"({dtype_name(loaded.dtype)}), {how}, seed {seed}"
+        f"{loaded.artifact.describe()} on {loaded.device.torch_device} ({dtype_name(loaded.dtype)})"
     )
 
 
@@ -198,8 +262,8 @@ def generate_command(
     prompts_file: str | None = None,
     base: str | None = None,
     max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     chat: bool = False,
     device: str = "auto",
@@ -231,8 +295,9 @@ def generate_command(
         chat=chat,
         device=device,
         dtype=dtype,
-        on_loaded=lambda loaded: err_console.print(
-            describe(loaded, temperature, top_p, seed), markup=False, soft_wrap=True
+        on_loaded=lambda loaded: err_console.print(describe(loaded), markup=False, soft_wrap=True),
+        on_sampling=lambda sampling: err_console.print(
+            sampling.describe(seed), markup=False, soft_wrap=True
         ),
     )
     for number, result in enumerate(results, 1):

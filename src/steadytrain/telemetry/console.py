@@ -109,7 +109,7 @@ class ConsoleLog(Callback):
         self._print_pending(only_resolved=True)
         took = time.perf_counter() - self._start
         self.console.print(
-            f"{info['reason']} at step {state.step} in {took:.1f}s; final micro-batch "
+            f"{_ended(info, state.step)} in {took:.1f}s; final micro-batch "
             f"{state.micro_batch_size}, {state.oom_count} out-of-memory event(s)"
             + (
                 f", {state.skipped_steps} step(s) skipped by fp16 (inf/NaN gradients)"
@@ -292,6 +292,20 @@ class _Progress(Progress):
         yield self.make_tasks_table(self.tasks)
         if self.below:
             yield Text(self.below)
+
+
+def _ended(info: dict, step: int) -> str:
+    """How the run ended, for its last line. An error names the step it happened in (the one
+    after the last finished step, or that step's own saving) and its kind; its message is the
+    error's own, printed whole once, after this line (`error: ...`, or the traceback)."""
+    if "error" not in info:
+        return f"{info['reason']} at step {step}"
+    kind, at = info["error"], info.get("error_step")
+    where = f"at step {at}" if at else "before the first step"
+    done = f"{step} step(s) done" if step else "no step done"
+    if kind == "KeyboardInterrupt":
+        return f"stopped {where} by Ctrl-C (KeyboardInterrupt, exit 130; {done})"
+    return f"stopped {where} by {kind} (exit {info['exit_code']}; {done}; the error follows)"
 
 
 def step_line(step: int, max_steps: int, epoch: int, m: StepMetrics) -> str:

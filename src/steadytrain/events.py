@@ -126,7 +126,7 @@ keeps the fresh value instead of the checkpoint's."""
 @dataclass
 class TrainState:
     """Where the run is. Everything here is plain data, so it can be saved and restored as JSON
-    (`safety.state.load_train_state` reads it back, field by field)."""
+    (`checkpoint.state.load_train_state` reads it back, field by field)."""
 
     step: int = 0  # optimizer steps completed
     epoch: int = 0  # current epoch, from 0

@@ -333,3 +333,25 @@ def test_a_fit_that_ended_without_fit_end_stops_the_watching(tmp_path):
     assert recorded == []
     assert read_heartbeat(tmp_path) is None
     assert list((tmp_path / "hangs").glob("backstop-*")) == []
+
+
+def test_the_watch_from_the_process_start_beats_and_hands_over(tmp_path):
+    """Under `steadytrain run` (ENV_START_WATCH), importing steadytrain starts a watch before
+    fit(): the heartbeat names the phase and the supervisor's limit, the variable leaves the
+    environment (data workers do not watch themselves), and stopping it (a fit's watchdog
+    taking over, or a supervisor that a supervisor started) ends the thread, disarms the
+    backstop and leaves neither heartbeat nor backstop file."""
+    environ = {wd.ENV_START_WATCH: json.dumps({"run_dir": str(tmp_path), "limit_s": 60})}
+    watch = wd.watch_from_start(environ)
+    try:
+        assert watch is not None and wd.ENV_START_WATCH not in environ
+        beat = read_heartbeat(tmp_path)
+        assert (beat["pid"], beat["phase"], beat["limit_s"]) == (os.getpid(), wd.BEFORE_FIT, 60.0)
+        assert beat["stale_after_s"] > 60.0 and beat["step"] is None
+        assert (tmp_path / "hangs" / f"backstop-{os.getpid()}.txt").exists()
+        assert wd.watch_from_start(environ) is None  # read once
+    finally:
+        wd.stop_start_watch()
+    assert not any(t.name == "steadytrain-start-watch" for t in threading.enumerate())
+    assert read_heartbeat(tmp_path) is None
+    assert list((tmp_path / "hangs").glob("backstop-*")) == []

@@ -84,7 +84,12 @@ from steadytrain.safety.failures import (
     rank_ends,
     same_failure,
 )
-from steadytrain.safety.watchdog import ENV_START_WATCH, adopt_backstop_dumps, read_heartbeat
+from steadytrain.safety.watchdog import (
+    ENV_START_WATCH,
+    adopt_backstop_dumps,
+    read_heartbeat,
+    stop_start_watch,
+)
 
 GAVE_UP = 4
 
@@ -194,6 +199,7 @@ class Supervisor:
     # -- the loop, top to bottom --
 
     def run(self) -> int:
+        stop_start_watch()  # a supervisor started by another one trains nothing itself
         # SIGINT and SIGTERM are always ours, as the trainer's own handlers take them even where
         # they were ignored (a background job); SIGHUP ignored by nohup stays ignored.
         previous = {

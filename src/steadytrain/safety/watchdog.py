@@ -717,6 +717,10 @@ class StartWatch:
         if self._signal_registered:
             faulthandler.unregister(DUMP_SIGNAL)
             self._signal_registered = False
+        beat = read_heartbeat(self.run_dir)  # ours goes: a fit's watchdog writes its own
+        if beat is not None and beat.get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                (self.run_dir / run_files.HEARTBEAT).unlink()
         if self._backstop is not None:
             self._backstop.close()
             self._backstop = None

@@ -37,7 +37,8 @@ from typing import Any
 
 from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
-from steadytrain._units import format_bytes, parse_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
+from steadytrain.config import TrainConfig
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
@@ -52,6 +53,12 @@ from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.files import RunFiles
 
 DOES_NOT_FIT = DOES_NOT_FIT_EXIT
+DEFAULTS = {
+    name: TrainConfig.model_fields[name].default
+    for name in ("hang_timeout", "hang_action", "memory_watch", "memory_budget")
+}
+"""The watch settings' defaults of `RunGuard` and the callbacks built on it: the Trainer's own
+(`TrainConfig`), read from it, so a default changed there changes here too."""
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adafactor": 1, "lion": 1, "rmsprop": 1}
 """Parameter-sized tensors of state per trainable parameter (SGD: its momentum; Adam: two
 moments); an optimizer not listed counts as Adam."""
@@ -121,13 +128,13 @@ class RunGuard:
         run_dir: str | os.PathLike,
         *,
         config: dict[str, Any] | None = None,
-        hang_timeout: float | str = "auto",
-        hang_action: str = "exit",
+        hang_timeout: float | str = DEFAULTS["hang_timeout"],
+        hang_action: str = DEFAULTS["hang_action"],
         device: Any = "auto",
-        memory_watch: bool = True,
+        memory_watch: bool = DEFAULTS["memory_watch"],
         handle_signals: bool = True,
         micro_batch_size: int = 0,
-        memory_budget: str | float = "auto",
+        memory_budget: str | float = DEFAULTS["memory_budget"],
     ):
         self.run_dir = Path(run_dir)
         self.config = dict(config or {})
@@ -390,5 +397,5 @@ class RunGuard:
 
 def _budget_spec(value: str | float) -> int | float:
     if value == "auto":
-        return 0.9
+        return DEFAULT_BUDGET_FRACTION
     return parse_bytes(value) if isinstance(value, str) else value

@@ -30,6 +30,7 @@ from typing import Any
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
 from steadytrain.events import HALVING
 from steadytrain.integrations.guard import (
+    DEFAULTS,
     DOES_NOT_FIT,
     SHRINK,
     RunGuard,
@@ -61,11 +62,11 @@ class SteadytrainCallback(_Base):
 
     def __init__(
         self,
-        hang_timeout: float | str = "auto",
-        hang_action: str = "exit",
-        memory_watch: bool = True,
+        hang_timeout: float | str = DEFAULTS["hang_timeout"],
+        hang_action: str = DEFAULTS["hang_action"],
+        memory_watch: bool = DEFAULTS["memory_watch"],
         auto_resume: bool = True,
-        memory_budget: str | float = "auto",
+        memory_budget: str | float = DEFAULTS["memory_budget"],
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Hugging Face needs transformers installed")

@@ -28,6 +28,7 @@ import numpy as np
 from steadytrain import run_files
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
 from steadytrain.integrations.guard import (
+    DEFAULTS,
     SHRINK,
     RunGuard,
     divisor_at_most,
@@ -60,11 +61,11 @@ class SteadytrainCallback(_Base):
 
     def __init__(
         self,
-        hang_timeout: float | str = "auto",
-        hang_action: str = "exit",
-        memory_watch: bool = True,
+        hang_timeout: float | str = DEFAULTS["hang_timeout"],
+        hang_action: str = DEFAULTS["hang_action"],
+        memory_watch: bool = DEFAULTS["memory_watch"],
         auto_resume: bool = True,
-        memory_budget: str | float = "auto",
+        memory_budget: str | float = DEFAULTS["memory_budget"],
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Lightning needs lightning installed")

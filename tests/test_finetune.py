@@ -440,3 +440,13 @@ def test_the_final_evaluation_starts_where_training_ended_and_halves_on_out_of_m
     err = capfd.readouterr().err
     assert "eval: out of memory at batch size 2; redoing the same samples at 1" in err
     assert re.search(r"eval: loss \d+\.\d+ \(perplexity", err)
+
+    # One sample that does not fit: said and skipped, never an error after a finished training.
+    def none_fits(module, args):
+        if not module.training:
+            raise torch.OutOfMemoryError("out of memory: the test's limit")
+
+    job.model.get_input_embeddings().register_forward_pre_hook(none_fits)
+    assert job.final_evaluation(2) is None
+    err = capfd.readouterr().err
+    assert "eval: skipped: one eval sample of" in err and "lower max_seq_length" in err

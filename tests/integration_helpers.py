@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import forkserver
 import torch
 from conftest import MALLOC_ENV, WORKLOADS
 
@@ -29,43 +30,36 @@ def workload_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_supervised(script: str, run_dir: Path, *args: str, env=None) -> subprocess.Popen:
-    command = [
-        *SUPERVISOR,
-        "--run-dir",
-        str(run_dir),
-        "--",
-        sys.executable,
-        str(WORKLOADS / script),
-        str(run_dir),
-        *args,
-    ]
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or workload_env(),
+def start_supervised(script: str, run_dir: Path, *args: str, env=None):
+    """`steadytrain run -- python SCRIPT RUN_DIR ARGS`: the supervisor forks from the warm server
+    (tests/forkserver.py); the child it starts is its own, as a user's would be."""
+    command = [*SUPERVISOR, "--run-dir", str(run_dir), "--", sys.executable]
+    return forkserver.start(
+        [*command, str(WORKLOADS / script), str(run_dir), *args], env or workload_env()
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float = UPPER_BOUND_S) -> tuple[int, str, str]:
+def finish(proc, timeout: float = UPPER_BOUND_S) -> tuple[int, str, str]:
+    """Wait for a process of `start_plain` / `start_supervised` (or a `subprocess.Popen` with
+    pipes); its exit code and output."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        proc.wait()
+        out, err = _output(proc)
         raise AssertionError(f"still running after {timeout} s:\n{out}\n{err}") from None
-    return proc.returncode, out, err
+    out, err = _output(proc)
+    return code, out, err
 
 
-def start_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(WORKLOADS / script), str(run_dir), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or workload_env(),
+def _output(proc) -> tuple[str, str]:
+    return proc.output() if hasattr(proc, "output") else proc.communicate()
+
+
+def start_plain(script: str, run_dir: Path, *args: str, env=None):
+    return forkserver.start(
+        [sys.executable, str(WORKLOADS / script), str(run_dir), *args], env or workload_env()
     )
 
 
@@ -81,12 +75,10 @@ def stop_with_sigterm(proc: subprocess.Popen, run_dir: Path, after_step: int = 1
 
 
 def run_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, str(WORKLOADS / script), str(run_dir), *args],
-        capture_output=True,
-        text=True,
-        timeout=UPPER_BOUND_S,
         env=env or workload_env(),
+        timeout=UPPER_BOUND_S,
     )
 
 
@@ -126,11 +118,8 @@ def assert_same_params(a_path: Path, b_path: Path) -> None:
 
 def report(run_dir: Path) -> subprocess.CompletedProcess:
     """`steadytrain report RUN_DIR`, and what every integration's report must show."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "steadytrain.cli", "report", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=UPPER_BOUND_S,
+    proc = forkserver.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", str(run_dir)], timeout=UPPER_BOUND_S
     )
     assert proc.returncode == 0, proc.stderr
     pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))

@@ -38,7 +38,9 @@ def node_command(node: int, nproc: int, port: int, run_dir: Path, *args: str):
         str(run_dir),
         *args,
         nproc=nproc,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # torchrun's agents keep one store for every round and hand it to each attempt's
+        # workers: without this the restarted ranks read the last attempt's addresses
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
     at = command.index("--rdzv-endpoint")
     command[at : at + 2] = ["--rdzv-endpoint", f"localhost:{port}"]

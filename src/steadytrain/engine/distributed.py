@@ -49,33 +49,6 @@ def name_waits(hook: Callable[[str], contextlib.AbstractContextManager]) -> None
     _waiting_in = hook
 
 
-def attempt_store(environ) -> Any:
-    """The process group's store for a restart by torchrun itself (`--max-restarts`): None
-    for a first attempt, or where the workers' store is made afresh for each attempt.
-
-    torchrun's agents keep one TCP store for every round of their rendezvous and hand it to the
-    workers of each attempt (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch's default): the keys
-    the ranks of the attempt before wrote there (each rank's address, NCCL's unique id) are
-    still there, and a restarted rank reads them before its peer has written the new ones (gloo:
-    "connectFullMesh failed ... Connection refused"; NCCL: a communicator that never forms).
-    The keys of each attempt go under a prefix of its own, as torchrun's restart count names
-    it. A script that makes its own process group can set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    for torchrun instead (docs/distributed.md)."""
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
-        return None
-    from datetime import timedelta
-
-    store = dist.TCPStore(
-        environ["MASTER_ADDR"],
-        int(environ["MASTER_PORT"]),
-        int(environ["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timedelta(minutes=30),
-    )
-    return dist.PrefixStore(f"steadytrain/attempt-{attempt}", store)
-
-
 class RanksOutOfMemory(MemoryError):
     """One or more ranks ran out of memory in this step: every rank redoes it, smaller."""
 
@@ -130,12 +103,7 @@ class Group:
                 "install a torch build with distributed support or run one process"
             )
         # No backend named: gloo for CPU tensors and, where CUDA is there, NCCL for CUDA ones.
-        store = attempt_store(os.environ)
-        if store is None:
-            dist.init_process_group()
-        else:
-            rank = int(os.environ["RANK"])
-            dist.init_process_group(store=store, rank=rank, world_size=world)
+        dist.init_process_group()
         return dataclasses.replace(cls._of_initialized(), owned=True)
 
     def close(self) -> None:

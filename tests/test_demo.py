@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -22,10 +23,8 @@ STEPS = 60  # the default is 150; 60 still leaves a checkpoint (20), a kill and 
 
 
 def steadytrain_demo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "steadytrain.cli", "demo", *args],
-        capture_output=True,
-        text=True,
         timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )

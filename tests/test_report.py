@@ -62,15 +62,13 @@ def supervised(tmp_path_factory) -> Path:
     """Under `steadytrain run`: a real OOM shrink (32 -> 16) at step 1, SIGKILL after step 5,
     a restart by the supervisor, a resume from step 3, and the run finishes at step 10."""
     run_dir = tmp_path_factory.mktemp("supervised") / "run"
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(run_dir)),
             *("--backoff-initial", "0.05", "--"),
             *workload(run_dir, "--limit-mib", "130", "--kill-at", str(KILL_AT)),
             *("--save-every", str(SAVE_EVERY)),
         ],
-        capture_output=True,
-        text=True,
         timeout=180,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **MALLOC_ENV},
     )

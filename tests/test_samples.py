@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 import torch
@@ -205,20 +206,14 @@ def test_fit_trains_on_samples_of_any_structure(tmp_path_factory, extras):
 
 def test_integer_labels_train_are_killed_and_resume_to_the_bit(tmp_path: Path):
     golden = tmp_path / "golden"
-    run = subprocess.run(
-        [sys.executable, str(WORKLOADS / "labels.py"), str(golden)], capture_output=True, text=True
-    )
+    run = forkserver.run([sys.executable, str(WORKLOADS / "labels.py"), str(golden)])
     assert run.returncode == 0, run.stderr
     killed = tmp_path / "killed"
-    first = subprocess.run(
-        [sys.executable, str(WORKLOADS / "labels.py"), str(killed), "--kill-at", "5"],
-        capture_output=True,
-        text=True,
+    first = forkserver.run(
+        [sys.executable, str(WORKLOADS / "labels.py"), str(killed), "--kill-at", "5"]
     )
     assert first.returncode == -signal.SIGKILL, first.stderr
-    second = subprocess.run(
-        [sys.executable, str(WORKLOADS / "labels.py"), str(killed)], capture_output=True, text=True
-    )
+    second = forkserver.run([sys.executable, str(WORKLOADS / "labels.py"), str(killed)])
     assert second.returncode == 0, second.stderr
     events = [json.loads(line) for line in (killed / "events.jsonl").read_text().splitlines()]
     resumed = [e["step"] for e in events if e["event"] == "resume"]

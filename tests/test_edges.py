@@ -22,11 +22,11 @@ from conftest import WORKLOADS, run_workload
 from disks import fill, mount
 
 from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.checkpoint import store as checkpoint_module
+from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError, ConfigError, RunDiskFullError
 from steadytrain.recipes.data import byte_tokenizer, load_datasets
-from steadytrain.safety import checkpoint as checkpoint_module
-from steadytrain.safety.checkpoint import CheckpointStore
 from steadytrain.telemetry.files import read_jsonl
 
 DISK_FULL = 6

@@ -364,9 +364,13 @@ def test_state_counts_tokens_and_last_loss_after_lazy_metrics(tmp_path):
 def test_nan_in_the_data_stops_with_the_step_named(tmp_path):
     model, data = regression()
     data[5] = (torch.full((4,), float("nan")), data[5][1])
-    with pytest.raises(BadInputError, match=r"loss is nan at step \d+ .*NaN or Inf"):
+    with pytest.raises(BadInputError, match=r"loss is nan at step \d+ .*NaN or Inf") as raised:
         Trainer(model, sgd, mse, data, config(tmp_path)).fit()
     assert read_jsonl(tmp_path / "run" / "events.jsonl")[-1]["exit_code"] == 2
+    # one step number: the stop line's (fit_end's error_step) is the message's (issue 27)
+    step = int(str(raised.value).split(" at step ")[1].split()[0])
+    (end,) = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["event"] == "fit_end"]
+    assert end["error_step"] == step
 
 
 def test_a_second_trainer_on_a_run_directory_in_use_is_refused(tmp_path):

@@ -45,11 +45,14 @@ class Loop:
     def _account(self, metrics: StepMetrics) -> None:
         """Counters that need the device's values, updated when a step's metrics resolve."""
         if not math.isfinite(metrics["loss"]):
-            raise BadInputError(
+            error = BadInputError(
                 f"loss is {metrics['loss']} at step {metrics['step']} (epoch {metrics['epoch']}): "
                 "look for NaN or Inf in that batch's inputs or targets, or lower the learning rate"
                 + (" (fp16: try bf16)" if metrics.get("skipped") else "")
             )
+            # the step whose loss it is: read while the next one runs, it is reported as its own
+            error.steadytrain_step = metrics["step"]  # type: ignore[attr-defined]
+            raise error
         self.state.tokens_seen += metrics["tokens"]
         self.state.skipped_steps += bool(metrics["skipped"])
         if metrics["step"] >= self._last_loss_step:
@@ -91,7 +94,8 @@ class Loop:
             # An error raised in the user's code (loss_fn, model, dataset, callback) is theirs:
             # reported with the step, their frames and exit 5 (3 when it ran out of memory
             # outside the step's redo), not as a bug of ours.
-            theirs = user_code_error(exc, self.step_in_progress, out_of_memory=is_oom(exc))
+            step = getattr(exc, "steadytrain_step", None) or self.step_in_progress
+            theirs = user_code_error(exc, step, out_of_memory=is_oom(exc))
             shown = theirs if theirs is not None else exc
             code = 130 if isinstance(shown, KeyboardInterrupt) else getattr(shown, "exit_code", 1)
             first_line = (str(shown).strip().splitlines() or [""])[0]
@@ -106,13 +110,13 @@ class Loop:
                     "reason": reason,
                     "exit_code": code,
                     "error": kind,
-                    "error_step": self.step_in_progress,
+                    "error_step": step,
                 },
             )
             if theirs is not None and theirs is not exc:
                 raise theirs from exc
             with contextlib.suppress(AttributeError, TypeError):  # for the "error" event
-                exc.steadytrain_step = self.step_in_progress  # type: ignore[attr-defined]
+                exc.steadytrain_step = step  # type: ignore[attr-defined]
             raise
         if self.control.stop_requested:
             reason, code = self.control.stop_reason or "stopped", self.control.stop_exit_code

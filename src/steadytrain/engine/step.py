@@ -640,7 +640,7 @@ class StepRunner:
             f"{self.state.step + 1}), after a smaller micro-batch in this same process: under an "
             "address-space limit (ulimit -v), glibc's malloc keeps the memory the failed attempts "
             "freed, so this process cannot tell what a smaller size needs. Exiting 76: "
-            f"`steadytrain run` restarts the run at micro-batch {max(1, micro // 2)} in a fresh "
+            f"`steadytrain run` restarts the run at micro-batch {HALVING.next(micro) or 1} in a fresh "
             "process from its last checkpoint. To keep shrinking in one process, start it with "
             "MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns freed memory)."
         )

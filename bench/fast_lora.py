@@ -49,7 +49,8 @@ attention, Triton kernels, elementwise, reductions, copies, optimizer), the 40 k
 longest, and the share of the steps' wall time the GPU was busy: where two arms of the same
 function spend their time differently.
 
-Per arm: tokens/s over the steady steps (after --warmup), peak allocated memory, the first step's
+Per arm: tokens/s over the steady steps (after --warmup), peak allocated and reserved memory
+(CUDA graphs keep their memory in a pool of their own), the first step's
 loss (the same base weights and LoRA B = 0 give every arm the same value: a check that each arm
 computes the same function), seconds from the process start (and from the model load) to the end
 of the first optimizer step and from the process start to the first million trained tokens,
@@ -621,6 +622,8 @@ def child(args) -> None:
             (p for p in (C.peak_allocated(device), result.get("steps_peak")) if p is not None),
             default=None,
         ),
+        peak_reserved=torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        cudagraph_counters=graph_counters(),
         trainable=None
         if model is None
         else sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -628,6 +631,15 @@ def child(args) -> None:
         environment=C.environment(device),
     )
     Path(args.result).write_text(json.dumps(result, default=str))
+
+
+def graph_counters() -> dict[str, Any]:
+    """Inductor's CUDA-graph counters of this process (graphs recorded, skips and why)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {k: v for k, v in counters["inductor"].items() if "cudagraph" in k.lower()}
 
 
 def summary(args, spec, marks: list[float], effective: int, loaded: float) -> dict[str, Any]:
@@ -699,6 +711,7 @@ def row_of(r: dict[str, Any]) -> dict[str, Any]:
         "batch": ",".join(map(str, steps)) if steps else num("effective_batch_size", str),
         "tokens/s": num("tokens_per_s", lambda v: f"{v:,.0f}"),
         "peak": num("peak_allocated", lambda v: f"{v / GiB:.2f} GiB"),
+        "reserved": num("peak_reserved", lambda v: f"{v / GiB:.2f} GiB"),
         "loss 1": f"{r['losses'][0]:.4f}" if r.get("losses") else "-",
         "1st step s": num("first_step_s", lambda v: f"{v:.1f}"),
         "after load s": num("first_step_after_load_s", lambda v: f"{v:.1f}"),

@@ -299,3 +299,28 @@ def test_cuda_graphs_are_asked_for_cuda_blocks_only(monkeypatch):
     compile_blocks(model, "cpu")
     assert asked == [((compiling.RECOMPUTE_BUDGET,), {})]
     assert not any(p._backward_hooks for p in model.parameters())
+    assert not model._forward_pre_hooks
+
+
+def test_cuda_blocks_graphed_copy_their_gradients_and_mark_each_forward(monkeypatch):
+    """`CUDA_GRAPHS` on, a CUDA run (the compiler check and inductor stood in for): every
+    trainable parameter of the blocks hands autograd a copy, and each forward of the model
+    begins a new step of the graphs."""
+    from steadytrain.engine import compiling
+
+    monkeypatch.setattr(compiling, "CUDA_GRAPHS", True)
+    monkeypatch.setattr(compiling, "check_compiler", lambda device_type: None)
+    asked: list[tuple] = []
+    monkeypatch.setattr(
+        compiling, "recomputing_inductor", lambda *a, **k: asked.append((a, k)) or "inductor"
+    )
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = lora_llama()
+    compile_blocks(model, "cuda")
+    assert asked == [((compiling.RECOMPUTE_BUDGET,), {"cudagraphs": True})]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p._backward_hooks for p in trainable)
+    assert not any(p._backward_hooks for p in model.parameters() if not p.requires_grad)
+    model._forward_pre_hooks[next(iter(model._forward_pre_hooks))](model, ())
+    assert marks == [1]

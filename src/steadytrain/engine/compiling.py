@@ -63,7 +63,10 @@ CUDA_GRAPHS = False
 block's compiled forward and backward replayed as one graph, so the host launches one graph per
 block instead of its hundred kernels (a profile showed the GPU idle 45 ms of a 414 ms step while
 the host launched the compiled layers, docs/benchmarks.md). Off until measured on the product's
-path; `stable_gradients` is what makes it exact under gradient accumulation."""
+path. `stable_gradients` is what makes it exact under gradient accumulation, and each forward of
+the model begins a new step of the graphs (`cudagraph_mark_step_begin`): by its own reckoning
+inductor takes 16 calls of one layer in one forward for a loop that never runs backward, and
+keeps replaying nothing (the graphs warm up eagerly, every pass)."""
 """The activation memory budget each block is compiled with (1.0 is the partitioner's default,
 0.0 recomputes the whole block). Any value below 1 lets the knapsack recompute the elementwise
 ops, which cost nothing in its flop count; 0.9 keeps it from reaching for a matrix multiply
@@ -110,6 +113,10 @@ def compile_blocks(
         block.compile(backend=backend)
         if graphed:
             stable_gradients(block)
+    if graphed:
+        model.register_forward_pre_hook(
+            lambda module, args: torch.compiler.cudagraph_mark_step_begin()
+        )
     kinds = ", ".join(sorted({type(b).__name__ for b in blocks}))
     return {
         "compiled": len(blocks),

@@ -237,13 +237,15 @@ def test_a_finetunes_exit_3_says_in_its_config_keys_what_would_fit(tmp_path):
     each key and value with the total it gives, not a fixed list of flag names."""
     from test_advice import seed_config
 
+    from steadytrain.cli import finetune_advice  # what `steadytrain run` gives its supervisor
+
     job = SaversJob(tmp_path, "", finish_at=99)
     job.run_dir.mkdir(parents=True)
     config = seed_config(tmp_path)
     (job.run_dir / "training_config.json").write_text(json.dumps(config.resolved()))
     start = {"event": "fit_start", "step": 0, "device": "mps", "budget": 16 * 2**30}
     (job.run_dir / "events.jsonl").write_text(json.dumps(start) + "\n")
-    code, out = supervise(job, oom_kill_count=lambda: None)
+    code, out = supervise(job, oom_kill_count=lambda: None, advice=finetune_advice)
     assert code == 3, out
     assert "What would help: at micro-batch 1 the estimate is 21.11 GiB of 16.00 GiB" in out
     assert "`bf16: true` → 12.9 GiB of 16.0 GiB: fits" in out

@@ -185,8 +185,17 @@ def run_command(
         "first_heartbeat_s": first_heartbeat_timeout,
         "run_dir": resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
     }
-    options = SupervisorOptions(**{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
+    options = SupervisorOptions(**given, advice=finetune_advice)
     raise typer.Exit(Supervisor(command, options).run())
+
+
+def finetune_advice(run_dir: Any, in_force: list[str]) -> list[str]:
+    """The supervisor's last word on a fine-tune the OS killed with every saver on: the
+    advisor on its own config (loaded only then: the supervisor imports nothing of training)."""
+    from steadytrain.recipes.finetune_memory import run_advice
+
+    return run_advice(run_dir, in_force)
 
 
 @app.command("finetune")

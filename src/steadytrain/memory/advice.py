@@ -103,6 +103,13 @@ def knobs(
 ) -> list[Knob]:
     """The knobs `s` has not set yet, each once, in the vocabulary's reach (a knob a fine-tune
     config cannot express is left out of its advice)."""
+    found = _keeping_knobs(config, s, budget, accumulation) + _altering_knobs(config, s, budget)
+    return [k for k in found if vocabulary != CONFIG or k.config]
+
+
+def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> list[Knob]:
+    """The knobs that leave what is trained as it is: precision, the memory savers, compiling,
+    a smaller micro-batch with the effective batch kept."""
     found: list[Knob] = []
     lora = s.method == "lora"
     if s.weights_dtype == "fp32" and lora:
@@ -139,6 +146,14 @@ def knobs(
                 f"--micro-batch {micro}",
             )
         )
+    return found
+
+
+def _altering_knobs(config: Any, s: Settings, budget: int) -> list[Knob]:
+    """The knobs that change what is trained: a shorter sequence, a lower LoRA rank, LoRA
+    instead of full weights, 4-bit base weights, an 8-bit optimizer."""
+    found: list[Knob] = []
+    lora = s.method == "lora"
     if s.seq > MIN_SEQ:
         seq = _largest(config, s, budget, "seq", s.seq, MIN_SEQ, s.seq // 2)
         found.append(Knob({"seq": seq}, (("max_seq_length", seq),), f"--seq {seq}", alters=True))
@@ -162,7 +177,7 @@ def knobs(
                 {"optimizer": "adamw8bit"}, (("optim", "adamw_bnb_8bit"),), "--optimizer adamw8bit"
             )
         )
-    return [k for k in found if vocabulary != CONFIG or k.config]
+    return found
 
 
 def _largest(

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -123,6 +123,11 @@ class SupervisorOptions:
     killed and restarted. An hour, as nvidia-resiliency-ext's first-heartbeat default: a model
     download or a cold import on a slow disk must not look like a hang. Applies once the run
     directory holds a config.json or an earlier attempt wrote a heartbeat (a steadytrain run)."""
+
+    advice: Callable[[Path, list[str]], list[str]] | None = field(default=None, repr=False)
+    """What would make a run the OS killed with every memory saver on fit, from its run
+    directory and the savers in force; None: the general list. The command line passes the
+    fine-tune advisor (this module imports nothing of the training side)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -688,7 +693,7 @@ class Supervisor:
         resume = f"step {step}" if step is not None else "the start"
         self._say(
             f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
-            f"{'; '.join(tried)}. What would help: {_advice(folder, savers['in_force'])}. Run "
+            f"{'; '.join(tried)}. What would help: {_advice(self.options.advice, folder, savers['in_force'])}. Run "
             f"again to resume from {resume}"
         )
         self._record(
@@ -828,16 +833,14 @@ GENERAL_ADVICE = (
 )
 
 
-def _advice(run_dir: Path | None, in_force: list[str]) -> str:
-    """What would make a killed run fit: for a fine-tune, the advisor on its own config
-    (memory/advice.py, through recipes/finetune_memory.py: each key and value with the total
-    it gives); for any other program, or where its model cannot be read, the general list."""
-    if run_dir is None:
+def _advice(advice: Callable | None, run_dir: Path | None, in_force: list[str]) -> str:
+    """What would make a killed run fit: `advice` (SupervisorOptions.advice: from the command
+    line, the fine-tune advisor, each config key and value with the total it gives) on the run
+    directory; for any other program, or where its model cannot be read, the general list."""
+    if run_dir is None or advice is None:
         return GENERAL_ADVICE
     try:
-        from steadytrain.recipes.finetune_memory import run_advice
-
-        found = run_advice(run_dir, list(in_force))
+        found = advice(run_dir, list(in_force))
     except Exception:  # noqa: BLE001 - advice must never stop the supervisor's last word
         return GENERAL_ADVICE
     return "; ".join(found) if found else GENERAL_ADVICE

@@ -226,6 +226,7 @@ class Trainer:
         watchdog = HangWatchdog.from_config(
             cfg, group.own_dir(run_dir), None, record, group.rank, group.world_size
         )
+        watchdog.say = lambda text: console.note("hang_watch", {"message": text})
         name_waits(waiting_in)
         watchdog.start(None, "set-up")
         try:

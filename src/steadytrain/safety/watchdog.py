@@ -173,6 +173,8 @@ class HangWatchdog(Callback):
         self._backstop_path = self.run_dir / run_files.HANGS / "backstop.txt"  # set at the start
         self._signal_registered = False
         self._armed_until = 0.0
+        self.say: Callable[[str], None] | None = None
+        """Where the allowance's line goes when the watching starts (the run's console)."""
 
     @classmethod
     def from_config(
@@ -372,8 +374,9 @@ class HangWatchdog(Callback):
         self._stop.clear()
         self._arm_backstop(self.limit()[0])
         self._write_heartbeat(0.0)
-        with contextlib.suppress(Exception):  # the console says how long a stall may last
-            self.record("hang_watch", {"step": None, "message": self.allowance_text()})
+        if self.say is not None:  # the console says how long a stall may last
+            with contextlib.suppress(Exception):
+                self.say(self.allowance_text())
         self._thread = threading.Thread(
             target=self._watch, name="steadytrain-hang-watchdog", daemon=True
         )

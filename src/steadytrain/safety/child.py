@@ -5,7 +5,6 @@ the OS out-of-memory killer's counter, and how the child ended (`ChildExit`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -14,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import open_in_run, write_all
+from steadytrain import run_files, run_jsonl
 from steadytrain.errors import (
     DISK_FULL_EXIT,
     RESTARTABLE_EXIT,
@@ -41,7 +39,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A shell or launcher between us and the trainer reports a process killed by signal N as exit
 # 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
 SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
-METRICS_TAIL_BYTES = 64 * 1024  # enough for the last few metrics lines, however long the run
+METRICS_TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few metrics lines, however long the run
 _STEP_NAME = re.compile(r"step-(\d+)")
 
 
@@ -69,21 +67,14 @@ def progress_step(run_dir: Path | None) -> int | None:
     one. Reads the whole file (a line per event, not per step)."""
     steps = [checkpoint_step(run_dir)]
     if run_dir is not None:
-        with contextlib.suppress(OSError), open(run_dir / run_files.EVENTS, "rb") as handle:
-            for line in handle:
-                if b'"checkpoint"' not in line:
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue  # torn by a kill
-                step = event.get("step") if isinstance(event, dict) else None
-                if (
-                    event.get("event") == "checkpoint"
-                    and isinstance(step, int)
-                    and not isinstance(step, bool)
-                ):
-                    steps.append(step)
+        for event in _events(run_dir, b'"checkpoint"'):
+            step = event.get("step")
+            if (
+                event.get("event") == "checkpoint"
+                and isinstance(step, int)
+                and not isinstance(step, bool)
+            ):
+                steps.append(step)
     found = [s for s in steps if s is not None]
     return max(found) if found else None
 
@@ -97,21 +88,10 @@ def last_micro_batch_size(
     (a child that exits 76 records one before it has written any metrics line)."""
     if run_dir is None:
         return None
-    try:
-        with open(run_dir / file, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, size - METRICS_TAIL_BYTES))
-            tail = handle.read()
-    except OSError:
-        return None
-    for line in reversed(tail.splitlines()):
-        try:
-            record = json.loads(line)
-            value = record.get("micro_batch_size")
-        except (ValueError, AttributeError):
-            continue  # torn, or the partial first line of the tail
+    for record in reversed(run_jsonl.tail(run_dir / file, METRICS_TAIL_BYTES)):
         if event is not None and record.get("event") != event:
             continue
+        value = record.get("micro_batch_size")
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
     return None
@@ -120,17 +100,17 @@ def last_micro_batch_size(
 def append_event(run_dir: Path, record: dict[str, Any]) -> None:
     """One line appended to RUN_DIR/events.jsonl with a single write in O_APPEND mode, so it
     cannot interleave with the child's own lines. A torn last line (the child was killed while
-    writing it) is ended first, inside the same write."""
-    path = run_dir / run_files.EVENTS
-    data = (json.dumps(record, default=str) + "\n").encode()
-    fd = open_in_run(path, "append", root=run_files.top(run_dir))
+    writing it) is ended first, inside the same write (`steadytrain.run_jsonl.append`)."""
+    run_jsonl.append(run_dir / run_files.EVENTS, record, root=run_files.top(run_dir))
+
+
+def _events(run_dir: Path, containing: bytes) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/events.jsonl whose line holds `containing`, whole file ([] when
+    it cannot be read)."""
     try:
-        size = os.fstat(fd).st_size
-        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        write_all(fd, data, path)
-    finally:
-        os.close(fd)
+        return run_jsonl.read(run_dir / run_files.EVENTS, containing)
+    except OSError:
+        return []
 
 
 # ---- the OS out-of-memory killer's counter -------------------------------------------------
@@ -424,26 +404,16 @@ def savers_record(run_dir: Path | None, since: float) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     found = None
-    try:
-        with open(run_dir / run_files.EVENTS, "rb") as handle:
-            for line in handle:
-                if SAVERS_EVENT.encode() not in line:
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                stamp = event.get("time") if isinstance(event, dict) else None
-                if (
-                    event.get("event") == SAVERS_EVENT
-                    and isinstance(stamp, (int, float))
-                    and stamp >= since
-                    and isinstance(event.get("in_force"), list)
-                    and isinstance(event.get("left"), list)
-                ):
-                    found = event
-    except OSError:
-        return None
+    for event in _events(run_dir, SAVERS_EVENT.encode()):
+        stamp = event.get("time")
+        if (
+            event.get("event") == SAVERS_EVENT
+            and isinstance(stamp, (int, float))
+            and stamp >= since
+            and isinstance(event.get("in_force"), list)
+            and isinstance(event.get("left"), list)
+        ):
+            found = event
     return found
 
 

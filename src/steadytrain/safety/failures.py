@@ -11,15 +11,14 @@ the same way.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
+from steadytrain import run_files, run_jsonl
 
-TAIL_BYTES = 64 * 1024  # enough for the last few lines of a JSON-lines file, however long
+TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
 LOW_AVAILABLE = 0.20
 """Memory counts as high when less than this share of the machine's memory was available at the
 last step. earlyoom kills below 10 %; the last line is up to a step old and a step's peak comes
@@ -31,22 +30,7 @@ GIB = 1024**3
 def tail_lines(path: Path, tail_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The complete JSON lines at the end of a JSON-lines file, oldest first; a torn line (the
     writer was killed mid-write) and the partial first line of the tail are skipped."""
-    try:
-        with open(path, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, size - tail_bytes))
-            tail = handle.read()
-    except OSError:
-        return []
-    records = []
-    for line in tail.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return run_jsonl.tail(path, tail_bytes)
 
 
 def physical_memory() -> int | None:

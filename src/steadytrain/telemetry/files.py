@@ -3,72 +3,24 @@
 After a crash and resume, the steps between the last checkpoint and the crash appear twice in
 metrics.jsonl (first run, then the resumed one); readers keep the last line of each step.
 
-A process killed mid-write (SIGKILL, the OS out-of-memory killer) can leave a torn last line:
-the kernel stops copying a large write at a page boundary when a fatal signal is pending. The
-next `JsonlFile` on that path ends the torn line before appending, so every record it writes
-starts on a line of its own. A torn line therefore ends in a newline and may sit mid-file after
-a resume; `read_jsonl` skips exactly the lines that do not parse as JSON and keeps the rest.
+How a line is written and read (one write per line, a torn last line ended by the next writer,
+torn lines skipped by readers) is `steadytrain.run_jsonl`'s, which the supervisor uses too;
+`JsonlFile` and `read_jsonl` are its names here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from steadytrain import run_files
-from steadytrain._durable import open_in_run, write_all
 from steadytrain.errors import RunDiskFullError
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.run_jsonl import JsonlFile
+from steadytrain.run_jsonl import read as read_jsonl
 
-
-class JsonlFile:
-    """One JSONL file held open for appending; each record is one ``write`` system call of one
-    line, unbuffered, so a failed write leaves nothing queued to fail again at close.
-
-    The file is opened at the first record, so a run refused before it records anything (a bad
-    config found while the callbacks are built) leaves no open file behind. It is never opened
-    through a symbolic link (BadInputError names it); a full disk is RunDiskFullError."""
-
-    def __init__(self, path: Path, root: str | os.PathLike | None = None):
-        self.path = Path(path)
-        self.root = Path(root) if root is not None else self.path.parent
-        self._fd: int | None = None
-
-    def _open(self) -> None:
-        self._fd = open_in_run(self.path, "append", root=self.root)
-        size = os.fstat(self._fd).st_size
-        if size > 0 and os.pread(self._fd, 1, size - 1) != b"\n":
-            write_all(self._fd, b"\n", self.path)  # the next record starts clean
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._fd is None:  # first, or late (after fit_end)
-            self._open()
-        write_all(self._fd, (json.dumps(record, default=str) + "\n").encode(), self.path)
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of a JSONL file; a torn line (a kill mid-write) is skipped."""
-    records = []
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        return []
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # torn by a kill mid-line; the line after it was started afresh
-    return records
+__all__ = ["JsonlFile", "RunFiles", "read_jsonl"]
 
 
 class RunFiles(Callback):

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
+from steadytrain import run_files, run_jsonl
 from steadytrain.errors import BadInputError
-from steadytrain.telemetry.files import read_jsonl
 
 GIB = 2**30
 
@@ -162,7 +161,7 @@ def _other_ranks(path: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    return [r for r in read_jsonl(path) if isinstance(r, dict)]
+    return run_jsonl.read(path)
 
 
 # Written by the next attempt before its own fit_start (it restores, then starts): when an attempt

@@ -31,7 +31,8 @@ def main() -> None:
     line = replies.readline()
     code = json.loads(line)["exit"] if line else -signal.SIGKILL
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:  # (SIGKILL's handler cannot be set; it is the default)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 

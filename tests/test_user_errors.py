@@ -254,3 +254,25 @@ def test_the_stop_line_names_the_step_that_failed_and_leaves_the_error_to_its_ow
     last = capfd.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"stopped at step {at} by an error in your code (third_fails "), last
     assert f"(exit 5; {at - 1} step(s) done;" in last and "boom" not in last
+
+
+class HalvingEveryStep(torch.optim.lr_scheduler.LRScheduler):
+    """A scheduler class of the user's own, built from the optimizer alone."""
+
+    def get_lr(self):
+        return [group["lr"] * 0.5 for group in self.optimizer.param_groups]
+
+
+def test_a_scheduler_class_is_built_from_the_optimizer_like_a_factory(tmp_path):
+    fit(tmp_path, scheduler=HalvingEveryStep)
+    lrs = [m["lr"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    # halved when built and after each step (the logged lr is the next step's)
+    assert lrs == [0.01 * 0.5**k for k in range(2, 6)]
+
+
+def test_a_scheduler_class_that_needs_more_than_the_optimizer_names_the_fix(tmp_path):
+    from steadytrain.errors import BadInputError
+
+    with pytest.raises(BadInputError, match=r"scheduler: StepLR\(optimizer\).*step_size") as info:
+        fit(tmp_path, scheduler=torch.optim.lr_scheduler.StepLR)
+    assert "scheduler=lambda opt: StepLR(opt, ...)" in str(info.value)

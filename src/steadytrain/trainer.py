@@ -24,6 +24,7 @@ from steadytrain.checkpoint.identity import run_identity
 from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
 from steadytrain.checkpoint.run_state import RunState
 from steadytrain.checkpoint.state import (
+    CALLBACKS_FILE,
     OPTIMIZER_FILE,
     REQUIRED_FILES,
     SCALER_FILE,
@@ -34,6 +35,7 @@ from steadytrain.checkpoint.state import (
     TrainStateState,
     UserStates,
     model_tensors_names,
+    stateful_callbacks,
 )
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.checkpoint.writer import CheckpointWriter, copy_room, full_disk_ends_the_run
@@ -287,9 +289,7 @@ class Trainer:
         group = self._place(model, group, device.budget)
         model.train()
         optimizer = self._build_optimizer(model)
-        scheduler = self.scheduler
-        if callable(scheduler) and not hasattr(scheduler, "state_dict"):
-            scheduler = scheduler(optimizer)  # a factory: optimizer -> scheduler
+        scheduler = self._make_scheduler(optimizer)
         check_evaluation(cfg, scheduler, self.eval_data, self.eval_fn)
         sampler = self._sampler()
         group.check_batches(sampler)
@@ -358,6 +358,12 @@ class Trainer:
             "rng": RngState(ranks),
             "data_order": DataOrderState(run.sampler),
             "user_state": UserStates(self.user_state, run.device.torch_device),
+            "callbacks": UserStates(
+                stateful_callbacks(self.user_callbacks),
+                run.device.torch_device,
+                "your callbacks' state (callbacks=)",
+                CALLBACKS_FILE,
+            ),
         }
         if run.scheduler is None:
             del states["scheduler"]
@@ -429,7 +435,9 @@ class Trainer:
     def _callbacks(
         self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
     ) -> list[Callback]:
-        """The default callbacks, in dispatch order, then the user's."""
+        """The default callbacks, in dispatch order, and the user's: those that keep state in
+        the checkpoint (`stateful_callbacks`) just before the checkpoint writer, so a save holds
+        their state after the step it saves; the others last, after the save is committed."""
         cfg, state = self.config, run.state
         host = HostBuffers()
 
@@ -450,10 +458,12 @@ class Trainer:
                 record,
                 strict=cfg.continuity_strict,
             )
+        stateful = list(stateful_callbacks(self.user_callbacks).values())
         callbacks = [
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
             CpuContention.from_config(cfg, run.device, record),
+            *stateful,
             CheckpointWriter(
                 store if main else RankStore(),
                 capture,
@@ -475,7 +485,7 @@ class Trainer:
             *telemetry,  # console, tensorboard, files (a late record after its fit_end
             # reopens the file), the events decided before the start
             *[s for s in self.user_state.values() if isinstance(s, Callback)],
-            *self.user_callbacks,
+            *[c for c in self.user_callbacks if all(c is not s for s in stateful)],
         ]
         return [c for c in callbacks if c is not None]
 
@@ -623,6 +633,27 @@ class Trainer:
         raise BadInputError(
             f"optimizer: expected a torch.optim.Optimizer or a function params -> optimizer; {found}"
         )
+
+    def _make_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The scheduler, built here where `scheduler` is a factory `optimizer -> scheduler` or
+        a scheduler class (`scheduler=MySchedule`, called with the optimizer alone)."""
+        scheduler = self.scheduler
+        factory = isinstance(scheduler, type) or (
+            callable(scheduler) and not hasattr(scheduler, "state_dict")
+        )
+        if not factory:
+            return scheduler
+        try:
+            return scheduler(optimizer)
+        except TypeError as error:
+            if not isinstance(scheduler, type):
+                raise  # the user's own factory failed: their traceback says where
+            name = scheduler.__name__
+            raise BadInputError(
+                f"scheduler: {name}(optimizer) cannot be built from the optimizer alone ({error}); "
+                f"pass a function, e.g. scheduler=lambda opt: {name}(opt, ...), or a scheduler "
+                "built on the same optimizer"
+            ) from None
 
     def _batches(
         self, sampler: OptimizerBatchSampler, epoch: int, start: int, device, group: Group

@@ -115,3 +115,69 @@ def test_the_closest_event_is_named(tmp_path, where, method, meant):
     assert refused.value.exit_code == 5
     assert f"a method {method}, which no event calls" in str(refused.value)
     assert f"did you mean {meant}?" in str(refused.value)
+
+
+class StepCounter(Callback):
+    """A user's callback that keeps state: the steps it has seen end."""
+
+    def __init__(self):
+        self.count, self.at_start = 0, None
+
+    def on_fit_start(self, state, control, info):
+        self.at_start = self.count
+
+    def on_step_end(self, state, control, info):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, saved):
+        self.count = saved["count"]
+
+
+class StopAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, state, control, info):
+        if state.step == self.step:
+            control.request_stop(0, f"stopped at step {self.step}")
+
+
+def _counted(run_dir, max_steps, stop_at=None) -> StepCounter:
+    torch.manual_seed(0)
+    counter = StepCounter()
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=2,
+        micro_batch_size=2,
+        max_steps=max_steps,
+        save_every_steps=3,
+        async_save=False,
+        device="cpu",
+        progress="off",
+    )
+    Trainer(
+        torch.nn.Linear(2, 1),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        [(torch.randn(2), torch.randn(1)) for _ in range(16)],
+        config,
+        callbacks=[counter] if stop_at is None else [counter, StopAt(stop_at)],
+    ).fit()
+    return counter
+
+
+def test_a_callback_that_keeps_state_is_saved_and_restored(tmp_path):
+    """A callback with state_dict() / load_state_dict() is saved with the checkpoint, its state
+    taken after it saw the step the checkpoint saves (step 3: save_every_steps), and restored on
+    resume: after a stop at step 3 the new Trainer's counter starts at 3, and ends where an
+    uninterrupted run's does."""
+    whole = _counted(tmp_path / "whole", 6)
+    assert whole.count == 6
+    stopped = _counted(tmp_path / "cut", 6, stop_at=3)
+    assert stopped.count == 3
+    resumed = _counted(tmp_path / "cut", 6)
+    assert resumed.at_start == 3
+    assert resumed.count == whole.count

@@ -15,6 +15,8 @@ loading it back (torchtitan's `Stateful` idea: one `save` / `load` pair per obje
     data_order   data_order.safetensors   a DataLoader's drawn epoch orders
     user_state   user_state.pt       state_dict() of each object the program carries
                                      (user_state: CarriedState, a stateful callback)
+    callbacks    callbacks.pt        state_dict() of each Trainer(callbacks=...) callback that
+                                     has state_dict() and load_state_dict()
 
 trainer_state.json also holds the run's identity and the loss check (run_state.py); several
 ranks add .metadata, __R_0.distcp and rng-rank-R.safetensors (ranks.py).
@@ -45,6 +47,7 @@ RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
 DATA_ORDER_FILE = "data_order.safetensors"
 USER_STATE_FILE = "user_state.pt"
+CALLBACKS_FILE = "callbacks.pt"
 DCP_METADATA = ".metadata"
 """torch.distributed.checkpoint's index, written last: a sharded checkpoint (ranks.py) holds it
 and the ranks' shards instead of the model and optimizer files."""
@@ -259,19 +262,39 @@ class UserStates:
     objects: dict[str, Any]
     device: torch.device | str = "cpu"
     what: str = "the program's state (user_state)"
+    file: str = USER_STATE_FILE
+    """callbacks.pt for the `Trainer(callbacks=...)` that keep state (`stateful_callbacks`)."""
 
     def save(self, out: Payload, doc: dict[str, Any], host: Host) -> None:
         if self.objects:
-            out.objects[USER_STATE_FILE] = {
-                name: to_host(obj.state_dict(), key=f"user_state {name!r}")
+            out.objects[self.file] = {
+                name: to_host(obj.state_dict(), key=f"{self.file} {name!r}")
                 for name, obj in self.objects.items()
             }
 
     def load(self, saved: Payload, doc: dict[str, Any]) -> None:
-        kept = saved.objects.get(USER_STATE_FILE, {})
+        kept = saved.objects.get(self.file, {})
         for name, obj in self.objects.items():
             if name in kept:
                 obj.load_state_dict(to_device(kept[name], self.device))
+
+
+def stateful_callbacks(callbacks: list[Any]) -> dict[str, Any]:
+    """The callbacks that keep state in the checkpoint (both `state_dict()` and
+    `load_state_dict()`), by a name their class and place give: `StepCounter`, a second one
+    `StepCounter#2`. Resuming with the same callbacks list finds each one's state again."""
+    named: dict[str, Any] = {}
+    for callback in callbacks:
+        if callable(getattr(callback, "state_dict", None)) and callable(
+            getattr(callback, "load_state_dict", None)
+        ):
+            base = type(callback).__qualname__
+            name, n = base, 1
+            while name in named:
+                n += 1
+                name = f"{base}#{n}"
+            named[name] = callback
+    return named
 
 
 # -- a checkpoint that verifies but does not load: damaged, skipped for the one before ---------

@@ -142,6 +142,16 @@ def test_the_dry_run_honours_memory_budget_and_shows_what_the_run_will_do(tmp_pa
     assert "over 300.00 MiB (memory_budget: 300MiB)" in console.export_text()
 
 
+def test_the_dry_run_says_a_missing_data_file_as_the_run_would(tmp_path, capsys):
+    """The run stops on a missing train_file (exit 2); its dry-run says so, naming the key."""
+    from steadytrain.cli.finetune_commands import dry_run
+
+    missing = tmp_path / "nope.jsonl"
+    dry_run(seed_config(tmp_path, train_file=str(missing), bf16=True))
+    out = capsys.readouterr().out
+    assert f"data: train_file: data file {missing} does not exist; check the path" in out, out
+
+
 # -- the supervisor's last word --------------------------------------------------------------
 
 

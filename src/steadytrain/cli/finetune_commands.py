@@ -34,7 +34,7 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     """Print what `steadytrain finetune` would do with `config`; exit 3 when the estimate says
     its start does not fit its budget (the config's `memory_budget` and `device`, resolved as
     the run resolves them), else 0. Where it does not fit, the advisor says in the config's
-    keys what would."""
+    keys what would. A missing data file is said (the run would stop on it with exit 2)."""
     from steadytrain.cli.memory_commands import render_advice, render_estimate
     from steadytrain.recipes.finetune_memory import advice, run_plan, target
 
@@ -44,6 +44,8 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     for note in config.notes:
         typer.echo(f"note: {note}")
     typer.echo(f"engine: {json.dumps(json.loads(engine.to_json()))}")
+    for problem in config.data_file_problems():
+        typer.echo(f"data: {problem}: the run would stop there (exit 2)")
     where = target(config)
     plan, result = run_plan(config, where)
     result.budget, result.budget_source = where.budget, where.source

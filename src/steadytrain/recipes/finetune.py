@@ -208,16 +208,8 @@ def run_finetune(
 
 
 def _check_data_files(config: FinetuneConfig) -> None:
-    for field, name in (("train_file", config.train_file), ("eval_file", config.eval_file)):
-        if name is None or Path(name).is_file():
-            continue
-        problem = (
-            "is a directory; give the file inside it"
-            if Path(name).is_dir()
-            else "does not exist; check the path (a relative one is read from the directory "
-            "the command runs in)"
-        )
-        raise BadInputError(f"{field}: data file {name} {problem}")
+    for problem in config.data_file_problems()[:1]:
+        raise BadInputError(problem)
 
 
 def _check_one_batch(config: FinetuneConfig, train: TrainConfig, samples: int) -> None:

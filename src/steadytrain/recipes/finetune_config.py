@@ -448,6 +448,22 @@ class FinetuneConfig(BaseModel):
         as written to final/training_config.json."""
         return {**self.model_dump(mode="json"), **self._engine}
 
+    def data_file_problems(self) -> list[str]:
+        """The data files that are missing or folders, one line each naming the key: the run
+        stops on them (exit 2) and the dry-run says them."""
+        problems = []
+        for field, name in (("train_file", self.train_file), ("eval_file", self.eval_file)):
+            if name is None or os.path.isfile(name):
+                continue
+            problem = (
+                "is a directory; give the file inside it"
+                if os.path.isdir(name)
+                else "does not exist; check the path (a relative one is read from the directory "
+                "the command runs in)"
+            )
+            problems.append(f"{field}: data file {name} {problem}")
+        return problems
+
     def _combination_problems(self) -> list[str]:
         problems = []
         if self.fp16 and self.bf16:

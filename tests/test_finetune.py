@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from steadytrain.config import TrainConfig
+from steadytrain.config import TrainConfig, parse_overrides
 from steadytrain.errors import BadInputError, ConfigError
 from steadytrain.recipes.finetune import FinetuneJob, run_finetune
 from steadytrain.recipes.finetune_config import FinetuneConfig, strip_json_comments
@@ -203,6 +203,20 @@ def test_yaml_config_reads_like_the_json_one_and_set_reaches_into_blocks(workspa
     assert changed.lora.r == 4 and changed.lora.lora_alpha == 16
     train = changed.to_train_config()
     assert train.max_steps == 8 and train.memory_budget == "2GiB"
+
+
+def test_a_set_without_a_value_is_shown_a_key_this_config_takes(tmp_path):
+    """`--set foo` names an example that a fine-tune config accepts as well as a TrainConfig."""
+    path = tmp_path / "run.json"
+    path.write_text('{"model_name_or_path": "m", "train_file": "t.jsonl"}')
+    with pytest.raises(BadInputError, match="field=value") as refused:
+        FinetuneConfig.load(path, ["per_device_train_batch_size"])
+    example = str(refused.value).rpartition("e.g. ")[2]
+    assert FinetuneConfig.load(path, [example]).resolved()["max_steps"] == 10
+    engine = TrainConfig(
+        run_dir=str(tmp_path), effective_batch_size=8, **parse_overrides([example])
+    )
+    assert engine.max_steps == 10
 
 
 def test_the_mapping_onto_the_engine_config(monkeypatch):

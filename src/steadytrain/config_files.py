@@ -88,7 +88,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
-            raise BadInputError(f"--set {pair!r}: write it as field=value, e.g. micro_batch_size=4")
+            raise BadInputError(f"--set {pair!r}: write it as field=value, e.g. max_steps=10")
         try:
             overrides[key.strip()] = yaml.load(text, Loader=_unique_key_loader())
         except yaml.YAMLError as exc:

@@ -10,6 +10,7 @@ ends as the rank ended: the same exit code, or killed by the same signal. If thi
 killed, the server kills the rank.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -26,8 +27,13 @@ def main() -> None:
     server.sendall(json.dumps(request).encode() + b"\n")
     replies = server.makefile("rb")
     pid = json.loads(replies.readline())["pid"]
+
+    def forward(signum: int, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the rank may have ended already
+            os.kill(pid, signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-        signal.signal(signum, lambda signum, _: os.kill(pid, signum))
+        signal.signal(signum, forward)
     line = replies.readline()
     code = json.loads(line)["exit"] if line else -signal.SIGKILL
     if code < 0:

@@ -102,6 +102,16 @@ def _serve() -> None:
                 _reply(replies, {"id": -1, "exit": exit_code, "cpu": cpu})  # counts its CPU
     for pid in [*running, *ranks.pids()]:
         os.kill(pid, signal.SIGKILL)
+    ranks.close()
+
+
+def _received(client: socket.socket) -> bool:
+    """Whether the client sent anything: it sends nothing after its request, so a readable
+    connection that gives no byte (or a reset) is a client that ended."""
+    try:
+        return bool(client.recv(1))
+    except OSError:
+        return False
 
 
 class _Ranks:
@@ -128,9 +138,16 @@ class _Ranks:
             except (OSError, ValueError):  # a client that died before asking: nothing to run
                 client.close()
         for pid, client in list(self.clients.items()):
-            if client in readable and not client.recv(1):  # the client died: so does its rank
+            if client in readable and not _received(client):  # the client died: so its rank
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.listener.close()
+        path = self.listener.getsockname()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            os.rmdir(os.path.dirname(path))  # the server's own folder (tempfile.mkdtemp)
 
     def _start(self, client: socket.socket) -> None:
         client.settimeout(30)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import forkserver
+import pytest
 import torch
 from conftest import MALLOC_ENV, WORKLOADS
 
@@ -80,6 +81,20 @@ def run_plain(script: str, run_dir: Path, *args: str, env=None) -> subprocess.Co
         env=env or workload_env(),
         timeout=UPPER_BOUND_S,
     )
+
+
+def assert_batch_lines_average_to_epoch_losses(run_dir: Path) -> None:
+    """tests/workloads/keras_any.py's run (36 samples in batches of 8, 3 epochs): each metrics
+    line holds its own batch's loss and size, and weighted by the sizes an epoch's lines average
+    to the loss Keras reported for the epoch (result.json), not Keras's running mean."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["samples"] for r in rows] == [8, 8, 8, 8, 4] * 3
+    assert all(r["micro_batch_size"] == r["samples"] and r["micro_steps"] == 1 for r in rows)
+    result = json.loads((run_dir / "result.json").read_text())
+    for epoch, expected in enumerate(result["epoch_losses"]):
+        lines = [r for r in rows if r["epoch"] == epoch]
+        mean = sum(r["loss"] * r["samples"] for r in lines) / sum(r["samples"] for r in lines)
+        assert mean == pytest.approx(expected, rel=1e-5)
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = UPPER_BOUND_S):

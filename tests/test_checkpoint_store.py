@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from disks import mount
 from safetensors.torch import load_file
 
 from steadytrain.checkpoint import store as ckpt
@@ -527,17 +528,7 @@ def tiny_disk(tmp_path):
     """A real 1 MiB tmpfs, where the kernel itself says ENOSPC."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    mount(mount_point, "size=1m")
     try:
         yield mount_point
     finally:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import real_oom
 from integration_helpers import (
+    assert_batch_lines_average_to_epoch_losses,
     assert_same_params,
     events,
     finish,
@@ -168,14 +169,7 @@ def test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit(
 def test_each_metrics_line_holds_its_own_batchs_loss_and_size(dropout_reference):
     """Not Keras's running mean of the epoch: weighted by their sizes, an epoch's lines average
     to the loss Keras reports for the epoch, and the short last batch says it is short."""
-    rows = read_jsonl(dropout_reference / "metrics.jsonl")
-    assert [r["samples"] for r in rows] == [8, 8, 8, 8, 4] * 3
-    assert all(r["micro_batch_size"] == r["samples"] and r["micro_steps"] == 1 for r in rows)
-    result = json.loads((dropout_reference / "result.json").read_text())
-    for epoch, expected in enumerate(result["epoch_losses"]):
-        lines = [r for r in rows if r["epoch"] == epoch]
-        mean = sum(r["loss"] * r["samples"] for r in lines) / sum(r["samples"] for r in lines)
-        assert mean == pytest.approx(expected, rel=1e-5)
+    assert_batch_lines_average_to_epoch_losses(dropout_reference)
 
 
 def test_importing_the_callback_off_the_torch_backend_loads_no_torch():

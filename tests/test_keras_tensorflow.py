@@ -21,6 +21,7 @@ import pytest
 from conftest import WORKLOADS, real_oom
 from integration_helpers import (
     SUPERVISOR,
+    assert_batch_lines_average_to_epoch_losses,
     events,
     finish,
     kill_child,
@@ -29,8 +30,6 @@ from integration_helpers import (
     wait_for,
     workload_env,
 )
-
-from steadytrain.telemetry.files import read_jsonl
 
 
 def tensorflow_python() -> str | None:
@@ -127,14 +126,7 @@ def test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit(tmp_path: 
 def test_each_metrics_line_holds_its_own_batchs_loss_and_size(reference):
     """Keras on TensorFlow reports the epoch's running mean per batch; the lines hold each
     batch's own loss, which, weighted by the sizes, averages to the epoch's loss."""
-    rows = read_jsonl(reference / "metrics.jsonl")
-    assert [r["samples"] for r in rows] == [8, 8, 8, 8, 4] * 3
-    assert all(r["micro_batch_size"] == r["samples"] and r["micro_steps"] == 1 for r in rows)
-    result = json.loads((reference / "result.json").read_text())
-    for epoch, expected in enumerate(result["epoch_losses"]):
-        lines = [r for r in rows if r["epoch"] == epoch]
-        mean = sum(r["loss"] * r["samples"] for r in lines) / sum(r["samples"] for r in lines)
-        assert mean == pytest.approx(expected, rel=1e-5)
+    assert_batch_lines_average_to_epoch_losses(reference)
 
 
 def test_a_real_out_of_memory_exits_76_and_the_restart_at_half_the_batch_finishes(

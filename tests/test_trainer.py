@@ -203,6 +203,7 @@ def test_an_unsupported_precision_is_refused_with_the_alternative():
         type = "mps"
         torch_device = torch.device("cpu")
         autocast_dtypes = (torch.float16,)
+        autocast_results = ()  # (why each dtype failed: nothing probed here)
 
     with pytest.raises(BadInputError, match=r"bf16 autocast does not run.*fp16, fp32"):
         resolve_precision("bf16", NoAutocast())

@@ -39,8 +39,7 @@ def resolve_precision(requested: str, device: Device) -> Precision:
     dtype = _DTYPES[requested]
     if dtype not in supported:
         names = [n for n, d in _DTYPES.items() if d in supported] + ["fp32"]
-        results = getattr(device, "autocast_results", ())  # (why each failed, where probed)
-        why = next((r.reason for r in results if r.dtype == dtype), "")
+        why = next((r.reason for r in device.autocast_results if r.dtype == dtype), "")
         raise BadInputError(
             f"precision: {requested} autocast does not run on {device.torch_device} here (probed "
             "with a small matmul and backward"

@@ -208,7 +208,9 @@ def test_plan_probes_both_modes_and_takes_the_faster_within_the_budget(clock: Pa
     run(1, False)
     in_use_now = in_use(resolve_device("cpu"))  # what the plan sees: after freeing what is free
     device = resolve_device("cpu", budget_spec=in_use_now + 60 * MiB)
-    chosen = plan(run, device, effective_batch_size=64, checkpointing="auto", can_checkpoint=True)
+    chosen = plan(
+        run, device, effective_batch_size=64, activation_checkpointing="auto", can_checkpoint=True
+    )
     assert not chosen.quick, chosen.reasons
     assert (chosen.micro_batch_size, chosen.checkpointing) == (16, True), chosen.reasons
     assert chosen.accumulation == 4
@@ -487,7 +489,9 @@ def test_on_cuda_each_mode_is_timed_at_its_own_largest_size(clock: PassClock):
         cuda.empty_cache()  # the double does not reuse freed blocks; the caching allocator does
         timed.append((size, checkpointing))
 
-    chosen = plan(run, device, effective_batch_size=64, checkpointing="auto", can_checkpoint=True)
+    chosen = plan(
+        run, device, effective_batch_size=64, activation_checkpointing="auto", can_checkpoint=True
+    )
     assert (chosen.micro_batch_size, chosen.checkpointing) == (4, False), chosen.reasons
     assert {(4, False), (16, True)} <= set(timed)
     assert any("measured" in r and "micro 16" in r for r in chosen.reasons), chosen.reasons

@@ -77,12 +77,6 @@ MARGINS = {"cuda": 0.9, "mps": 0.75, "cpu": 0.75}
 QUICK_SHARE = 0.5
 """The one-pass bound (rule 2) must stay within this share of the allowed growth."""
 PROBE_SIZES = (1, 2, 4)
-EARLIER_NAMES = {
-    "checkpointing": "activation_checkpointing",
-    "margin": "plan_margin",
-    "policy": "micro_batch_sizes",
-}
-"""Keyword names `plan` took before it spoke the config's vocabulary."""
 
 
 @dataclass
@@ -188,7 +182,6 @@ def plan(
     pending: int = 0,
     compiled: bool | float = False,
     eager_passes: Callable[[], AbstractContextManager] | None = None,
-    **earlier: Any,
 ) -> Plan:
     """Probe with `run(size, checkpointing)` and choose (the module docstring has the rule):
     bound, one pass, probe, choose, explain.
@@ -201,8 +194,7 @@ def plan(
     kill). `reps`: passes per probed size (the fastest counts: the first pass of a size also
     pays for kernel selection and allocation).
     `pending`: bytes the first optimizer step adds that no probed pass holds (the optimizer's
-    state, `first_step_bytes`); added to every prediction. `checkpointing`, `margin` and
-    `policy` are accepted as the earlier names of the config's fields. `compiled`: the run
+    state, `first_step_bytes`); added to every prediction. `compiled`: the run
     compiles its layers after the plan, whose passes are eager: sizes are predicted with a
     sample's growth times this share (`compiled_growth(model)`; True: 1.0, no credit), timed
     eagerly at the largest size that fits eager. `eager_passes`: the layers are compiled
@@ -216,10 +208,6 @@ def plan(
         "plan_margin": plan_margin,
         "micro_batch_sizes": micro_batch_sizes,
     }
-    for key, value in earlier.items():
-        if key not in EARLIER_NAMES:
-            raise TypeError(f"plan() got an unexpected keyword argument {key!r}")
-        given[EARLIER_NAMES[key]] = value
     job = _Job.bound(
         run, chunked_run, device, effective_batch_size, cap, pending, can_checkpoint, **given
     )

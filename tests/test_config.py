@@ -56,8 +56,8 @@ def test_defaults():
         "distributed": "auto",
         "log_every_steps": 10,
         "async_save": "auto",
-        "evaluate_every_steps": None,
-        "evaluate_every_epochs": None,
+        "eval_every_steps": None,
+        "eval_every_epochs": None,
         "eval_batch": None,
         "eval_metric": "eval_loss",
         "eval_mode": "min",
@@ -203,6 +203,7 @@ def test_missing_required_field():
         ("precission", "precision"),
         ("max_step", "max_steps"),
         ("save_steps", "save_every_steps"),
+        ("eval_steps", "eval_every_steps"),
         ("num_train_epochs", "epochs"),
         ("dataloader_num_workers", "num_workers"),
         ("grad_norm", "max_grad_norm"),
@@ -221,7 +222,7 @@ def test_unknown_key_shared_by_two_fields_suggests_both():
     assert "'effective_batch_size' or 'micro_batch_size'" in line
 
 
-@pytest.mark.parametrize("key", ["foo", "lr", "eval_steps", "warmup_steps"])
+@pytest.mark.parametrize("key", ["foo", "lr", "warmup_steps"])
 def test_unknown_key_with_no_close_field_lists_the_fields(key):
     (line,) = problems_of(effective_batch_size=64, **{key: 1})
     assert line.startswith(f"{key}: unknown field; the fields are: run_dir, effective_batch_size")
@@ -448,3 +449,35 @@ def test_reference_lists_every_field():
     text = reference_markdown()
     for name in TrainConfig.model_fields:
         assert f"| `{name}` |" in text
+
+
+def test_the_evaluation_cadence_keeps_its_earlier_names():
+    """eval_every_steps and eval_every_epochs were evaluate_every_*: a config written with the
+    earlier names loads as before (and reads back under both names); a config that gives one
+    setting under both names is refused naming both."""
+    from steadytrain.recipes.finetune_config import FinetuneConfig
+
+    earlier = TrainConfig(effective_batch_size=4, evaluate_every_steps=3, evaluate_every_epochs=2)
+    assert (earlier.eval_every_steps, earlier.eval_every_epochs) == (3, 2)
+    assert (earlier.evaluate_every_steps, earlier.evaluate_every_epochs) == (3, 2)
+    assert earlier == TrainConfig(effective_batch_size=4, eval_every_steps=3, eval_every_epochs=2)
+    assert "evaluate_every_steps" not in earlier.model_dump()
+
+    (problem,) = problems_of(effective_batch_size=4, evaluate_every_steps=3, eval_every_steps=3)
+    assert (
+        "evaluate_every_steps, eval_every_steps" in problem and "keep eval_every_steps" in problem
+    )
+
+    tuned = FinetuneConfig.from_dict(
+        {"model_name_or_path": "m", "train_file": "t.jsonl", "evaluate_every_epochs": 2}
+    )
+    assert tuned.to_train_config().eval_every_epochs == 2
+    with pytest.raises(ConfigError, match="evaluate_every_epochs, eval_every_epochs"):
+        FinetuneConfig.from_dict(
+            {
+                "model_name_or_path": "m",
+                "train_file": "t.jsonl",
+                "evaluate_every_epochs": 2,
+                "eval_every_epochs": 2,
+            }
+        )

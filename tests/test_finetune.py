@@ -381,7 +381,7 @@ def test_evaluation_each_epoch_and_every_n_steps_reaches_metrics_and_the_console
         '"output_dir": "OUT",', '"output_dir": "OUT",\n  "eval_split": 0.25,'
     ).replace('"num_train_epochs": 3,', '"num_train_epochs": 2,\n  "evaluation_strategy": "epoch",')
     job = FinetuneJob.from_file(write_config(workspace, "eval-epoch.json", "run-eval", text))
-    assert job.train_config.evaluate_every_epochs == 1
+    assert job.train_config.eval_every_epochs == 1
     result = job.run()
     assert result.exit_code == 0
     rows = read_jsonl(Path(result.run_dir) / "metrics.jsonl")
@@ -396,14 +396,14 @@ def test_evaluation_each_epoch_and_every_n_steps_reaches_metrics_and_the_console
         eval_strategy="steps",
         eval_steps=3,
     ).to_train_config()
-    assert (steps.evaluate_every_steps, steps.evaluate_every_epochs) == (3, None)
+    assert (steps.eval_every_steps, steps.eval_every_epochs) == (3, None)
     never = FinetuneConfig(
         model_name_or_path="m", train_file="t.jsonl", eval_split=0.1, evaluation_strategy="no"
     )
     assert not never.evaluates_during_training()
-    assert never.to_train_config().evaluate_every_epochs is None
+    assert never.to_train_config().eval_every_epochs is None
     no_data = FinetuneConfig(model_name_or_path="m", train_file="t.jsonl").to_train_config()
-    assert no_data.evaluate_every_epochs is None
+    assert no_data.eval_every_epochs is None
 
 
 def test_too_few_packed_windows_for_one_batch_is_refused_naming_the_fine_tune_keys(workspace):

@@ -317,7 +317,7 @@ def test_an_eval_fn_that_returns_no_numbers_is_their_error_naming_eval_fn(
         lambda p: torch.optim.SGD(p, lr=0.1),
         classify,
         labelled(),
-        config(tmp_path, evaluate_every_steps=2, micro_batch_size=16),
+        config(tmp_path, eval_every_steps=2, micro_batch_size=16),
         eval_data=labelled(16),
         eval_fn=eval_fn,
     )
@@ -329,7 +329,7 @@ def test_an_eval_fn_that_returns_no_numbers_is_their_error_naming_eval_fn(
 
 
 def test_eval_data_without_a_cadence_is_evaluated_when_max_steps_ends_mid_epoch(tmp_path):
-    """Given eval_data and neither evaluate_every_steps nor evaluate_every_epochs, a run that
+    """Given eval_data and neither eval_every_steps nor eval_every_epochs, a run that
     max_steps ends before its first epoch's end still evaluates once, after its last step."""
     Trainer(
         torch.nn.Linear(6, 3),

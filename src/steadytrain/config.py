@@ -59,6 +59,28 @@ MAX_COUNT = 2**31 - 1
 MAX_BUDGET_BYTES = 2**50
 """The largest memory_budget size, 1 PiB: more than any machine has, far below int64 overflow."""
 
+EARLIER_NAMES = {
+    "evaluate_every_steps": "eval_every_steps",
+    "evaluate_every_epochs": "eval_every_epochs",
+}
+"""Field names a config may still use -> the field's name now (every evaluation setting a user
+writes begins with eval_, as eval_data, eval_batch and eval_metric do)."""
+
+
+def with_current_names(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with its earlier field names (`EARLIER_NAMES`) written as today's; a setting given
+    under both names is an error."""
+    twice = [old for old, new in EARLIER_NAMES.items() if old in data and new in data]
+    if twice:
+        raise ConfigError(
+            [
+                f"{old}, {EARLIER_NAMES[old]}: the same setting given twice ({old} is its "
+                f"earlier name); keep {EARLIER_NAMES[old]}"
+                for old in twice
+            ]
+        )
+    return {EARLIER_NAMES.get(key, key): value for key, value in data.items()}
+
 
 class TrainConfig(BaseModel):
     """Settings of one training run. Unknown keys are errors; every problem is reported at once."""
@@ -287,14 +309,14 @@ class TrainConfig(BaseModel):
         "checkpoint may be half-written when the process dies and the one before it must stay.",
     )
     # -- evaluation during training (engine/evaluation.py); the data is Trainer(eval_data=...) --
-    evaluate_every_steps: int | None = Field(
+    eval_every_steps: int | None = Field(
         None,
         ge=1,
         description="Evaluate every this many optimizer steps (needs eval_data). With neither "
-        "this nor evaluate_every_epochs set, a run given eval_data evaluates at each epoch's end "
+        "this nor eval_every_epochs set, a run given eval_data evaluates at each epoch's end "
         "and after its last step (a max_steps run may end mid-epoch).",
     )
-    evaluate_every_epochs: int | None = Field(
+    eval_every_epochs: int | None = Field(
         None,
         ge=1,
         description="Evaluate after the last step of every this many epochs (needs eval_data).",
@@ -337,6 +359,7 @@ class TrainConfig(BaseModel):
     )
 
     def __init__(self, /, **data: Any) -> None:
+        data = with_current_names(data)
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -426,6 +449,16 @@ class TrainConfig(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @property
+    def evaluate_every_steps(self) -> int | None:
+        """The earlier name of eval_every_steps."""
+        return self.eval_every_steps
+
+    @property
+    def evaluate_every_epochs(self) -> int | None:
+        """The earlier name of eval_every_epochs."""
+        return self.eval_every_epochs
 
     def budget_bytes_or_fraction(self) -> int | float:
         """memory_budget as bytes (int) or as a fraction of usable memory (float)."""

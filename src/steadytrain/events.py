@@ -13,7 +13,7 @@ The loop, with each event where it fires::
             #     oom; drop partial grads, free cache; shrink (halve micro_batch_size)
             #     or memory_saver (activation checkpointing); redo this same batch
             unscale, clip, optimizer step, scheduler step, zero grads
-            if evaluation is due (evaluate_every_steps, or evaluate_every_epochs at an epoch's last step):
+            if evaluation is due (eval_every_steps, or eval_every_epochs at an epoch's last step):
                 for micro_batch in eval_data:
                     forward under no_grad
                     eval_step_end                 # heartbeat: one per evaluation micro-batch

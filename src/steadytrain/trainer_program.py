@@ -215,7 +215,7 @@ def check_evaluation(
     """Evaluation settings without evaluation data, and a metric-driven scheduler without
     evaluation, are refused before training, naming the field."""
     wanted = [
-        f for f in ("evaluate_every_steps", "evaluate_every_epochs", "keep_best") if getattr(cfg, f)
+        f for f in ("eval_every_steps", "eval_every_epochs", "keep_best") if getattr(cfg, f)
     ]
     if eval_data is None and (wanted or eval_fn is not None):
         raise BadInputError(
@@ -226,8 +226,8 @@ def check_evaluation(
         raise BadInputError(
             f"scheduler: {type(scheduler).__name__}.step() needs a metric; give "
             "Trainer(eval_data=...) so that each evaluation steps it with eval_metric "
-            f"({cfg.eval_metric!r}), evaluating every epoch unless evaluate_every_steps or "
-            "evaluate_every_epochs says otherwise"
+            f"({cfg.eval_metric!r}), evaluating every epoch unless eval_every_steps or "
+            "eval_every_epochs says otherwise"
         )
 
 
@@ -242,8 +242,8 @@ def make_evaluation(
     unless a cadence is set."""
     if source is None:
         return None
-    every_epochs = cfg.evaluate_every_epochs
-    default = every_epochs is None and cfg.evaluate_every_steps is None
+    every_epochs = cfg.eval_every_epochs
+    default = every_epochs is None and cfg.eval_every_steps is None
     if default:  # each epoch's end, and the end of a run that max_steps ends mid-epoch
         every_epochs = 1
     loader_batch = source.loader.batch_size if source.loader is not None else None
@@ -252,7 +252,7 @@ def make_evaluation(
         runner=runner,
         batches=lambda index: eval_batches(source, batch, index),
         eval_fn=eval_fn,
-        every_steps=cfg.evaluate_every_steps,
+        every_steps=cfg.eval_every_steps,
         every_epochs=every_epochs,
         scheduler=scheduler if takes_metric(scheduler) else None,
         metric=cfg.eval_metric,

@@ -33,7 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steadytrain.config import TrainConfig
+from steadytrain.config import EARLIER_NAMES, TrainConfig
 from steadytrain.config_explain import accepts, flat_types, show_value, suggestion
 from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
@@ -432,8 +432,8 @@ class FinetuneConfig(BaseModel):
         if not self.evaluates_during_training():
             return {}
         if self.eval_strategy == "steps":
-            return {"evaluate_every_steps": self.eval_steps or self.logging_steps}
-        return {"evaluate_every_epochs": 1}
+            return {"eval_every_steps": self.eval_steps or self.logging_steps}
+        return {"eval_every_epochs": 1}
 
     def schedule(self, steps_per_epoch: int) -> tuple[int, int]:
         """(optimizer steps in the run, warmup steps) for `steps_per_epoch` batches an epoch."""
@@ -528,7 +528,8 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
     notes: list[str] = []
     written_as: dict[str, str] = {}
     aliases = {**ENGINE_NAMES, **DATA_ALIASES}
-    for key, value in data.items():
+    for written, value in data.items():
+        key = EARLIER_NAMES.get(written, written)
         if key in IGNORED:
             if key in MUST_BE_OFF and value not in (False, None):
                 problems.append(f"{key}: {IGNORED[key]}; set it to false or remove it")
@@ -542,6 +543,12 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
             problems.append(f"{key}: not set directly here: {DERIVED[key]}")
             continue
         if key in ENGINE_FIELDS:
+            if key in engine:
+                old = next(o for o, new in EARLIER_NAMES.items() if new == key)
+                problems.append(
+                    f"{old}, {key}: the same setting given twice ({old} is its earlier name); "
+                    f"keep {key}"
+                )
             engine[key] = value
             continue
         target = aliases.get(key, key)

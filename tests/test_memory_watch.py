@@ -16,13 +16,9 @@ from steadytrain import Callback, TrainConfig, Trainer
 from steadytrain.device import resolve_device
 from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend, FakeSystem, GiB
 from steadytrain.events import Control, TrainState
-from steadytrain.safety.memory_watch import (
-    LeakDetector,
-    MemoryWatch,
-    MiB,
-    ThrashDetector,
-    largest_tensors,
-)
+from steadytrain.safety.leaks import LeakDetector, MiB, largest_tensors
+from steadytrain.safety.memory_watch import MemoryWatch
+from steadytrain.safety.thrash import ThrashDetector
 from steadytrain.telemetry.files import read_jsonl
 
 

@@ -181,3 +181,62 @@ def test_a_callback_that_keeps_state_is_saved_and_restored(tmp_path):
     resumed = _counted(tmp_path / "cut", 6)
     assert resumed.at_start == 3
     assert resumed.count == whole.count
+
+
+class Curriculum(Callback):
+    """Program state in `user_state` that the loss reads and that advances at each step's end
+    (a curriculum's counter): the loss of step k is scaled by the steps done before it."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, state, control, info):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, saved):
+        self.steps = saved["steps"]
+
+
+def _curriculum(run_dir, max_steps, stop_at=None) -> tuple[Curriculum, torch.nn.Module]:
+    torch.manual_seed(0)
+    curriculum, model = Curriculum(), torch.nn.Linear(2, 1)
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=2,
+        micro_batch_size=2,
+        max_steps=max_steps,
+        save_every_steps=3,
+        async_save=False,
+        device="cpu",
+        progress="off",
+    )
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1]) * (1 + curriculum.steps)
+
+    Trainer(
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.01),
+        loss_fn,
+        [(torch.randn(2), torch.randn(1)) for _ in range(16)],
+        config,
+        callbacks=[] if stop_at is None else [StopAt(stop_at)],
+        user_state={"curriculum": curriculum},
+    ).fit()
+    return curriculum, model
+
+
+def test_program_state_that_changes_at_step_end_is_saved_with_the_step(tmp_path):
+    """A `user_state` object that is a callback runs before the checkpoint writer, as a stateful
+    callback of `callbacks=` does: the checkpoint of step 3 holds its state after step 3's end,
+    so the resumed run equals the uninterrupted one, weights bit for bit."""
+    whole, whole_model = _curriculum(tmp_path / "whole", 6)
+    assert whole.steps == 6
+    _curriculum(tmp_path / "cut", 6, stop_at=3)
+    resumed, resumed_model = _curriculum(tmp_path / "cut", 6)
+    assert resumed.steps == 6
+    for mine, theirs in zip(resumed_model.parameters(), whole_model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)

@@ -276,3 +276,41 @@ def test_a_scheduler_class_that_needs_more_than_the_optimizer_names_the_fix(tmp_
     with pytest.raises(BadInputError, match=r"scheduler: StepLR\(optimizer\).*step_size") as info:
         fit(tmp_path, scheduler=torch.optim.lr_scheduler.StepLR)
     assert "scheduler=lambda opt: StepLR(opt, ...)" in str(info.value)
+
+
+def _tree(run_dir: Path) -> dict[str, bytes | None]:
+    """Every path under `run_dir` (folders as None) with its bytes."""
+    return {
+        str(p.relative_to(run_dir)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        {"scheduler": torch.optim.lr_scheduler.StepLR},  # found while the set-up builds it
+        {"eval_fn": lambda model, batches: {"score": 1.0}},  # without eval_data: found there
+    ],
+    ids=["scheduler", "eval_fn"],
+)
+def test_a_start_refused_for_bad_input_leaves_the_run_directory_as_it_found_it(tmp_path, refused):
+    """Refused at the set-up (exit 2), after the run directory was locked and watched: a fresh
+    run directory is not left behind (no lock, no empty hangs/), and one with an earlier run
+    keeps every file byte for byte, with no lock or folder of the refused start's."""
+    from steadytrain.entry import entrypoint
+
+    def refused_fit():
+        return entrypoint(lambda: fit(tmp_path, **refused))()
+
+    with pytest.raises(SystemExit) as ended:
+        refused_fit()
+    assert ended.value.code == 2
+    assert not (tmp_path / "run").exists()
+
+    fit(tmp_path)  # an earlier run, finished
+    before = _tree(tmp_path / "run")
+    with pytest.raises(SystemExit) as ended:
+        refused_fit()
+    assert ended.value.code == 2
+    assert _tree(tmp_path / "run") == before

@@ -4,6 +4,7 @@ callbacks together from the config, and runs them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -208,16 +209,24 @@ class Trainer:
         return result
 
     def _fit(self, run_dir: Path, group: Group) -> FitResult:
-        # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
-        with (
-            full_disk_ends_the_run(run_dir, self.config.keep_last),
-            RunLock(group.own_dir(run_dir)),
-        ):
-            result = self._fit_locked(run_dir, group)
+        as_found = _AsFound(group.own_dir(run_dir))
+        try:  # RunLock creates its folder or says why it cannot; a full disk anywhere is exit 6
+            with (
+                full_disk_ends_the_run(run_dir, self.config.keep_last),
+                RunLock(group.own_dir(run_dir)) as lock,
+            ):
+                try:
+                    result = self._fit_locked(run_dir, group, as_found)
+                except BadInputError:
+                    as_found.unlock(lock)
+                    raise
+        except BadInputError:
+            as_found.put_back()
+            raise
         group.settle()  # a fit that ended well: no rank tears down mid-collective
         return result
 
-    def _fit_locked(self, run_dir: Path, group: Group) -> FitResult:
+    def _fit_locked(self, run_dir: Path, group: Group, as_found: _AsFound) -> FitResult:
         cfg = self.config
         files = RunFiles(group.own_dir(run_dir))
         console = console_callback(cfg, errors_only=not group.is_main)  # one progress display
@@ -269,6 +278,7 @@ class Trainer:
             run.emit.callbacks[:] = self._callbacks(
                 run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
             )
+            as_found.started = True
             reason, code = self._loop(run).run()
             self._stopped_by = _signal_that_stopped(run, code)
             return _result(run.state, reason, code, run_dir, store)
@@ -436,8 +446,9 @@ class Trainer:
         self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
     ) -> list[Callback]:
         """The default callbacks, in dispatch order, and the user's: those that keep state in
-        the checkpoint (`stateful_callbacks`) just before the checkpoint writer, so a save holds
-        their state after the step it saves; the others last, after the save is committed."""
+        the checkpoint (the program's `user_state` that are callbacks, then the callbacks with
+        state, `stateful_callbacks`) just before the checkpoint writer, so a save holds their
+        state after the step it saves; the others last, after the save is committed."""
         cfg, state = self.config, run.state
         host = HostBuffers()
 
@@ -458,7 +469,8 @@ class Trainer:
                 record,
                 strict=cfg.continuity_strict,
             )
-        stateful = list(stateful_callbacks(self.user_callbacks).values())
+        carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
+        stateful = [*carried, *stateful_callbacks(self.user_callbacks).values()]
         callbacks = [
             watchdog,
             MemoryWatch.from_config(cfg, run.device, record),
@@ -484,7 +496,6 @@ class Trainer:
             continuity,
             *telemetry,  # console, tensorboard, files (a late record after its fit_end
             # reopens the file), the events decided before the start
-            *[s for s in self.user_state.values() if isinstance(s, Callback)],
             *[c for c in self.user_callbacks if all(c is not s for s in stateful)],
         ]
         return [c for c in callbacks if c is not None]
@@ -727,6 +738,32 @@ def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
     if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
         raise ConfigError([offload_problem(device.type)])
     return device
+
+
+class _AsFound:
+    """What a start refused for bad input (exit 2) puts back before the loop has started: the
+    lock file and the folders the start made (the run directory, those on the way to it,
+    hangs/) while they are empty, so a fresh run directory is not left behind and one with an
+    earlier run is as it was."""
+
+    def __init__(self, run_dir: Path):
+        self.lock_path = run_dir / run_files.LOCK
+        self.had_lock = os.path.lexists(self.lock_path)
+        on_the_way = [run_dir / run_files.HANGS, run_dir, *run_dir.parents]
+        self.made = [f for f in on_the_way if not os.path.lexists(f)]  # the deepest first
+        self.started = False  # the loop has started: what the run did is its record
+
+    def unlock(self, lock: RunLock) -> None:
+        """The lock file this start made, removed while it is still held (POSIX: released
+        after; elsewhere the release removes it)."""
+        if not self.started and not self.had_lock and os.name == "posix":
+            with contextlib.suppress(OSError):
+                os.unlink(lock.path)
+
+    def put_back(self) -> None:
+        for folder in [] if self.started else self.made:
+            with contextlib.suppress(OSError):  # not empty: left as it is
+                os.rmdir(folder)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from steadytrain.errors import BadInputError
 from steadytrain.memory.advice import CONFIG, FLAGS, advise, lines
 from steadytrain.memory.estimate import Settings, estimate
 from steadytrain.recipes.finetune_config import FinetuneConfig
+from steadytrain.telemetry.files import read_jsonl
 
 GiB = 2**30
 # The seed-004 config's settings as the estimator reads them: LoRA r16 on all seven projections,
@@ -150,6 +151,91 @@ def test_the_dry_run_says_a_missing_data_file_as_the_run_would(tmp_path, capsys)
     dry_run(seed_config(tmp_path, train_file=str(missing), bf16=True))
     out = capsys.readouterr().out
     assert f"data: train_file: data file {missing} does not exist; check the path" in out, out
+
+
+def steadytrain(capsys, *args: str) -> tuple[int, str]:
+    """`steadytrain ARGS` in this process: the exit code and what it printed (out and err)."""
+    from steadytrain.cli import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def tiny_finetune(tmp_path: Path) -> Path:
+    """A tiny Llama saved with the byte tokenizer, 16 records and a one-step config file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from steadytrain.recipes.data import byte_tokenizer
+
+    torch.manual_seed(0)
+    shape = LlamaConfig(
+        vocab_size=262,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
+    LlamaForCausalLM(shape).save_pretrained(tmp_path / "tiny")
+    byte_tokenizer().save_pretrained(tmp_path / "tiny")
+    records = [json.dumps({"prompt": f"{i}+1=", "completion": f"{i + 1}"}) for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("\n".join(records) + "\n")
+    config = {
+        "model_name_or_path": str(tmp_path / "tiny"),
+        "train_file": str(tmp_path / "train.jsonl"),
+        "max_seq_length": 32,
+        "max_steps": 1,
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 4,
+        "gradient_checkpointing": True,
+        "device": "cpu",
+        "lora": {"r": 4},
+    }
+    (tmp_path / "finetune.json").write_text(json.dumps(config))
+    return tmp_path / "finetune.json"
+
+
+def test_the_dry_run_and_the_run_give_one_answer_at_a_budget_near_the_need(tmp_path, capsys):
+    """memory_budget is what the process may use in total. Just under the estimate at
+    micro-batch 1 with every saver the config allows, the dry-run says exit 3 and the run
+    stops with exit 3 before loading anything, naming memory_budget (it trained over its
+    budget before); just over it, both say exit 0, and the run trains at the micro-batch the
+    dry-run showed."""
+    from steadytrain.recipes.finetune_memory import last_rung
+
+    file = tiny_finetune(tmp_path)
+    need = last_rung(FinetuneConfig.load(file), "cpu", None).total
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for budget, code in ((need - 2**20, 3), (need + 2**20, 0)):
+            given = ("--config", str(file), "--set", f"memory_budget={budget}B")
+            out = f"output_dir={tmp_path / str(code)}"
+            dry, said = steadytrain(capsys, "finetune", "--dry-run", *given, "--set", out)
+            assert dry == code, said
+            assert "micro-batch 1 × 4 accumulation (per_device_train_batch_size" in said, said
+            ran, told = steadytrain(capsys, "finetune", *given, "--set", out)
+            assert ran == code, told
+            if code == 3:
+                told = " ".join(told.split())
+                assert "memory_budget: the estimate at micro-batch 1 with every memory" in told
+                assert "or a larger `memory_budget`" in told, told
+                assert not (tmp_path / "3").exists()  # stopped before anything was written
+            else:
+                steps = read_jsonl(tmp_path / "0" / "metrics.jsonl")
+                assert {s["micro_batch_size"] for s in steps} == {1}, steps
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- the supervisor's last word --------------------------------------------------------------

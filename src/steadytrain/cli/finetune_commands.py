@@ -31,12 +31,13 @@ def is_finetune_file(path: str) -> bool:
 
 
 def dry_run(config: FinetuneConfig, console: Any = None) -> int:
-    """Print what `steadytrain finetune` would do with `config`; exit 3 when the estimate says
-    its start does not fit its budget (the config's `memory_budget` and `device`, resolved as
-    the run resolves them), else 0. Where it does not fit, the advisor says in the config's
+    """Print what `steadytrain finetune` would do with `config`; exit 3 where the run would
+    stop with exit 3 (`finetune_memory.refusal`: not even micro-batch 1 with every saver the
+    config allows fits its budget, the config's `memory_budget` and `device` resolved as the
+    run resolves them), else 0. Where its start does not fit, the advisor says in the config's
     keys what would. A missing data file is said (the run would stop on it with exit 2)."""
     from steadytrain.cli.memory_commands import render_advice, render_estimate
-    from steadytrain.recipes.finetune_memory import advice, run_plan, target
+    from steadytrain.recipes.finetune_memory import advice, refusal, run_plan, target
 
     engine = config.to_train_config()
     typer.echo("settings (resolved, as final/training_config.json will hold them):")
@@ -60,10 +61,18 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
         typer.echo(f"  {line}")
     if plan.fits is False and result.fits is not False:  # the planner found nothing that fits
         render_advice(advice(config, result), console)
+    stop = refusal(config, where.device_type, where.budget)
+    if stop is not None:
+        typer.echo(f"the run stops here (exit 3): {stop}")
+    elif plan.fits is False:
+        typer.echo(
+            "  the run starts there; where memory runs out, the ladder halves the micro-batch "
+            "and turns on the savers left: at micro-batch 1 with all of them the estimate fits"
+        )
     typer.echo("files:")
     for line in _files(config):
         typer.echo(f"  {line}")
-    return 3 if plan.fits is False else 0
+    return 3 if stop is not None else 0
 
 
 def _files(config: FinetuneConfig) -> list[str]:

@@ -46,7 +46,7 @@ from steadytrain.recipes.data import (
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
-from steadytrain.recipes.finetune_memory import loss_for, memory_line
+from steadytrain.recipes.finetune_memory import loss_for, memory_line, refusal
 from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
@@ -87,6 +87,9 @@ class FinetuneJob:
         )
         self.precision = resolve_precision(self.train_config.precision, self.device).name
         self.base_load = plan_base_load(config, self.device.type, self.precision)
+        stop = refusal(config, self.device.type, self.device.budget)  # as --dry-run says
+        if stop is not None:
+            raise DoesNotFitError(f"{stop} (steadytrain finetune --dry-run shows the breakdown)")
         if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
             say(memory_line(config, self.device.type, self.device.budget))
         _check_optimizer(config.optim, self.device.type)

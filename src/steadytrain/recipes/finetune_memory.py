@@ -154,6 +154,56 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
     )
 
 
+def last_rung(config: FinetuneConfig, device_type: str, budget: int | None) -> Estimate:
+    """The estimate where the out-of-memory ladder ends: micro-batch 1 with every saver this
+    config lets the run use (checkpointing unless `gradient_checkpointing: false`, on CUDA its
+    inputs offloaded too, the chunked loss unless `chunked_loss: false`), against `budget`."""
+    checkpointing = config.gradient_checkpointing is not False
+    chunked = config.chunked_loss is not False
+    settings = dataclasses.replace(
+        _settings(config, device_type, checkpointing=checkpointing, chunked_loss=chunked),
+        micro_batch_size=1,
+    )
+    if checkpointing and device_type == "cuda":
+        settings = dataclasses.replace(settings, offload=True)
+    result = estimate(
+        load_config(config.model_name_or_path), settings, model_name=config.model_name_or_path
+    )
+    result.budget = budget
+    return result
+
+
+def refusal(config: FinetuneConfig, device_type: str, budget: int | None) -> str | None:
+    """Why the run stops before loading anything (exit 3), or None: the estimate at the
+    ladder's last rung (`last_rung`) is over the budget, so no micro-batch and no saver keeps
+    the run within `memory_budget`, the memory the process may use in total. The run and its
+    `--dry-run` both ask this, so the two give one answer. None where no estimate can be made
+    (an unknown architecture) or the budget is unknown."""
+    if budget is None:
+        return None
+    try:
+        result = last_rung(config, device_type, budget)
+    except SteadytrainError:
+        return None
+    if result.total is None or result.total <= budget:
+        return None
+    found = advise(
+        load_config(config.model_name_or_path),
+        result.settings,
+        budget,
+        CONFIG,
+        config.gradient_accumulation_steps * config.per_device_train_batch_size,
+        current=result,
+    )
+    what = "; ".join([*lines(found, CONFIG), "or a larger `memory_budget`"])
+    return (
+        f"memory_budget: the estimate at micro-batch 1 with every memory saver this config "
+        f"allows is {format_bytes(result.total)}, over the budget of {format_bytes(budget)} "
+        f"(memory_budget: {config.to_train_config().memory_budget}), so no micro-batch keeps "
+        f"the run within it; what would change it (the estimate at each): {what}"
+    )
+
+
 def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
     saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
@@ -350,12 +400,7 @@ def _auto_plan(config: FinetuneConfig, where: Target, later: list[str]) -> tuple
         (chunk or DEFAULT_CHUNK_TOKENS) if chosen.chunked_loss else None,
         result.total,
         where.budget,
-        "micro_batch_size: auto, planned from the estimate; "
-        + (
-            "the run measures on the device first"
-            if where.device_type == "cuda"
-            else "the run plans the same way"
-        ),
+        "micro_batch_size: auto, planned from the estimate; the run measures on the device first",
         [item for item in later if not _in_force(item, chosen)],
     )
     return plan, result
@@ -374,8 +419,10 @@ __all__ = [
     "chunk_tokens",
     "estimate_finetune",
     "estimate_settings",
+    "last_rung",
     "loss_for",
     "memory_line",
+    "refusal",
     "run_advice",
     "run_plan",
     "target",

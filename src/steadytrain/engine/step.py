@@ -1,4 +1,3 @@
-# long-module: one optimizer step and its out-of-memory ladder, in one process and across ranks, read top to bottom
 """One optimizer step that survives out-of-memory.
 
 The collated batch is split into micro-batches of the size in force; each is moved to the device,
@@ -7,20 +6,20 @@ out-of-memory anywhere in the step the partial gradients are dropped, the cache 
 micro size is halved (or, once the size is 1, the next memory saver is turned on) and the same
 batch is redone from the same RNG state. The optimizer always sees the whole batch.
 
-Weighting makes accumulation exact: a `loss_fn` returning a mean is weighted by sample share;
-one returning ``(loss_sum, count)`` (token-level losses) contributes its sum, and the summed
-gradient is divided by the batch's total count, so padding and uneven splits do not bias it.
+Weighting makes accumulation exact (`steadytrain.engine.accumulation`): a `loss_fn` returning a
+mean is weighted by sample share; one returning ``(loss_sum, count)`` (token-level losses)
+contributes its sum, and the summed gradient is divided by the batch's total count, so padding
+and uneven splits do not bias it.
 """
 
 from __future__ import annotations
 
-import numbers
 import os
 import resource
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -32,18 +31,18 @@ from steadytrain.device import (
     call_or_oom,
     retry_on_oom,
 )
+from steadytrain.engine.accumulation import BatchLoss, TokenCount, divide_and_clip
+from steadytrain.engine.accumulation import check_loss_output as check_loss_output  # re-export
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.distributed import Group, RanksOutOfMemory
 from steadytrain.engine.precision import Precision
 from steadytrain.engine.sharding import set_gradient_sync
 from steadytrain.engine.side_pass import Saved, side_pass
 from steadytrain.errors import (
-    BadInputError,
     DoesNotFitError,
     FreshProcessOutOfMemory,
     OptimizerStateTouched,
     RankOutOfMemory,
-    UserCodeError,
 )
 from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
 from steadytrain.user_state import select
@@ -62,70 +61,6 @@ class SaverLadder(Protocol):
     def describe(self) -> str: ...
 
 
-class _Count:
-    """Sum of the counts `loss_fn` returned: Python ints stay on the host (no device copy per
-    micro-batch), tensors stay on the device (no sync); int64, exact at any token count."""
-
-    def __init__(self) -> None:
-        self.host = 0
-        self.device: torch.Tensor | None = None
-
-    def add(self, count: int | torch.Tensor) -> None:
-        if isinstance(count, torch.Tensor):
-            count = count.detach().to(torch.int64)
-            self.device = count if self.device is None else self.device + count
-        else:
-            self.host += int(count)
-
-    def sum(self) -> int | torch.Tensor:
-        return self.host if self.device is None else self.device + self.host
-
-    def total(self) -> int | torch.Tensor:
-        """At least 1, so an all-padding batch divides by 1 rather than 0."""
-        if self.device is None:
-            return max(self.host, 1)
-        return (self.device + self.host).clamp(min=1)
-
-
-class _BatchLoss:
-    """The batch loss as a step reports it, built one micro-batch at a time. `run()` and
-    `evaluate()` both use it, so the resume loss check compares the very same arithmetic."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.value: torch.Tensor | float = 0.0
-        self.count = _Count()
-        self.token_mode: bool | None = None
-
-    def add(self, out: Any, size: int) -> torch.Tensor:
-        """Account one micro-batch's `loss_fn` output; returns the tensor to backpropagate."""
-        is_pair = isinstance(out, (tuple, list))
-        if self.token_mode is None:
-            self.token_mode = is_pair
-        elif self.token_mode != is_pair:
-            raise BadInputError(
-                "loss_fn: returned a mean on one micro-batch and (loss_sum, "
-                "count) on another; return one form always"
-            )
-        check_loss_output(out)
-        if is_pair:
-            loss_sum, count = out
-            self.count.add(count)
-            self.value = self.value + _full(loss_sum)
-            return loss_sum
-        share = size / self.n
-        self.value = self.value + _full(out) * share
-        return out * share
-
-    def divisor(self) -> int | torch.Tensor | None:
-        """The batch's token count for `(loss_sum, count)` losses; None for mean losses."""
-        return self.count.total() if self.token_mode else None
-
-    def mean(self) -> torch.Tensor | float:
-        divisor = self.divisor()
-        return self.value / divisor if divisor is not None else self.value
-
-
 ONE_SAMPLE_NORM = "Expected more than 1 value per channel when training"
 """torch's BatchNorm refusing a training batch of one value per channel (BatchNorm1d on one
 sample of features): the out-of-memory ladder's last halving cannot help such a model."""
@@ -140,123 +75,6 @@ def _one_sample_norm_does_not_fit(exc: ValueError) -> str:
         "memory for the run (memory_budget, closing other programs), or GroupNorm/LayerNorm in "
         "place of BatchNorm1d, which train on one sample."
     )
-
-
-def check_loss_output(out: Any) -> None:
-    """Refuse, as the user's mistake, what `loss_fn` returned when it is neither one mean loss
-    nor a pair (loss_sum, count) of one number each; the step and the planner's trial passes
-    both check it before the backward."""
-    is_pair = isinstance(out, (tuple, list))
-    _check_loss(out[0] if is_pair and len(out) == 2 else out, is_pair, len(out) if is_pair else 2)
-    if is_pair:
-        _check_count(out[1])
-
-
-def _check_count(count: Any) -> None:
-    """The second item of a pair is the number of samples or tokens the loss sums over; a
-    (loss, outputs) pair, as Hugging Face's compute_loss(return_outputs=True) returns, is not."""
-    if isinstance(count, torch.Tensor):
-        if count.numel() == 1:
-            return
-        found = f"a tensor of shape {tuple(count.shape)}"
-    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
-        return  # a weighted count (the sum of the weights) may be fractional
-    else:
-        found = type(count).__name__
-    raise UserCodeError(
-        f"loss_fn returned a pair whose second item is {found}, not one number: a pair is "
-        "(loss_sum, count), the summed loss and the number of samples or tokens it sums over. "
-        "Return the mean loss alone (not (loss, outputs)), or (loss.sum(), count)",
-        where="loss_fn",
-    )
-
-
-def _check_loss(loss: Any, is_pair: bool, length: int) -> None:
-    """A loss that cannot be backpropagated as one number is the user's mistake: say which
-    form was expected instead of failing later inside autograd."""
-    form = "(loss_sum, count)" if is_pair else "the loss"
-    if is_pair and length != 2:
-        problem = f"returned a {length}-tuple; a pair (loss_sum, count) or one mean loss tensor"
-    elif not isinstance(loss, torch.Tensor):
-        found = type(loss).__name__
-        if loss is None:
-            found = "None (is its `return` missing?)"
-        elif isinstance(loss, numbers.Real):
-            found += f" ({loss:.6g})"
-        problem = f"returned {form} as {found}, not a tensor" + (
-            _held_loss(loss)
-            or ": return the loss tensor itself (a 0-dim tensor that backward() runs on, as "
-            "`F.cross_entropy(...)` gives; not `loss.item()`), or a pair (loss_sum, count)"
-        )
-    elif loss.numel() != 1:
-        problem = (
-            f"returned {form} as a tensor of shape {tuple(loss.shape)}, not one number: reduce "
-            'it to a 0-dim tensor (e.g. `reduction="mean"` or `.mean()`'
-            + (", or `.sum()` for loss_sum)" if is_pair else ")")
-        )
-    elif torch.is_grad_enabled() and not loss.requires_grad:  # a training pass: backward next
-        problem = (
-            f"returned {form} as a tensor that does not require grad (no grad_fn), so "
-            "backward() cannot compute gradients from it: it was detached (`.detach()`, "
-            "`torch.tensor(loss.item())`) or computed under `torch.no_grad()`. Return the loss "
-            "as the model's forward computed it"
-        )
-    else:
-        return
-    raise UserCodeError(f"loss_fn {problem}", where="loss_fn")
-
-
-def _held_loss(out: Any) -> str:
-    """How to take the loss out of a model output that holds one (a Hugging Face ModelOutput,
-    a dict with a "loss" entry), or nothing."""
-    held = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if not isinstance(held, torch.Tensor):
-        return ""
-    return (
-        f': the {type(out).__name__} holds a "loss" tensor; return that '
-        '(`model(**batch).loss`, or `outputs["loss"]`)'
-    )
-
-
-def _divide_and_clip(
-    params: list[torch.Tensor], divisor: int | torch.Tensor | None, max_norm: float | None
-) -> torch.Tensor | None:
-    """Divide the summed gradients by the token count and clip them by norm in one pass over
-    the gradients; returns the norm before clipping (of the divided gradients), or None."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or (divisor is None and max_norm is None):
-        return None
-    sharded = any(type(g).__name__ == "DTensor" for g in grads)  # FSDP: norms over the ranks
-    if sharded or len({(g.device, g.dtype) for g in grads}) > 1:  # torch's grouping
-        if divisor is not None:
-            for g in grads:
-                g.div_(divisor)
-        if max_norm is None:
-            return None
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if sharded else norm
-    if isinstance(divisor, torch.Tensor):
-        divisor = divisor.to(grads[0].dtype)
-    norm = None
-    if max_norm is not None:
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        if divisor is not None:
-            norm = norm / divisor
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
-        if divisor is not None:
-            scale = scale / divisor
-    else:
-        scale = 1.0 / divisor if isinstance(divisor, int) else divisor.reciprocal()
-    if isinstance(scale, torch.Tensor):
-        scale = scale.to(grads[0].dtype)
-    torch._foreach_mul_(grads, scale)
-    return norm
-
-
-def _full(loss: torch.Tensor) -> torch.Tensor:
-    """A detached loss in at least float32, for the reported value."""
-    loss = loss.detach()
-    return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
 
 class _PhaseMarks:
@@ -402,7 +220,7 @@ class StepRunner:
             "skipped": skipped,
         }
 
-    def _accumulate(self, pieces: list[Any], n: int) -> _BatchLoss:
+    def _accumulate(self, pieces: list[Any], n: int) -> BatchLoss:
         """This rank's passes, then the ranks' agreement and gradient sum (engine/distributed.py):
         an out-of-memory on any rank makes every rank redo the step; none waits in a collective."""
         if not self.group.active:
@@ -428,11 +246,11 @@ class StepRunner:
         self.group.sum_gradients(self.params, agreed.has_grad)
         loss.value = agreed.loss
         if agreed.count is not None:
-            loss.count = _Count()
+            loss.count = TokenCount()
             loss.count.add(agreed.count)  # the global token count divides the summed gradients
         return loss
 
-    def _accumulate_sharded(self, pieces: list[Any], n: int) -> _BatchLoss:
+    def _accumulate_sharded(self, pieces: list[Any], n: int) -> BatchLoss:
         """FSDP: the forward all-gathers, so the ranks cannot agree before a collective. A rank
         that runs out of memory records its `oom` event and exits 76 (torchrun ends the group;
         `steadytrain run` restarts it smaller); otherwise the ranks sum the loss and count."""
@@ -460,13 +278,13 @@ class StepRunner:
         agreed = self.group.agree(False, [], loss.value, count)
         loss.value = agreed.loss
         if agreed.count is not None:
-            loss.count = _Count()
+            loss.count = TokenCount()
             loss.count.add(int(agreed.count))  # a host number: the gradients are DTensors
         return loss
 
-    def _forward_backward(self, pieces: list[Any], n: int) -> _BatchLoss:
+    def _forward_backward(self, pieces: list[Any], n: int) -> BatchLoss:
         """Every micro-batch forward and backward; the gradients sum in the parameters."""
-        loss = _BatchLoss(n)
+        loss = BatchLoss(n)
         self._versions_before_optimizer = None
         start = 0
         for i, piece in enumerate(pieces):
@@ -497,7 +315,7 @@ class StepRunner:
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        grad_norm = _divide_and_clip(self.params, divisor, self.max_grad_norm)
+        grad_norm = divide_and_clip(self.params, divisor, self.max_grad_norm)
         self._versions_before_optimizer = self._versions()
         scale_before = None
         if scaler is not None:
@@ -529,8 +347,8 @@ class StepRunner:
         micro, size = self.state.micro_batch_size, batch_len(batch)
         n = self.group.total(size)  # several ranks: `batch` is this rank's share
 
-        def forward_only() -> _BatchLoss:
-            loss = _BatchLoss(n)
+        def forward_only() -> BatchLoss:
+            loss = BatchLoss(n)
             with torch.enable_grad() if autograd else torch.no_grad():
                 for i, piece in enumerate(split_batch(batch, micro)):
                     select(self.user_state, i * micro, min((i + 1) * micro, size), n)

@@ -7,6 +7,7 @@ a traceback; anything else is a bug and exits 1 with the traceback.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import typer
@@ -16,7 +17,16 @@ from typer.core import TyperCommand, TyperGroup
 
 from steadytrain import __version__
 from steadytrain.cli.memory_commands import register as register_memory_commands
+from steadytrain.cli.options import options_command
 from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
+from steadytrain.recipes.options import (
+    DemoOptions,
+    EvaluateOptions,
+    FinetuneOptions,
+    GenerateOptions,
+    MergeOptions,
+    option,
+)
 
 
 def _flags_without_type(params: list) -> list:
@@ -198,174 +208,56 @@ def finetune_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     return run_advice(run_dir, in_force)
 
 
-@app.command("finetune")
-def finetune_command(
-    config: str = typer.Option(
-        ...,
-        "--config",
-        metavar="FILE",
-        help="A JSON (comments allowed) or YAML fine-tune config (docs/finetune.md).",
-    ),
-    overrides: list[str] | None = typer.Option(  # noqa: B008 (typer reads the default)
-        None,
-        "--set",
-        metavar="KEY=VALUE",
-        help="Change one key before running; the value is read as YAML (4, true, 2e-4); "
-        "lora.r=8 reaches into a block. Repeatable.",
-    ),
-    dry: bool = typer.Option(
+@dataclass(frozen=True)
+class FinetuneCommand(FinetuneOptions):
+    dry_run: bool = option(
         False,
-        "--dry-run",
-        help="Print the resolved settings, the memory estimate, the plan and the files it would "
+        "Print the resolved settings, the memory estimate, the plan and the files it would "
         "write; load and train nothing.",
-    ),
-) -> None:
-    """LoRA / QLoRA fine-tune of a Hugging Face causal LM; rerun on the same output_dir to resume."""
-    if dry:
-        from steadytrain.cli.finetune_commands import dry_run
+    )
+
+
+def _finetune(config: str, overrides: list[str] | None, dry_run: bool) -> int:
+    if dry_run:
+        from steadytrain.cli.finetune_commands import dry_run as print_dry_run
         from steadytrain.recipes.finetune_config import FinetuneConfig
 
-        raise typer.Exit(dry_run(FinetuneConfig.load(config, overrides or [])))
+        return print_dry_run(FinetuneConfig.load(config, overrides or []))
     from steadytrain.recipes.finetune import run_finetune
 
-    result = run_finetune(config, overrides or [])
-    raise typer.Exit(result.exit_code)
+    return run_finetune(config, overrides or []).exit_code
 
 
-@app.command("demo")
-def demo_command(
-    ctx: typer.Context,
-    run_dir: str = typer.Argument(
-        "runs/demo", metavar="RUN_DIR", help="A new or empty folder for the demo's run."
-    ),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, mps, cuda or cuda:N."),
-    steps: int = typer.Option(150, "--steps", help="LoRA optimizer steps (at least 10)."),
-    interrupt: bool = typer.Option(
-        True,
-        "--interrupt/--no-interrupt",
-        help="SIGKILL the training process after its first checkpoint, to show the restart "
-        "and the exact resume.",
-    ),
-    threads: int = typer.Option(
-        1,
-        "--threads",
-        help="CPU threads for torch: 1 suits a model this small, and OpenMP threads spin "
-        "against other busy processes.",
-    ),
-    force: bool = typer.Option(
-        False, "--force", help="Replace an earlier demo's RUN_DIR (only a folder the demo wrote)."
-    ),
-) -> None:
-    """Fine-tune a tiny model offline and show every feature: exit 0, 2 bad input.
+def _demo(**options: Any) -> int:
+    from steadytrain.recipes.demo import demo_command
 
-    A tiny Llama, LoRA on the standard library's docstrings, a SIGKILL and a resume (docs/demo.md).
-    """
-    from steadytrain.recipes.demo import demo_command as run_demo
-
-    raise typer.Exit(run_demo(**ctx.params))
+    return demo_command(**options)
 
 
-@app.command("merge")
-def merge_command(
-    adapter: str = typer.Argument(
-        ...,
-        metavar="ADAPTER",
-        help="The fine-tune's final/ folder (peft adapter) or its run directory.",
-    ),
-    out: str = typer.Option(
-        ..., "--out", metavar="DIR", help="Folder to write the merged model to."
-    ),
-    base: str | None = typer.Option(
-        None,
-        "--base",
-        metavar="PATH",
-        help="Base model folder (default: the one adapter_config.json names).",
-    ),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="fp32, bf16 or fp16 (default: the dtype the base was saved in)."
-    ),
-    force: bool = typer.Option(
-        False,
-        "--force",
-        help="Replace a non-empty --out (removed only after the new one is complete).",
-    ),
-) -> None:
-    """Merge a LoRA adapter into its base, for transformers alone: exit 0 written, 2 bad input."""
-    from steadytrain.recipes.merge import merge_command as run_merge
+def _merge(**options: Any) -> int:
+    from steadytrain.recipes.merge import merge_command
 
-    raise typer.Exit(run_merge(adapter, out, base=base, dtype=dtype, force=force))
+    return merge_command(**options)
 
 
-@app.command("generate")
-def generate_command(
-    ctx: typer.Context,
-    model: str = typer.Argument(
-        ..., metavar="MODEL", help="A run directory, an adapter folder (final/) or a model folder."
-    ),
-    prompt: str | None = typer.Argument(None, metavar="PROMPT", help="The prompt."),
-    prompts_file: str | None = typer.Option(
-        None, "--prompts-file", metavar="FILE", help='One prompt per line, or JSONL with "prompt".'
-    ),
-    base: str | None = typer.Option(
-        None, "--base", metavar="PATH", help="Base model folder for an adapter."
-    ),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate at most."),
-    temperature: float | None = typer.Option(
-        None,
-        "--temperature",
-        help="0 is greedy (argmax). Default: the model's generation_config where it samples, "
-        "else 0.7.",
-    ),
-    top_p: float | None = typer.Option(
-        None,
-        "--top-p",
-        help="Nucleus sampling mass (with temperature > 0). Default: the model's, else 0.9 "
-        "(1.0 with --temperature).",
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seeded before every prompt, so results repeat."),
-    chat: bool = typer.Option(
-        False, "--chat", help="Send the prompt as a user message through the chat template."
-    ),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, mps, cuda or cuda:N."),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="fp32, bf16 or fp16 (default: fp32 on CPU)."
-    ),
-    json_output: bool = typer.Option(False, "--json", help="One JSON object per prompt."),
-) -> None:
-    """Text from base + adapter or a merged model, per prompt: exit 0, 2 bad input."""
-    from steadytrain.recipes.generate import generate_command as run_generate
+def _generate(**options: Any) -> int:
+    from steadytrain.recipes.generate import generate_command
 
-    raise typer.Exit(run_generate(**ctx.params))
+    return generate_command(**options)
 
 
-@app.command("evaluate")
-def evaluate_command(
-    ctx: typer.Context,
-    eval_file: str = typer.Argument(
-        ..., metavar="EVAL_FILE", help="A .jsonl or .json file in a fine-tune format."
-    ),
-    model: str = typer.Argument(
-        ..., metavar="MODEL", help="A run directory, an adapter folder (final/) or a model folder."
-    ),
-    base: str | None = typer.Option(
-        None, "--base", metavar="PATH", help="Base model folder for an adapter."
-    ),
-    max_seq_length: int = typer.Option(
-        1024, "--max-seq-length", help="Samples are cut to this many tokens."
-    ),
-    batch_size: int = typer.Option(
-        8, "--batch-size", help="Starting eval batch; halved on out-of-memory."
-    ),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, mps, cuda or cuda:N."),
-    dtype: str | None = typer.Option(
-        None, "--dtype", help="fp32, bf16 or fp16 (default: fp32 on CPU)."
-    ),
-    json_output: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-) -> None:
-    """Loss and perplexity on EVAL_FILE, base and base + adapter: exit 0, 2 bad input, 3 no fit."""
-    from steadytrain.recipes.evaluate import evaluate_command as run_evaluate
+def _evaluate(**options: Any) -> int:
+    from steadytrain.recipes.evaluate import evaluate_command
 
-    raise typer.Exit(run_evaluate(**ctx.params))
+    return evaluate_command(**options)
+
+
+# The recipes' commands: their arguments and options are the fields of steadytrain.recipes.options
+options_command(app, "finetune", FinetuneCommand, _finetune, doc=FinetuneOptions.__doc__)
+options_command(app, "demo", DemoOptions, _demo)
+options_command(app, "merge", MergeOptions, _merge)
+options_command(app, "generate", GenerateOptions, _generate)
+options_command(app, "evaluate", EvaluateOptions, _evaluate)
 
 
 @app.command("export")

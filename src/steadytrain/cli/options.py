@@ -1,6 +1,7 @@
-"""Command-line options generated from the settings dataclass (`steadytrain.memory.settings`):
-each field's `option(...)` gives the flag, the help and the commands that show it, so an option
-is declared once, beside its default, and never copied by hand into a signature."""
+"""Command-line options generated from dataclasses: the settings of `estimate` and `plan`
+(`steadytrain.memory.settings`: each field's `option(...)` gives the flag, the help and the
+commands that show it) and the options of each recipe's command (`steadytrain.recipes.options`),
+so an option is declared once, beside its default, and never copied by hand into a signature."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from steadytrain.memory.settings import Settings, cli_default_of, options
+from steadytrain.recipes.options import REQUIRED, flag_of
 
 MODEL_HELP = "A local model directory (config.json) or a Hugging Face id."
 
@@ -53,13 +55,59 @@ def settings_command(
 ) -> None:
     """Register `command` on `app`: its options are the settings fields it shows; the parsed
     values go to `run(**values)`, whose return is the exit code."""
+    register(app, command, command_parameters(command, json_help), doc, run)
+
+
+def dataclass_parameter(f: dataclasses.Field, hints: dict[str, Any]) -> inspect.Parameter:
+    """The typer argument or option of one field of a recipe's options dataclass."""
+    meta = f.metadata
+    if meta["argument"]:
+        info = typer.Argument(metavar=meta["metavar"], help=meta["help"])
+    else:
+        info = typer.Option(flag_of(f), metavar=meta["metavar"], help=meta["help"])
+    return inspect.Parameter(
+        f.name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=inspect.Parameter.empty if f.default is REQUIRED else f.default,
+        annotation=Annotated[hints[f.name], info],
+    )
+
+
+def options_command(
+    app: typer.Typer,
+    command: str,
+    options: type,
+    run: Callable[..., int],
+    doc: str | None = None,
+    **settings: Any,
+) -> None:
+    """Register `command` on `app` with the fields of the dataclass `options` as its arguments
+    and options (`steadytrain.recipes.options`); `run(**values)` returns the exit code; `doc`
+    (default: the docstring of `options`) is the command's help; `settings` go to
+    `app.command`."""
+    hints = typing.get_type_hints(options)
+    ctx = inspect.Parameter(
+        "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
+    )
+    parameters = [ctx, *(dataclass_parameter(f, hints) for f in dataclasses.fields(options))]
+    register(app, command, parameters, doc or options.__doc__, run, **settings)
+
+
+def register(
+    app: typer.Typer,
+    command: str,
+    parameters: list[inspect.Parameter],
+    doc: str | None,
+    run: Callable[..., int],
+    **settings: Any,
+) -> None:
+    """Register a handler with these parameters (ctx first): typer reads its signature."""
 
     def handler(ctx: typer.Context, **_: Any) -> None:
         raise typer.Exit(run(**ctx.params))
 
-    parameters = command_parameters(command, json_help)
     handler.__signature__ = inspect.Signature(parameters)  # typer reads the signature
     handler.__annotations__ = {p.name: p.annotation for p in parameters}
     handler.__doc__ = doc
     handler.__name__ = f"{command}_command"
-    app.command(command)(handler)
+    app.command(command, **settings)(handler)

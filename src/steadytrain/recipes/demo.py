@@ -35,22 +35,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain.errors import BadInputError, DemoFailed
+from steadytrain.recipes.options import DemoOptions
 
 STEPS = 7
 SEQ = 128
 """Tokens per sample: one byte per token, so a docstring chunk of up to 126 bytes plus <bos>
 and <eos>."""
 EFFECTIVE_BATCH = 16
-DEFAULT_STEPS = 150
-"""Optimizer steps: 1.7 passes over the docstrings, about 12 seconds of training on a 2-core CPU
-with one thread, and enough for the held-out perplexity to fall from thousands to under 20."""
+DEFAULT_STEPS = DemoOptions.steps
 MIN_STEPS = 10
 """Fewer leave no room for a checkpoint, a kill after it, and steps after the resume."""
 SEED = 0
@@ -691,23 +690,10 @@ def _printable(text: str) -> str:
     return escape("".join(c if c.isprintable() or c == "\n" else "\ufffd" for c in text))
 
 
-def demo_command(
-    run_dir: str = "runs/demo",
-    device: str = "auto",
-    steps: int = DEFAULT_STEPS,
-    interrupt: bool = True,
-    threads: int | None = 1,
-    force: bool = False,
-) -> int:
-    """`steadytrain demo`: exit 0 when every step ran and the held-out perplexity fell."""
-    summary = Demo(
-        Path(run_dir),
-        device=device,
-        steps=steps,
-        interrupt=interrupt,
-        threads=threads,
-        force=force,
-    ).run()
+def demo_command(**options: Any) -> int:
+    """`steadytrain demo`: exit 0 when every step ran and the held-out perplexity fell. The
+    options are `DemoOptions`'."""
+    summary = Demo(**asdict(DemoOptions(**options))).run()
     if not summary["after"]["perplexity"] < summary["before"]["perplexity"]:
         raise DemoFailed(
             f"the held-out perplexity did not fall ({summary['before']['perplexity']:.2f} -> "

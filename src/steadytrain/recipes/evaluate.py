@@ -40,6 +40,7 @@ from steadytrain.recipes.data import (
     load_datasets,
     pad_token_id,
 )
+from steadytrain.recipes.options import EvaluateOptions
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -147,8 +148,8 @@ def score(
     loaded: Loaded,
     eval_file: str | Path,
     *,
-    max_seq_length: int = 1024,
-    batch_size: int = 8,
+    max_seq_length: int = EvaluateOptions.max_seq_length,
+    batch_size: int = EvaluateOptions.batch_size,
     loss_fn: LossFn = causal_lm_loss,
     on_shrink: Callable[[int, int], None] | None = None,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
@@ -191,9 +192,9 @@ def evaluate(
     model: str | Path,
     *,
     base: str | None = None,
-    max_seq_length: int = 1024,
-    batch_size: int = 8,
-    device: str = "auto",
+    max_seq_length: int = EvaluateOptions.max_seq_length,
+    batch_size: int = EvaluateOptions.batch_size,
+    device: str = EvaluateOptions.device,
     dtype: str | None = None,
 ) -> EvalReport:
     """Load `model` (run directory, adapter folder or model folder) and score it on `eval_file`:
@@ -255,27 +256,20 @@ def _progress_bar(err_console: Any) -> tuple[Any, Callable[[str, int], Callable[
 
 
 def evaluate_command(
-    eval_file: str,
-    model: str,
-    base: str | None = None,
-    max_seq_length: int = 1024,
-    batch_size: int = 8,
-    device: str = "auto",
-    dtype: str | None = None,
-    json_output: bool = False,
-    console: Any = None,
-    err_console: Any = None,
+    *args: Any, console: Any = None, err_console: Any = None, **options: Any
 ) -> int:
     """`steadytrain evaluate`: print the table (or JSON with ``--json``); exit 0. Progress and
-    out-of-memory notes go to stderr, the progress bar only on a terminal."""
+    out-of-memory notes go to stderr, the progress bar only on a terminal. The arguments and
+    options are `EvaluateOptions`' (EVAL_FILE and MODEL may be positional)."""
     from rich.console import Console
 
+    o = EvaluateOptions(*args, **options)
     console = console or Console(highlight=False)
     err_console = err_console or Console(stderr=True, highlight=False, soft_wrap=True)
-    check_settings(max_seq_length, batch_size)
-    if not Path(eval_file).expanduser().is_file():
-        raise BadInputError(f"EVAL_FILE: {eval_file} does not exist or is not a file")
-    loaded = open_model(model, base, device, dtype, weights=False)
+    check_settings(o.max_seq_length, o.batch_size)
+    if not Path(o.eval_file).expanduser().is_file():
+        raise BadInputError(f"EVAL_FILE: {o.eval_file} does not exist or is not a file")
+    loaded = open_model(o.model, o.base, o.device, o.dtype, weights=False)
     err_console.print(
         f"{loaded.artifact.describe()} on {loaded.device.torch_device} ({dtype_name(loaded.dtype)})",
         markup=False,
@@ -291,13 +285,13 @@ def evaluate_command(
     with bar:
         report = score(
             loaded,
-            eval_file,
-            max_seq_length=max_seq_length,
-            batch_size=batch_size,
+            o.eval_file,
+            max_seq_length=o.max_seq_length,
+            batch_size=o.batch_size,
             on_shrink=on_shrink,
             progress=progress,
         )
-    if json_output:
+    if o.json_output:
         console.print(json.dumps(report.to_dict(), indent=2), markup=False, soft_wrap=True)
         return 0
     err_console.print(report.data.summary(), markup=False, soft_wrap=True)

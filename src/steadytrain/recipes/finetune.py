@@ -56,6 +56,7 @@ from steadytrain.recipes.model import (
     plan_base_load,
     resolve_model_path,
 )
+from steadytrain.recipes.options import FinetuneOptions, argparse_options
 from steadytrain.recipes.training_log import training_log
 from steadytrain.trainer import FitResult, Trainer
 
@@ -435,19 +436,11 @@ def _targets(config: FinetuneConfig) -> str:
 def main(argv: list[str] | None = None) -> FitResult:
     parser = argparse.ArgumentParser(
         prog="python -m steadytrain.recipes.finetune",
-        description="LoRA / QLoRA fine-tune of a Hugging Face causal LM (docs/finetune.md).",
+        description=FinetuneOptions.__doc__,
     )
-    parser.add_argument("--config", required=True, metavar="FILE", help="JSON or YAML config.")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="Change one key (YAML value; lora.r=8 reaches into a block). Repeatable.",
-    )
+    argparse_options(parser, FinetuneOptions)  # as `steadytrain finetune` has them
     args = parser.parse_args(argv)
-    return run_finetune(args.config, args.overrides)
+    return run_finetune(args.config, args.overrides or [])
 
 
 if __name__ == "__main__":

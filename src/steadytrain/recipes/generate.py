@@ -26,6 +26,7 @@ from steadytrain.config_files import read_user_text
 from steadytrain.device import seed_everything
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import Loaded, dtype_name, open_model
+from steadytrain.recipes.options import GenerateOptions
 
 
 @dataclass(frozen=True)
@@ -217,12 +218,12 @@ def generate(
     prompts: list[str],
     *,
     base: str | None = None,
-    max_new_tokens: int = 128,
+    max_new_tokens: int = GenerateOptions.max_new_tokens,
     temperature: float | None = None,
     top_p: float | None = None,
-    seed: int = 0,
+    seed: int = GenerateOptions.seed,
     chat: bool = False,
-    device: str = "auto",
+    device: str = GenerateOptions.device,
     dtype: str | None = None,
     on_loaded: Callable[[Loaded], None] | None = None,
     on_sampling: Callable[[Sampling], None] | None = None,
@@ -257,51 +258,40 @@ def describe(loaded: Loaded) -> str:
 
 
 def generate_command(
-    model: str,
-    prompt: str | None = None,
-    prompts_file: str | None = None,
-    base: str | None = None,
-    max_new_tokens: int = 128,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    chat: bool = False,
-    device: str = "auto",
-    dtype: str | None = None,
-    json_output: bool = False,
-    console: Any = None,
-    err_console: Any = None,
+    *args: Any, console: Any = None, err_console: Any = None, **options: Any
 ) -> int:
     """`steadytrain generate`: print each prompt and its completion (or one JSON line each with
-    ``--json``); exit 0. What was loaded goes to stderr so that stdout is only the text."""
+    ``--json``); exit 0. What was loaded goes to stderr so that stdout is only the text. The
+    arguments and options are `GenerateOptions`' (MODEL and PROMPT may be positional)."""
     from rich.console import Console
 
+    o = GenerateOptions(*args, **options)
     console = console or Console(highlight=False)
     err_console = err_console or Console(stderr=True, highlight=False, soft_wrap=True)
-    if (prompt is None) == (prompts_file is None):
+    if (o.prompt is None) == (o.prompts_file is None):
         raise BadInputError(
             "PROMPT and --prompts-file: give exactly one, a prompt (steadytrain generate MODEL "
             '"Once upon a time") or a file of prompts (--prompts-file prompts.txt)'
         )
-    prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
+    prompts = [o.prompt] if o.prompt is not None else read_prompts(o.prompts_file)
     results = generate(
-        model,
+        o.model,
         prompts,
-        base=base,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        chat=chat,
-        device=device,
-        dtype=dtype,
+        base=o.base,
+        max_new_tokens=o.max_new_tokens,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        seed=o.seed,
+        chat=o.chat,
+        device=o.device,
+        dtype=o.dtype,
         on_loaded=lambda loaded: err_console.print(describe(loaded), markup=False, soft_wrap=True),
         on_sampling=lambda sampling: err_console.print(
-            sampling.describe(seed), markup=False, soft_wrap=True
+            sampling.describe(o.seed), markup=False, soft_wrap=True
         ),
     )
     for number, result in enumerate(results, 1):
-        if json_output:
+        if o.json_output:
             console.print(
                 json.dumps(asdict(result), ensure_ascii=False), markup=False, soft_wrap=True
             )

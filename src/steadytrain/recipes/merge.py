@@ -31,6 +31,7 @@ from steadytrain.recipes.artifact import (
     resolve_artifact,
     saved_dtype,
 )
+from steadytrain.recipes.options import MergeOptions
 
 
 @dataclass(frozen=True)
@@ -133,19 +134,14 @@ def _save(model: Any, tokenizer: Any, folder: Path) -> None:
     sync_tree(folder)
 
 
-def merge_command(
-    adapter_dir: str,
-    out_dir: str,
-    base: str | None = None,
-    dtype: str | None = None,
-    force: bool = False,
-    console: Any = None,
-) -> int:
-    """`steadytrain merge`: merge, print what was written; exit 0 (errors raise, exit 2)."""
+def merge_command(*args: Any, console: Any = None, **options: Any) -> int:
+    """`steadytrain merge`: merge, print what was written; exit 0 (errors raise, exit 2). The
+    arguments and options are `MergeOptions`' (ADAPTER may be positional)."""
     from rich.console import Console
 
+    o = MergeOptions(*args, **options)
     console = console or Console()
-    result = merge(adapter_dir, out_dir, base=base, dtype=dtype, force=force)
+    result = merge(o.adapter, o.out, base=o.base, dtype=o.dtype, force=o.force)
     console.print(result.summary(), markup=False, highlight=False, soft_wrap=True)
     return 0
 

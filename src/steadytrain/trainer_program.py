@@ -214,9 +214,7 @@ def check_evaluation(
 ) -> None:
     """Evaluation settings without evaluation data, and a metric-driven scheduler without
     evaluation, are refused before training, naming the field."""
-    wanted = [
-        f for f in ("eval_every_steps", "eval_every_epochs", "keep_best") if getattr(cfg, f)
-    ]
+    wanted = [f for f in ("eval_every_steps", "eval_every_epochs", "keep_best") if getattr(cfg, f)]
     if eval_data is None and (wanted or eval_fn is not None):
         raise BadInputError(
             f"eval_data: {', '.join(wanted) or 'eval_fn'} given, but no evaluation data; "

@@ -1,6 +1,7 @@
 """What would make a run fit, worked out on its own model and settings: every knob the run has
 not set yet is tried with the estimator (`memory.estimate`), and the ones that lower the total
-are listed, those that fit first (the most room left first), each with the total it gives:
+by at least 1 % of it (`LEAST_SAVING`) are listed, those that fit first (the most room left
+first), each with the total it gives:
 
     `bf16: true` → 12.9 GiB of 16.0 GiB: fits
     `max_seq_length: 1024` → 18.8 GiB of 16.0 GiB: still over
@@ -27,6 +28,11 @@ MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
 LISTED = 6
 """At most this many pieces of advice (the fitting ones and the best of the rest)."""
+LEAST_SAVING = 0.01
+"""A knob is listed only where it lowers the total by at least this share of it: less is within
+the estimate's own error (measured 0.1-1.8 % from the peak) and no reason to change a setting;
+on a small model, whose total is mostly the runtime's fixed overhead, bf16 or offload saves a
+few KiB of hundreds of MiB."""
 
 
 @dataclass(frozen=True)
@@ -75,15 +81,16 @@ def advise(
     current: Estimate | None = None,
 ) -> list[Advice]:
     """The knobs that lower the estimated total of training `config` (a model config) under
-    `settings` against `budget` bytes, fitting ones first. `accumulation`: the config's
-    gradient accumulation, kept with a smaller micro-batch so the effective batch stays."""
+    `settings` against `budget` bytes by at least `LEAST_SAVING` of it, fitting ones first.
+    `accumulation`: the config's gradient accumulation, kept with a smaller micro-batch so the
+    effective batch stays."""
     base = current or estimate(config, settings)
     if base.total is None:
         return []
     found: list[Advice] = []
     for knob in knobs(config, settings, budget, vocabulary, accumulation):
         total = _total(config, settings, knob.changes)
-        if total is not None and total < base.total:
+        if total is not None and base.total - total >= LEAST_SAVING * base.total:
             found.append(Advice((knob,), total, budget))
     found.sort(key=lambda a: (not a.fits, a.knobs[0].alters, a.total))
     if found and not found[0].fits:
@@ -239,4 +246,4 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-__all__ = ["CONFIG", "FLAGS", "Advice", "Knob", "advise", "knobs", "lines"]
+__all__ = ["CONFIG", "FLAGS", "LEAST_SAVING", "Advice", "Knob", "advise", "knobs", "lines"]

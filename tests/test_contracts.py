@@ -89,11 +89,11 @@ def test_a_restartable_error_exits_75_from_a_training_script(capsys):
 
 def test_the_supervisor_and_the_trainer_read_one_variable(monkeypatch):
     from steadytrain import trainer
-    from steadytrain.safety import supervisor
+    from steadytrain.supervisor import child_process  # sets it in the child's environment
 
-    assert supervisor.ENV_MAX_MICRO_BATCH == run_files.ENV_MAX_MICRO_BATCH
+    assert child_process.ENV_MAX_MICRO_BATCH == run_files.ENV_MAX_MICRO_BATCH
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "4")
-    assert trainer.micro_cap_from_supervisor() == 4  # the child's reader (safety/child.py)
+    assert trainer.micro_cap_from_supervisor() == 4  # the child's reader (safety/supervised.py)
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "four")
     with pytest.raises(BadInputError, match=run_files.ENV_MAX_MICRO_BATCH):
         trainer.micro_cap_from_supervisor()

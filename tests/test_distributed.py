@@ -374,7 +374,7 @@ def test_out_of_memory_while_the_optimizer_is_built_is_an_out_of_memory_of_that_
     set-up. It is an out-of-memory of rank 1 (exit 76, its exit record naming it), not exit 5
     "an error in your code", and the rank that failed first, as `steadytrain run` reads the
     ranks' records, is rank 1. Before, it was exit 5 and rank 0's record was read first."""
-    from steadytrain.safety.failures import failed_rank, rank_ends
+    from steadytrain.supervisor.attempt_end import failed_rank, rank_ends
 
     run_dir = tmp_path / "run"
     common = ("--loss", "mean", "--batch", "16", "--micro", "8", "--steps", "2")

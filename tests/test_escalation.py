@@ -20,7 +20,7 @@ import torch
 from test_supervisor import supervise
 
 from steadytrain.memory.savers import MemorySavers
-from steadytrain.safety.child import savers_from_supervisor
+from steadytrain.safety.supervised import savers_from_supervisor
 from steadytrain.telemetry.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent

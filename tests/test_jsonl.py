@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 from steadytrain.events import TrainState
+from steadytrain.run_events import append_event
 from steadytrain.run_jsonl import tail
-from steadytrain.safety.child import append_event, progress_step
+from steadytrain.supervisor.progress import progress_step
 from steadytrain.telemetry.files import RunFiles, read_jsonl
 
 TORN = b'{"time": 1.0, "event": "checkpoint", "step": 9'  # a kill mid-write

@@ -214,7 +214,7 @@ def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
     run_dir = tmp_path / "announced"
     child = (
         "import os, pathlib, sys\n"
-        "from steadytrain.safety.child import announce_run_dir\n"
+        "from steadytrain.safety.supervised import announce_run_dir\n"
         f"run = pathlib.Path({str(run_dir)!r})\n"
         "announce_run_dir(run)\n"
         "(run / 'checkpoints').mkdir(parents=True, exist_ok=True)\n"

@@ -26,17 +26,13 @@ from pathlib import Path
 import pytest
 
 from steadytrain.errors import BadInputError
-from steadytrain.safety.child import checkpoint_step, progress_step
-from steadytrain.safety.failures import RankEnd, failed_rank, rank_ends
-from steadytrain.safety.supervisor import (
-    ChildExit,
-    Supervisor,
-    SupervisorOptions,
-    append_event,
-    last_micro_batch_size,
-    read_oom_kill_count,
-)
-from steadytrain.safety.watchdog import ENV_START_WATCH
+from steadytrain.run_events import append_event
+from steadytrain.run_files import ENV_START_WATCH
+from steadytrain.supervisor import Supervisor, SupervisorOptions
+from steadytrain.supervisor.attempt_end import RankEnd, failed_rank, rank_ends
+from steadytrain.supervisor.child_exit import ChildExit
+from steadytrain.supervisor.oom_counter import read_oom_kill_count
+from steadytrain.supervisor.progress import checkpoint_step, last_micro_batch_size, progress_step
 from steadytrain.telemetry.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -132,8 +132,12 @@ ENV_RESTART = "STEADYTRAIN_RESTART"  # how many times the supervisor has restart
 ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"  # cap after the OS killed it for memory
 ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"  # where the supervisor looks for progress
 ENV_MEMORY_SAVERS = "STEADYTRAIN_MEMORY_SAVERS"  # rungs of the saver ladder to have in force
+# JSON {"run_dir": ..., "limit_s": ...} when the run directory is known: a process that imports
+# steadytrain with it set watches itself for a hang from then on (safety.start_watch).
+ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
 # A pipe's write end, open in the child while the supervisor does not know the run directory:
-# a Trainer writes its run_dir there, one line, when fit() starts (safety.child.announce_run_dir).
+# a Trainer writes its run_dir there, one line, when fit() starts
+# (safety.supervised.announce_run_dir).
 ENV_ANNOUNCE_FD = "STEADYTRAIN_ANNOUNCE_FD"
 
 __all__ = [
@@ -145,6 +149,7 @@ __all__ = [
     "ENV_MEMORY_SAVERS",
     "ENV_RESTART",
     "ENV_RUN_DIR",
+    "ENV_START_WATCH",
     "ENV_SUPERVISED",
     "ERRORS",
     "ESTIMATE",

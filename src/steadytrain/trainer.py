@@ -70,15 +70,15 @@ from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
-from steadytrain.safety.child import (
-    announce_run_dir,
-    micro_cap_from_supervisor,
-    savers_from_supervisor,
-)
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop
+from steadytrain.safety.supervised import (
+    announce_run_dir,
+    micro_cap_from_supervisor,
+    savers_from_supervisor,
+)
 from steadytrain.safety.watchdog import HangWatchdog, allowance, startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention

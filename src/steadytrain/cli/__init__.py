@@ -183,7 +183,8 @@ def run_command(
     import os
 
     from steadytrain.cli.run_locate import finetune_run_dir
-    from steadytrain.safety.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
+    from steadytrain.safety.watchdog import stop_start_watch
+    from steadytrain.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
 
     if not command:
         ctx.fail("give the command to supervise after --: steadytrain run [OPTIONS] -- CMD ...")
@@ -197,6 +198,7 @@ def run_command(
     }
     given = {k: v for k, v in given.items() if v is not None}
     options = SupervisorOptions(**given, advice=finetune_advice)
+    stop_start_watch()  # a supervisor started by another one trains nothing itself
     raise typer.Exit(Supervisor(command, options).run())
 
 

@@ -46,9 +46,9 @@ from steadytrain.events import Control, TrainState
 from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
-from steadytrain.safety.child import announce_run_dir
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop, stop_exit
+from steadytrain.safety.supervised import announce_run_dir
 from steadytrain.safety.watchdog import HangWatchdog
 from steadytrain.telemetry.files import RunFiles
 

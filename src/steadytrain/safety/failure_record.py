@@ -16,8 +16,7 @@ from steadytrain import run_files
 from steadytrain._durable import open_in_run, write_all
 from steadytrain.device import is_oom
 from steadytrain.errors import UserCodeError, user_code_error
-from steadytrain.safety.child import append_event
-from steadytrain.safety.failures import ERROR_EVENT
+from steadytrain.run_events import ERROR_EVENT, EXIT_EVENT, append_event
 
 
 def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
@@ -34,9 +33,6 @@ def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
     step = getattr(exc, "steadytrain_step", None)  # set by the loop on its way out
     record_error(run_dir, exc, step, where, f"{type(exc).__name__}|{exc}|{where}")
     return None
-
-
-EXIT_EVENT = "exit"
 
 
 def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = None) -> None:

@@ -819,7 +819,7 @@ class StartWatch:
 
 def _record_event(run_dir: Path) -> Callable[[str, dict], None]:
     def record(name: str, info: dict) -> None:
-        from steadytrain.safety.child import append_event
+        from steadytrain.run_events import append_event
 
         append_event(run_dir, {"time": time.time(), "event": name, **info})
 

@@ -1,5 +1,5 @@
-"""What the run directory says about how an attempt ended, read by the supervisor (standard
-library only, like the supervisor): the memory reading of the last step before a kill, and the
+"""How an attempt ended, as the run directory tells the supervisor (standard library only, like
+the supervisor; the child's side writes these records: `steadytrain.safety.failure_record`): the memory reading of the last step before a kill, and the
 error the trainer recorded before it exited.
 
 A SIGKILL whose cause the kernel's counter does not show (systemd-oomd, earlyoom, a `kill -9`)
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
+from steadytrain.run_events import ERROR_EVENT
 
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
 LOW_AVAILABLE = 0.20
@@ -87,8 +88,6 @@ def _number(value: Any) -> float | None:
 
 
 # ---- the error a trainer recorded before it exited -----------------------------------------
-
-ERROR_EVENT = "error"
 
 
 def last_error(run_dir: Path | None, since: float) -> dict[str, Any] | None:

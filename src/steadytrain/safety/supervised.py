@@ -1,0 +1,75 @@
+"""The child's side of `steadytrain run`: what a process the supervisor started reads from its
+environment (the micro-batch cap after a memory kill, how many memory savers to turn on) and
+what it tells the supervisor (its run directory, through ENV_ANNOUNCE_FD; the savers in force, as
+a `memory_savers` event). The supervisor's side reads these back (`steadytrain.supervisor`); the
+names both use are in `steadytrain.run_files` and `steadytrain.run_events`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from steadytrain import run_files
+from steadytrain.errors import BadInputError
+from steadytrain.run_events import SAVERS_EVENT
+
+
+def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The child's side: `steadytrain run` sets this after a memory kill, to start the
+    restarted run smaller."""
+    value = environ.get(run_files.ENV_MAX_MICRO_BATCH)
+    if not value:
+        return None
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise BadInputError(
+            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
+        ) from None
+
+
+def savers_from_supervisor(
+    savers: Any,
+    record: Any,
+    step: int,
+    environ: Mapping[str, str] = os.environ,
+) -> None:
+    """The child's side of the escalation: under `steadytrain run`, climb the memory savers'
+    ladder (`memory.savers.MemorySavers`) until as many rungs are in force as
+    ENV_MEMORY_SAVERS asks (the OS killed an earlier attempt at micro-batch 1), recording a
+    `memory_saver` event for each one turned on; then record which are in force and which are
+    left (`memory_savers`), which the supervisor reads when this attempt is killed too."""
+    if environ.get(run_files.ENV_SUPERVISED) != "1":
+        return
+    asked = _count(environ.get(run_files.ENV_MEMORY_SAVERS))
+    if asked:
+        reason = (
+            f"{run_files.ENV_MEMORY_SAVERS}={asked} (supervisor: the OS killed an earlier "
+            "attempt with no smaller micro-batch left)"
+        )
+        for info in savers.climb_to(asked, reason):
+            record("memory_saver", {"step": step, **info})
+    record(
+        SAVERS_EVENT,
+        {"step": step, "in_force": savers.in_force(), "left": savers.left(), "asked": asked},
+    )
+
+
+def _count(text: str | None) -> int | None:
+    try:
+        value = int(text) if text else None
+    except ValueError:
+        return None
+    return value if value and value >= 1 else None
+
+
+def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:
+    """Tell a supervising `steadytrain run` where this run writes (the child's side of
+    ENV_ANNOUNCE_FD); nothing happens when no supervisor asked."""
+    text = environ.get(run_files.ENV_ANNOUNCE_FD, "")
+    if not text.isdigit():
+        return
+    with contextlib.suppress(OSError):  # the supervisor went away: nobody to tell
+        os.write(int(text), f"{os.path.abspath(run_dir)}\n".encode())

@@ -1,0 +1,424 @@
+"""`steadytrain run -- CMD ...`: run a training command and restart it when it dies.
+
+The supervisor is a separate process that imports nothing of the training loop (no torch): it
+must outlive whatever kills the trainer. One pass of its loop::
+
+    read the checkpoint step (RUN_DIR/checkpoints/latest, or the newest "checkpoint" event in
+      RUN_DIR/events.jsonl: the integrations' verified saves) and the cgroup oom_kill counter
+    start CMD in its own session (process group), with STEADYTRAIN_SUPERVISED=1,
+      STEADYTRAIN_RESTART=k (and STEADYTRAIN_MAX_MICRO_BATCH=n after a memory kill or exit 76;
+      STEADYTRAIN_MEMORY_SAVERS=m after a memory kill with no smaller micro-batch left)
+    wait; SIGINT / SIGTERM (SIGHUP as SIGTERM) to us are forwarded to the child's group, and
+      no restart follows; SIGKILL if the child is still there --stop-timeout later
+    while waiting, RUN_DIR/heartbeat (rewritten every second or so by the child's hang watchdog)
+      unchanged for longer than it allows: the child cannot run at all (a stuck Metal wait, a
+      frozen process): SIGUSR1 for a stack dump, SIGKILL, a "hang" event, then as for exit 75
+    child exit:
+      0                       -> exit 0
+      130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
+      2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
+                                 same way, so exit with that code
+      anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
+                                 (75), out of memory in a library's loop (76), an error in the
+                                 user's code (5): the same error as the attempt before, at the
+                                 same step (the trainer's "error" event): exit with that code, a
+                                 restart fails the same way; a memory kill (SIGKILL) at
+                                 micro-batch 1: the next memory saver the attempt's
+                                 "memory_savers" record says is left, or exit 3 when none
+                                 is; else read the checkpoint step
+                                 again; a newer one is progress and resets the count and the
+                                 backoff; after more than max_restarts failures in a row
+                                 without progress, exit 4;
+                                 else SIGKILL what is left of the child's group, append a
+                                 "restart" event, sleep the backoff, go again
+      a torchrun group (exit 1 whichever rank failed): read through the rank that failed
+      first (its events under RUN_DIR/ranks/rank-N/, attempt_end.failed_rank): named in the line
+      and the restart event, and its own code (75, 76, 2, ...) decides as the child's would
+
+The child resumes from its checkpoint by itself; the supervisor only restarts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
+from steadytrain.run_events import append_event
+from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
+from steadytrain.supervisor.attempt_end import (
+    failed_rank,
+    last_error,
+    memory_at_kill,
+    rank_ends,
+    same_failure,
+)
+from steadytrain.supervisor.child_exit import ChildExit
+from steadytrain.supervisor.child_process import ChildProcess
+from steadytrain.supervisor.oom_counter import read_oom_kill_count
+from steadytrain.supervisor.options import SupervisorOptions
+from steadytrain.supervisor.progress import progress_step
+from steadytrain.supervisor.restart_size import (
+    folder_of,
+    saver_left,
+    smaller_micro_batch,
+    smallest_micro_batch,
+)
+from steadytrain.supervisor.words import fit_advice, restarts, saver_name, seconds, short
+
+GAVE_UP = 4
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Supervisor:
+    """Runs `command` until it finishes, is stopped, cannot succeed, or keeps failing without
+    progress. `run()` returns the exit code for the `steadytrain run` process.
+
+    `environ` is the child's base environment, `out` where the supervisor's lines go,
+    `oom_kill_count` reads the OS OOM killer's counter (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        options: SupervisorOptions,
+        *,
+        environ: Mapping[str, str] | None = None,
+        out: TextIO | None = None,
+        oom_kill_count: Callable[[], int | None] = read_oom_kill_count,
+    ):
+        if not command:
+            raise BadInputError("give the command to supervise after --: steadytrain run -- CMD")
+        self.command = list(command)
+        self.environ = dict(os.environ if environ is None else environ)
+        self.out = out if out is not None else sys.stderr
+        self.oom_kill_count = oom_kill_count
+        self.restarts = 0
+        self.child = ChildProcess(self.command, self.environ, options, self._say, self._record)
+        self._escalations: list[str] = []  # what each escalation turned on, for the last word
+
+    @property
+    def options(self) -> SupervisorOptions:
+        """The options, with the run directory the child announced once it did."""
+        return self.child.options
+
+    # -- the loop, top to bottom --
+
+    def run(self) -> int:
+        # SIGINT and SIGTERM are always ours, as the trainer's own handlers take them even where
+        # they were ignored (a background job); SIGHUP ignored by nohup stays ignored.
+        previous = {
+            sig: signal.signal(sig, self.child.on_signal)
+            for sig in _HANDLED
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+        }
+        try:
+            return self._supervise()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.child.running():
+                self.child.signal(signal.SIGTERM)  # we are failing: let the child save
+
+    def _supervise(self) -> int:
+        max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
+        savers_asked = _positive_int(self.environ.get(ENV_MEMORY_SAVERS))
+        no_progress = 0  # failures in a row without a newer checkpoint
+        delay = self.options.backoff_initial
+        error_before: dict[str, Any] | None = None  # the error the attempt before recorded
+        self._say_start()
+        while True:
+            step_before = progress_step(self.options.run_dir)
+            started_wall = time.time()
+            returncode, death, ran_s = self._attempt(max_micro, savers_asked, started_wall)
+            step = progress_step(self.options.run_dir)
+            error = self._recorded_error(death, started_wall)
+            final = self._final_code(death, step, error, error_before)
+            if final is not None:
+                return final
+            error_before = error
+
+            progressed = step is not None and (step_before is None or step > step_before)
+            savers = saver_left(self.options.run_dir, death, max_micro, started_wall)
+            if savers is not None and not savers["left"]:
+                return self._no_saver_left(death, step, savers, max_micro)
+            # a restart with one more saver on is not the same restart again: not counted
+            no_progress = 0 if progressed else no_progress + (savers is None)
+            if progressed or ran_s >= self.options.healthy_run_s:
+                delay = self.options.backoff_initial
+            if no_progress > self.options.max_restarts:
+                return self._give_up(death, step)
+            if death.memory_kill_suspected:
+                max_micro = smaller_micro_batch(self.options.run_dir, max_micro, death)
+            if savers is not None:
+                savers_asked = self._escalate(savers, step)
+            self.child.kill_leftovers()
+
+            self.restarts += 1
+            self._announce_restart(
+                death, returncode, step, delay, max_micro, savers_asked, progressed, no_progress
+            )
+            if not self.child.sleep(delay):
+                return self._stopped_waiting(step)
+            delay = min(delay * 2, self.options.backoff_max)
+
+    def _attempt(
+        self, max_micro: int | None, savers: int | None, started_wall: float
+    ) -> tuple[int, ChildExit, float]:
+        """One attempt, start to end: its return code, how it ended, and how long it ran."""
+        oom_before = self._oom_kill_count()
+        started = time.monotonic()
+        returncode = self.child.run(self.restarts, max_micro, savers)
+        ran_s = time.monotonic() - started
+        watch = self.child.heartbeat
+        if watch.hang is not None:
+            returncode = watch.record_frozen_child(returncode, self.options.run_dir)
+        death = self._death(returncode, oom_before, started_wall)
+        if watch.caught is not None:  # we killed it: say so, not "the watchdog"
+            death = dataclasses.replace(death, hang_by=watch.caught)
+            watch.caught = None
+        return returncode, death, ran_s
+
+    def _stopped_waiting(self, step: int | None) -> int:
+        name = signal.Signals(self.child.stop_signal).name
+        self._say(f"{name} while waiting to restart: stopping")
+        return self._end(
+            128 + self.child.stop_signal, step, f"stopped by {name} while waiting to restart"
+        )
+
+    def _announce_restart(
+        self,
+        death: ChildExit,
+        returncode: int,
+        step: int | None,
+        delay: float,
+        max_micro: int | None,
+        savers_asked: int | None,
+        progressed: bool,
+        no_progress: int,
+    ) -> None:
+        """The `restart` event and the two lines that say why and what the next attempt gets."""
+        self._record(
+            "restart",
+            step,
+            attempt=self.restarts,
+            exit_code=returncode,
+            signal=death.killed_by.name if death.killed_by else None,
+            reason=death.describe(),
+            oom_kill_delta=death.oom_kill_delta,
+            delay_s=delay,
+            max_micro_batch=max_micro,
+            memory_savers=savers_asked,
+            progressed=progressed,
+            restarts_without_progress=no_progress,
+            **death.rank_fields,
+        )
+        self._say(death.describe())
+        self._say(
+            f"starting attempt {self.restarts + 1} in {seconds(delay)} s after "
+            f"{short(death)}; {self._progress_note(progressed, step, no_progress)}"
+            + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
+            + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
+        )
+
+    def _death(self, returncode: int, oom_before: int | None, since: float) -> ChildExit:
+        """How the child ended: its code, the OOM killer's count since it started, and the
+        memory reading of its last step. A torchrun group that failed (torchrun exits 1 for any
+        rank's failure) is read through its ranks' events since `since`: the rank that failed
+        first, its code, and its own last memory reading."""
+        oom_after = self._oom_kill_count()
+        delta = None if None in (oom_before, oom_after) else oom_after - oom_before
+        rank = failed_rank(rank_ends(self.options.run_dir, since)) if returncode > 0 else None
+        folder = rank.folder if rank is not None else self.options.run_dir
+        return ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
+
+    def _recorded_error(self, death: ChildExit, since: float) -> dict[str, Any] | None:
+        """The error event the attempt started at `since` recorded (under torchrun: the one of
+        the rank that failed first, in its own folder)."""
+        return last_error(death.rank.folder if death.rank else self.options.run_dir, since)
+
+    def _final_code(
+        self,
+        death: ChildExit,
+        step: int | None,
+        error: dict[str, Any] | None = None,
+        error_before: dict[str, Any] | None = None,
+    ) -> int | None:
+        """The exit code when this child's end ends the supervision (asked to stop, finished,
+        stopped by a signal, bad input, the same error as the attempt before at the same step);
+        None when it is restarted."""
+        if self.child.stop_signal is not None:
+            how = (
+                f"child killed by our SIGKILL (exit {death.returncode}): it did not stop within "
+                f"{seconds(self.options.stop_timeout)} s"
+                if self.child.sent_kill and death.returncode == -signal.SIGKILL
+                else death.describe()
+            )
+            self._say(f"{how}; not restarting: we were asked to stop")
+            return self._end(death.exit_code, step, f"stopped: {how}")
+        if death.kind == "finished":
+            return self._end(0, step, death.describe())
+        if death.kind == "stopped":
+            self._say(f"{death.describe()}; not restarting")
+            return self._end(death.exit_code, step, death.describe())
+        if death.kind == "not_restartable":
+            why = (
+                "a restart would fail on the same full disk; free some space, then run again "
+                "to resume"
+                if death.exit_code == DISK_FULL_EXIT
+                else "the same input fails the same way"
+            )
+            self._say(f"{death.describe()}; not restarting: {why} (see the child's message above)")
+            return self._end(death.exit_code, step, death.describe())
+        if same_failure(error, error_before):
+            return self._repeated(death, error, step)
+        return None
+
+    def _repeated(self, death: ChildExit, error: dict[str, Any], step: int | None) -> int:
+        """The same error at the same step twice in a row: stop at once with its exit code."""
+        at = error.get("step")
+        where = f" in {error['where']}" if error.get("where") else ""
+        reason = (
+            f"the same error as the attempt before, at the same step "
+            f"({'step ' + str(at) if at is not None else 'before the first step'}): "
+            f"{error.get('error')}{where}"
+        )
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{death.describe()}: {reason}; not restarting: a restart fails the same way. Fix it "
+            f"and run again (the run resumes from {resume}); the traceback is above"
+        )
+        return self._end(death.exit_code, step, reason)
+
+    # -- decisions and records --
+
+    def _escalate(self, savers: dict[str, Any], step: int | None) -> int:
+        """Ask the next attempt for one more saver than this one had in force; record it."""
+        saver = str(savers["left"][0])
+        asked = len(savers["in_force"]) + 1
+        self._escalations.append(f"{saver_name(saver)} (attempt {self.restarts + 2})")
+        self._record(
+            "memory_escalation",
+            step,
+            saver=saver,
+            in_force=savers["in_force"],
+            left=savers["left"],
+            memory_savers=asked,
+        )
+        self._say(
+            "the OS killed the child for memory with no smaller micro-batch left: the next "
+            f"attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})"
+        )
+        return asked
+
+    def _no_saver_left(
+        self, death: ChildExit, step: int | None, savers: dict[str, Any], cap: int | None
+    ) -> int:
+        """Killed for memory at micro-batch 1 with every saver it can use in force: a restart
+        is killed the same way, so stop with exit 3 and say what was tried and what would
+        help."""
+        in_force = ", ".join(saver_name(s) for s in savers["in_force"]) or "none it can use"
+        folder = folder_of(self.options.run_dir, death)
+        smallest = smallest_micro_batch(folder, cap)
+        micro = f"micro-batch {smallest}" if smallest is not None else "before its first step"
+        tried = [micro, *self._escalations]
+        reason = (
+            f"killed for memory at {micro} with no memory saver left to turn on (in force: "
+            f"{in_force}): it does not fit this machine's memory"
+        )
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
+            f"{'; '.join(tried)}. What would help: "
+            f"{fit_advice(self.options.advice, folder, savers['in_force'])}. Run again to resume "
+            f"from {resume}"
+        )
+        self._record(
+            "supervisor_end",
+            step,
+            exit_code=DOES_NOT_FIT_EXIT,
+            restarts=self.restarts,
+            reason=reason,
+            tried=tried,
+            in_force=savers["in_force"],
+        )
+        return DOES_NOT_FIT_EXIT
+
+    def _give_up(self, death: ChildExit, step: int | None) -> int:
+        run_dir = self.options.run_dir
+        n = self.options.max_restarts
+        reason = f"gave up after {restarts(n)} without a new checkpoint; last: {death.describe()}"
+        where = (
+            f"; see {run_dir / 'events.jsonl'}"
+            if run_dir
+            else " (no run dir, so progress could not be seen: pass --run-dir)"
+        )
+        self._say(reason + where)
+        self._record(
+            "supervisor_gave_up",
+            step,
+            exit_code=GAVE_UP,
+            restarts=self.restarts,
+            last_exit_code=death.returncode,
+            signal=death.killed_by.name if death.killed_by else None,
+            reason=reason,
+        )
+        return GAVE_UP
+
+    def _end(self, code: int, step: int | None, reason: str) -> int:
+        self._record("supervisor_end", step, exit_code=code, restarts=self.restarts, reason=reason)
+        return code
+
+    def _record(self, event: str, step: int | None, **fields: Any) -> None:
+        if self.options.run_dir is None:
+            return
+        try:
+            append_event(
+                self.options.run_dir, {"time": time.time(), "event": event, "step": step, **fields}
+            )
+        except (OSError, RunDiskFullError) as exc:  # a full disk must not stop the supervising
+            self._say(f"{exc}; the run goes on without this {event} event")
+
+    def _oom_kill_count(self) -> int | None:
+        try:
+            return self.oom_kill_count()
+        except Exception:  # noqa: BLE001 - a counter we cannot read is only a missing detail
+            return None
+
+    def _progress_note(self, progressed: bool, step: int | None, no_progress: int) -> str:
+        limit = self.options.max_restarts
+        if progressed:
+            return f"new checkpoint at step {step}, so the count without progress starts again"
+        return f"restart {no_progress} of {limit} without a new checkpoint"
+
+    def _say_start(self) -> None:
+        opts = self.options
+        self._say(
+            f"starting attempt 1: {shlex.join(self.command)} (gives up after "
+            f"{restarts(opts.max_restarts)} without a new checkpoint)"
+        )
+        if opts.run_dir is None:
+            self._say(
+                "run dir not known yet (no --run-dir, $STEADYTRAIN_RUN_DIR or fine-tune "
+                "output_dir): a Trainer or an integration in the child announces its "
+                "run_dir; until it does, checkpoints cannot be seen"
+            )
+        elif not opts.run_dir.exists():
+            self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")
+
+    def _say(self, text: str) -> None:
+        print(f"steadytrain run: {text}", file=self.out, flush=True)
+
+
+def _positive_int(text: str | None) -> int | None:
+    try:
+        value = int(text) if text else None
+    except ValueError:
+        return None
+    return value if value and value >= 1 else None

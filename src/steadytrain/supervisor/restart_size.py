@@ -1,0 +1,60 @@
+"""How big the next attempt starts after a memory kill or exit 76: half the micro-batch in force
+(the out-of-memory policy's `HALVING`), or, at micro-batch 1, one more memory saver than the
+attempt had in force, as it recorded them at its start."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+from steadytrain import run_files
+from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
+from steadytrain.supervisor.child_exit import SHRINK, ChildExit
+from steadytrain.supervisor.progress import last_micro_batch_size, savers_record
+
+
+def smaller_micro_batch(
+    run_dir: Path | None, cap: int | None, death: ChildExit | None = None
+) -> int | None:
+    """Half the micro-batch in force when the child was killed: the last one metrics.jsonl
+    shows (the child, or the rank that failed, exited 76: its last oom event's), no more
+    than the cap already set; None (no cap) when none is known."""
+    known = [last_micro_batch_size(run_dir), cap]
+    if death is not None and death.returncode == SHRINK:
+        folder = death.rank.folder if death.rank is not None else run_dir
+        known.append(last_micro_batch_size(folder, run_files.EVENTS, "oom"))
+    known = [v for v in known if v is not None]
+    return (HALVING.next(min(known)) or 1) if known else None
+
+
+def saver_left(
+    run_dir: Path | None, death: ChildExit, cap: int | None, since: float
+) -> dict[str, Any] | None:
+    """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
+    step, or no counter and no reading to tell) with no smaller
+    micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
+    force and those left, as it recorded them at its start (`safety.supervised.savers_from_supervisor`);
+    None when there is no escalation to decide: another end, a shrink is left, or the
+    attempt recorded none (killed before its start-up ended, or not a Trainer's run)."""
+    if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
+        return None
+    if not death.oom_kill_delta and death.memory is not None and not death.memory.high:
+        return None  # no counter to tell, and memory was not high: maybe a plain kill -9
+    folder = folder_of(run_dir, death)
+    if smallest_micro_batch(folder, cap) not in (None, 1):
+        return None  # halving the micro-batch is the next step
+    return savers_record(folder, since)
+
+
+def folder_of(run_dir: Path | None, death: ChildExit) -> Path | None:
+    """Where the attempt's records are: the run directory, or the folder of the rank that
+    failed first."""
+    return death.rank.folder if death.rank is not None else run_dir
+
+
+def smallest_micro_batch(folder: Path | None, cap: int | None) -> int | None:
+    """The micro-batch in force at the last step: the last metrics line's, no more than the
+    cap; None when neither is known."""
+    known = [v for v in (last_micro_batch_size(folder), cap) if v is not None]
+    return min(known) if known else None

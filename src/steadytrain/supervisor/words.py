@@ -1,0 +1,54 @@
+"""The supervisor's console words: how a child's end is named in the restart line, counts and
+seconds as the lines print them, the memory savers' names, and the advice of its last word when a
+run does not fit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from steadytrain.supervisor.child_exit import HANG, ChildExit
+
+SAVER_NAMES = {
+    "activation_checkpointing": "activation checkpointing",
+    "activation_offload": "activation checkpointing with its inputs offloaded to host memory",
+    "chunked_loss": "the chunked loss",
+}
+GENERAL_ADVICE = (
+    "shorter sequences, 16-bit weights (precision: bf16, or a fine-tune's bf16: true), a smaller "
+    "model or LoRA rank, closing other programs that hold memory, or a machine with more memory; "
+    "`steadytrain estimate` gives the peak of each"
+)
+
+
+def saver_name(name: str) -> str:
+    return SAVER_NAMES.get(name, name)
+
+
+def short(death: ChildExit) -> str:
+    if death.killed_by is not None:
+        return f"{death.killed_by.name} (exit {death.returncode})"
+    if death.returncode == HANG:
+        return "a hang (exit 75)"
+    return f"exit {death.returncode}"
+
+
+def restarts(n: int) -> str:
+    return f"{n} restart{'' if n == 1 else 's'}"
+
+
+def seconds(value: float) -> str:
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"
+
+
+def fit_advice(advice: Callable | None, run_dir: Path | None, in_force: list[str]) -> str:
+    """What would make a killed run fit: `advice` (SupervisorOptions.advice: from the command
+    line, the fine-tune advisor, each config key and value with the total it gives) on the run
+    directory; for any other program, or where its model cannot be read, the general list."""
+    if run_dir is None or advice is None:
+        return GENERAL_ADVICE
+    try:
+        found = advice(run_dir, list(in_force))
+    except Exception:  # noqa: BLE001 - advice must never stop the supervisor's last word
+        return GENERAL_ADVICE
+    return "; ".join(found) if found else GENERAL_ADVICE

@@ -75,8 +75,9 @@ def test_the_layer_contract_fails_on_an_import_against_the_order(tmp_path, monke
 
 def _toy_of_the_real_layers(tmp_path: Path, monkeypatch, imports: dict[str, str]) -> Path:
     """A package `toyreal` with one module per name in pyproject.toml's layers (same order,
-    same siblings), `imports` its only imports (module -> module it imports), and a copy of the
-    real contracts with the package renamed: what the real contract says about an import."""
+    same siblings), `imports` its only imports (module -> module it imports: a name of the
+    layers, or an external package such as torch), and a copy of the real contracts (layers and
+    forbidden) with the package renamed: what the real contract says about an import."""
     import tomllib
 
     settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
@@ -84,26 +85,41 @@ def _toy_of_the_real_layers(tmp_path: Path, monkeypatch, imports: dict[str, str]
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
     lines = ["[importlinter]", "root_package = toyreal"]
+    if settings.get("include_external_packages"):
+        lines.append("include_external_packages = True")
+    names = {
+        name.strip()
+        for contract in settings["contracts"]
+        for layer in contract.get("layers", [])
+        for name in layer.replace(":", "|").split("|")
+    }
+    for name in names:
+        target = imports.get(name)
+        text = "" if target is None else f"import {'toyreal.' if target in names else ''}{target}\n"
+        (package / f"{name}.py").write_text(text)
     for i, contract in enumerate(settings["contracts"]):
-        layers = contract["layers"]
-        for layer in layers:
-            for name in layer.replace(":", "|").split("|"):
-                name = name.strip()
-                (package / f"{name}.py").write_text(
-                    f"import toyreal.{imports[name]}\n" if name in imports else ""
-                )
+        lines += [f"[importlinter:contract:c{i}]", f"name = {contract['name']}"]
+        if contract["type"] == "forbidden":
+            lines += ["type = forbidden"]
+            for key in ("source_modules", "forbidden_modules"):
+                lines += [f"{key} =", *(f"    {_toy_name(m)}" for m in contract[key])]
+            continue
         lines += [
-            f"[importlinter:contract:c{i}]",
-            f"name = {contract['name']}",
             "type = layers",
             "containers = toyreal",
             "layers =",
-            *(f"    {layer}" for layer in layers),
+            *(f"    {layer}" for layer in contract["layers"]),
         ]
     config = tmp_path / "setup.cfg"
     config.write_text("\n".join(lines) + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return config
+
+
+def _toy_name(module: str) -> str:
+    """steadytrain.x is toyreal.x; an external package keeps its name."""
+    head, _, rest = module.partition(".")
+    return f"toyreal.{rest}" if head == "steadytrain" else module
 
 
 @pytest.mark.parametrize(
@@ -124,6 +140,26 @@ def test_the_real_contract_fails_on_the_engine_or_a_sibling_importing_checkpoint
     kept, report = run_contracts(config)
     assert not kept
     assert f"toyreal.{importer} -> toyreal.{imported}" in report
+
+
+@pytest.mark.parametrize(
+    "imported, shown",
+    [
+        ("safety", "toyreal.safety"),  # a sibling: the layers contract
+        ("engine", "toyreal.engine"),  # below it in the layers, forbidden by its own contract
+        ("trainer", "toyreal.trainer"),
+        ("torch", "torch"),  # an external package: `steadytrain run` never loads torch
+    ],
+)
+def test_the_real_contract_fails_on_the_supervisor_importing_training(
+    tmp_path, monkeypatch, imported, shown
+):
+    kept, report = run_contracts(_toy_of_the_real_layers(tmp_path, monkeypatch, {}))
+    assert kept, report
+    config = _toy_of_the_real_layers(tmp_path, monkeypatch, {"supervisor": imported})
+    kept, report = run_contracts(config)
+    assert not kept
+    assert f"toyreal.supervisor -> {shown}" in report
 
 
 # -- sizes ------------------------------------------------------------------------------------

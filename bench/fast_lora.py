@@ -19,6 +19,9 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain[-compile]: Trainer, micro 8, CausalLMLoss() (the plain loss), compile false [true].
 * steadytrain-fused[-compile]: the same with CausalLMLoss(chunk_tokens=1024): on CUDA with Liger
   Kernel installed its chunked mode is the fused linear cross-entropy (memory/fused_loss.py).
+* steadytrain-fused-compile-unfused: the same with each projection's LoRA A product its own
+  (compiling's `FUSED_PROJECTIONS` off; on by default on CUDA: the A matrices of q, k, v and of
+  gate, up stacked into one product per group, engine/fused_projections.py).
 * steadytrain-fused-compile-keep: the same, compiled with the partitioner's default (activation
   memory budget 1.0): each block keeps its elementwise results too (engine/compiling.py).
 * steadytrain-fused-compile-cudnn: the same with cuDNN's attention first in SDPA's order;
@@ -95,6 +98,13 @@ ARMS: dict[str, dict[str, Any]] = {
     "steadytrain-compile": {"cap": False, "micro": 8, "compile": True},
     "steadytrain-fused": {"cap": False, "micro": 8, "chunk": 1024, "compile": False},
     "steadytrain-fused-compile": {"cap": False, "micro": 8, "chunk": 1024, "compile": True},
+    "steadytrain-fused-compile-unfused": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "fused_projections": False,
+    },
     "steadytrain-fused-compile-keep": {
         "cap": False,
         "micro": 8,
@@ -354,6 +364,8 @@ def run_steadytrain(
         compiling.RECOMPUTE_BUDGET = arm["budget"]
     if arm.get("cudagraphs"):
         compiling.CUDA_GRAPHS = True
+    if "fused_projections" in arm:
+        compiling.FUSED_PROJECTIONS = arm["fused_projections"]
     if arm.get("autotune"):
         import torch._inductor.config as inductor_config
 

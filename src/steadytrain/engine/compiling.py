@@ -36,6 +36,11 @@ layer keeps 13 hidden-widths per token instead of 20 (eager keeps 30): on an H20
 at micro 8 peaks at 9.73 GiB instead of 12.97 GiB, for 1.7 % of the speed (docs/benchmarks.md).
 Older torch without the budget compiles with its default.
 
+On CUDA the LoRA projections that read the same input (q, k, v; gate, up) are fused first
+(`FUSED_PROJECTIONS`, engine/fused_projections.py): one product of the input with their stacked
+A matrices per group instead of one per projection, the adapters' parameters and names as they
+were. The event's `fused_projections` counts the groups.
+
 `compile: true` is refused before anything runs where it cannot work: on CPU inductor builds C++ and
 needs a compiler, on CUDA it generates Triton kernels and needs Triton. On MPS, where inductor's
 Metal backend is still a prototype, the model stays eager and the run says so.
@@ -54,6 +59,7 @@ from typing import Any
 
 import torch
 
+from steadytrain.engine.fused_projections import fuse_projections
 from steadytrain.errors import ConfigError
 
 CXX = ("g++", "c++", "clang++")
@@ -70,6 +76,11 @@ accumulation, and each forward of the model begins a new step of the graphs
 (`cudagraph_mark_step_begin`). Off: on an H200 the 1B LoRA at micro 8 ran 78.5k tokens/s
 graphed against 81.1k without, and a warm inductor cache served the ungraphed kernels to a
 graphed run (docs/benchmarks.md, "CUDA graphs over the compiled layers")."""
+FUSED_PROJECTIONS = True
+"""Whether a CUDA run's LoRA projections that read the same input (q, k, v; gate, up) compute
+their A products as one product per group, set up before their layers are compiled
+(engine/fused_projections.py): on an H200 the 1B LoRA's kernels took 3-5 % less time a step
+(docs/benchmarks.md, "Fused LoRA projections")."""
 
 
 def compile_blocks(
@@ -98,7 +109,14 @@ def compile_blocks(
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    fused = {"groups": 0, "fused": []}
+    if FUSED_PROJECTIONS and device_type == "cuda":
+        fused = fuse_projections(model)
     after = "; the first step includes the compile time"
+    if fused["groups"]:
+        after = (
+            f", {fused['groups']} groups of projections fused ({', '.join(fused['fused'])}){after}"
+        )
     if not blocks:
         model.compile(backend=backend)
         name = type(model).__name__
@@ -106,6 +124,7 @@ def compile_blocks(
             "compiled": 1,
             "blocks": name,
             "whole_model": True,
+            "fused_projections": fused["groups"],
             "message": f"the whole model ({name}) with torch.compile{after}",
         }
     for block in blocks:
@@ -121,6 +140,7 @@ def compile_blocks(
         "compiled": len(blocks),
         "blocks": kinds,
         "whole_model": False,
+        "fused_projections": fused["groups"],
         "message": f"{len(blocks)} × {kinds} with torch.compile, each in place{after}",
     }
 

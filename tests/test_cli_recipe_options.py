@@ -1,17 +1,19 @@
-"""The recipes' commands (finetune, demo, merge, generate, evaluate) are generated from their
-options dataclasses (`steadytrain.recipes.options`): every field is an argument or option with its
-help and default; the command line and the recipe's Python function start from the same defaults;
-`python -m steadytrain.recipes.finetune` parses as `steadytrain finetune` does."""
+"""The recipes' commands (finetune, demo, merge, generate, evaluate) and `run` are generated from
+options dataclasses (`steadytrain.recipes.options`, `cli.RunCommand`): every field is an argument
+or option with its help and default; the command line and the recipe's Python function start from
+the same defaults, and `run` from the supervisor's; `python -m steadytrain.recipes.finetune`
+parses as `steadytrain finetune` does."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+from pathlib import Path
 
 import pytest
 import typer
 
-from steadytrain.cli import FinetuneCommand, app, main
+from steadytrain.cli import FinetuneCommand, RunCommand, app, main
 from steadytrain.recipes import options as recipe_options
 from steadytrain.recipes.options import REQUIRED
 
@@ -21,6 +23,7 @@ COMMANDS = {
     "merge": recipe_options.MergeOptions,
     "generate": recipe_options.GenerateOptions,
     "evaluate": recipe_options.EvaluateOptions,
+    "run": RunCommand,
 }
 FLAGS = {  # public: README and docs show them
     "finetune": {"--config", "--set", "--dry-run"},
@@ -29,6 +32,8 @@ FLAGS = {  # public: README and docs show them
     "generate": {"--prompts-file", "--base", "--max-new-tokens", "--temperature", "--top-p"}
     | {"--seed", "--chat", "--device", "--dtype", "--json"},
     "evaluate": {"--base", "--max-seq-length", "--batch-size", "--device", "--dtype", "--json"},
+    "run": {"--max-restarts", "--run-dir", "--backoff-initial", "--backoff-max", "--stop-timeout"}
+    | {"--first-heartbeat-timeout"},
 }
 
 
@@ -106,3 +111,19 @@ def test_python_m_finetune_parses_as_steadytrain_finetune(monkeypatch, capsys):
     shown = " ".join(capsys.readouterr().out.split())
     for f in dataclasses.fields(recipe_options.FinetuneOptions):
         assert " ".join(f.metadata["help"].split()) in shown
+
+
+def test_run_gives_the_supervisor_its_own_defaults(monkeypatch, tmp_path):
+    import steadytrain.supervisor as supervisor
+
+    def spy(command, options):
+        raise Seen(command, options)
+
+    monkeypatch.setattr(supervisor, "Supervisor", spy)
+    with pytest.raises(Seen) as seen:
+        main(["run", "--run-dir", str(tmp_path), "--", "true", "--max-restarts", "9"])
+    command, options = seen.value.args
+    assert command == ["true", "--max-restarts", "9"]  # the child's, not the supervisor's
+    assert Path(options.run_dir) == tmp_path and options.advice is not None
+    given = {"run_dir": options.run_dir, "advice": options.advice}
+    assert options == supervisor.SupervisorOptions(**given)

@@ -25,8 +25,10 @@ from steadytrain.recipes.options import (
     FinetuneOptions,
     GenerateOptions,
     MergeOptions,
+    argument,
     option,
 )
+from steadytrain.supervisor import SupervisorOptions
 
 
 def _flags_without_type(params: list) -> list:
@@ -139,67 +141,75 @@ def config_command(
 register_memory_commands(app)
 
 
-@app.command("run", context_settings={"allow_interspersed_args": False})
-def run_command(
-    ctx: typer.Context,
-    command: list[str] | None = typer.Argument(  # noqa: B008 (typer reads the default)
-        None, metavar="-- CMD", help="The training command; it resumes from its checkpoint."
-    ),
-    max_restarts: int | None = typer.Option(
-        None,
-        "--max-restarts",
-        help="Give up (exit 4) after this many restarts in a row without a new checkpoint "
-        "(default 5).",
-    ),
-    run_dir: str | None = typer.Option(
-        None,
-        "--run-dir",
-        help="The run directory, to see new checkpoints and write restart events (default "
-        "$STEADYTRAIN_RUN_DIR, a fine-tune's output_dir, or the run_dir the child announces).",
-    ),
-    backoff_initial: float | None = typer.Option(
-        None, "--backoff-initial", help="Seconds before the first restart (default 1)."
-    ),
-    backoff_max: float | None = typer.Option(
-        None, "--backoff-max", help="The delay doubles up to this many seconds (default 60)."
-    ),
-    stop_timeout: float | None = typer.Option(
-        None,
-        "--stop-timeout",
-        help="Seconds the child has to stop after a forwarded SIGINT/SIGTERM before SIGKILL "
-        "(default 120).",
-    ),
-    first_heartbeat_timeout: float | None = typer.Option(
-        None,
-        "--first-heartbeat-timeout",
-        help="Seconds an attempt of a steadytrain run may go without writing its first "
-        "heartbeat before it is treated as hung, killed and restarted (default 3600).",
-    ),
-) -> None:
+@dataclass(frozen=True)
+class RunCommand:
     """Supervise CMD: restart it after a crash, an OS kill or a hang, with backoff.
 
     Exits with the child's code (0, 2, 3, 130, 143), or 4 when it fails again and again.
     """
+
+    command: list[str] | None = argument(  # noqa: RUF009 (a field(), its default None)
+        "-- CMD", "The training command; it resumes from its checkpoint.", default=None
+    )
+    max_restarts: int = option(
+        SupervisorOptions.max_restarts,
+        "Give up (exit 4) after this many restarts in a row without a new checkpoint.",
+    )
+    run_dir: str | None = option(
+        None,
+        "The run directory, to see new checkpoints and write restart events (default "
+        "$STEADYTRAIN_RUN_DIR, a fine-tune's output_dir, or the run_dir the child announces).",
+    )
+    backoff_initial: float = option(
+        SupervisorOptions.backoff_initial, "Seconds before the first restart."
+    )
+    backoff_max: float = option(
+        SupervisorOptions.backoff_max, "The delay doubles up to this many seconds."
+    )
+    stop_timeout: float = option(
+        SupervisorOptions.stop_timeout,
+        "Seconds the child has to stop after a forwarded SIGINT/SIGTERM before SIGKILL.",
+    )
+    first_heartbeat_timeout: float = option(
+        SupervisorOptions.first_heartbeat_s,
+        "Seconds an attempt of a steadytrain run may go without writing its first heartbeat "
+        "before it is treated as hung, killed and restarted.",
+    )
+
+
+def _run(
+    ctx: typer.Context,
+    command: list[str] | None,
+    run_dir: str | None,
+    first_heartbeat_timeout: float,
+    **given: Any,
+) -> int:
     import os
 
     from steadytrain.cli.run_locate import finetune_run_dir
     from steadytrain.safety.watchdog import stop_start_watch
-    from steadytrain.supervisor import Supervisor, SupervisorOptions, resolve_run_dir
+    from steadytrain.supervisor import Supervisor, resolve_run_dir
 
     if not command:
         ctx.fail("give the command to supervise after --: steadytrain run [OPTIONS] -- CMD ...")
-    given = {
-        "max_restarts": max_restarts,
-        "backoff_initial": backoff_initial,
-        "backoff_max": backoff_max,
-        "stop_timeout": stop_timeout,
-        "first_heartbeat_s": first_heartbeat_timeout,
-        "run_dir": resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
-    }
-    given = {k: v for k, v in given.items() if v is not None}
-    options = SupervisorOptions(**given, advice=finetune_advice)
+    options = SupervisorOptions(
+        **given,
+        first_heartbeat_s=first_heartbeat_timeout,
+        run_dir=resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
+        advice=finetune_advice,
+    )
     stop_start_watch()  # a supervisor started by another one trains nothing itself
-    raise typer.Exit(Supervisor(command, options).run())
+    return Supervisor(command, options).run()
+
+
+options_command(
+    app,
+    "run",
+    RunCommand,
+    _run,
+    pass_context=True,
+    context_settings={"allow_interspersed_args": False},
+)
 
 
 def finetune_advice(run_dir: Any, in_force: list[str]) -> list[str]:

@@ -55,7 +55,8 @@ def settings_command(
 ) -> None:
     """Register `command` on `app`: its options are the settings fields it shows; the parsed
     values go to `run(**values)`, whose return is the exit code."""
-    register(app, command, command_parameters(command, json_help), doc, run)
+    parameters = command_parameters(command, json_help)
+    register(app, command, parameters, doc, lambda ctx, **values: run(**values))
 
 
 def dataclass_parameter(f: dataclasses.Field, hints: dict[str, Any]) -> inspect.Parameter:
@@ -79,18 +80,20 @@ def options_command(
     options: type,
     run: Callable[..., int],
     doc: str | None = None,
+    pass_context: bool = False,
     **settings: Any,
 ) -> None:
     """Register `command` on `app` with the fields of the dataclass `options` as its arguments
-    and options (`steadytrain.recipes.options`); `run(**values)` returns the exit code; `doc`
-    (default: the docstring of `options`) is the command's help; `settings` go to
-    `app.command`."""
+    and options (`steadytrain.recipes.options`); `run(**values)` (`run(ctx, **values)` with
+    `pass_context`) returns the exit code; `doc` (default: the docstring of `options`) is the
+    command's help; `settings` go to `app.command`."""
     hints = typing.get_type_hints(options)
     ctx = inspect.Parameter(
         "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
     )
     parameters = [ctx, *(dataclass_parameter(f, hints) for f in dataclasses.fields(options))]
-    register(app, command, parameters, doc or options.__doc__, run, **settings)
+    call = run if pass_context else lambda ctx, **values: run(**values)
+    register(app, command, parameters, doc or options.__doc__, call, **settings)
 
 
 def register(
@@ -101,10 +104,11 @@ def register(
     run: Callable[..., int],
     **settings: Any,
 ) -> None:
-    """Register a handler with these parameters (ctx first): typer reads its signature."""
+    """Register a handler with these parameters (ctx first): typer reads its signature, and
+    `run(ctx, **values)` returns the exit code."""
 
     def handler(ctx: typer.Context, **_: Any) -> None:
-        raise typer.Exit(run(**ctx.params))
+        raise typer.Exit(run(ctx, **ctx.params))
 
     handler.__signature__ = inspect.Signature(parameters)  # typer reads the signature
     handler.__annotations__ = {p.name: p.annotation for p in parameters}

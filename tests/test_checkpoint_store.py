@@ -19,9 +19,9 @@ import torch
 from disks import mount
 from safetensors.torch import load_file
 
-from steadytrain.checkpoint import store as ckpt
+from steadytrain.checkpoint import file_io
+from steadytrain.checkpoint.file_io import FAULT_ENV
 from steadytrain.checkpoint.store import (
-    FAULT_ENV,
     FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
@@ -131,7 +131,7 @@ CHILD_PRELUDE = f"""
 import os, sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from test_checkpoint_store import make_payload
-from steadytrain.checkpoint import store as ckpt
+from steadytrain.checkpoint import file_io
 from steadytrain.checkpoint.store import CheckpointStore
 """
 
@@ -467,7 +467,7 @@ def test_fsync_rename_order_is_the_durable_one(tmp_path, monkeypatch):
 
 def inject_enospc(monkeypatch, file: str, after: int = 10) -> None:
     """The store's writes to `file` put `after` bytes on disk, then fail as a full disk does."""
-    real = ckpt._write
+    real = file_io._write
 
     def write(handle, data):
         if str(handle.name).endswith(os.sep + file):
@@ -475,7 +475,7 @@ def inject_enospc(monkeypatch, file: str, after: int = 10) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(handle, data)
 
-    monkeypatch.setattr(ckpt, "_write", write)
+    monkeypatch.setattr(file_io, "_write", write)
 
 
 def assert_previous_intact(run_dir: Path, step: int = 1) -> None:
@@ -815,11 +815,11 @@ def test_manifest_listing_a_path_is_refused(tmp_path):
 EXIT_CHILD = (
     CHILD_PRELUDE
     + """
-real = ckpt._write
+real = file_io._write
 def slow(handle, data):
     time.sleep(0.01)
     real(handle, data)
-ckpt._write = slow
+file_io._write = slow
 store = CheckpointStore(sys.argv[1])
 store.save_async(1, make_payload(1))
 print("in flight:", not os.path.exists(os.path.join(sys.argv[1], "checkpoints", "step-00000001")))
@@ -842,12 +842,12 @@ KILL_ASYNC_CHILD = (
     + """
 store = CheckpointStore(sys.argv[1])
 store.save(1, make_payload(1))
-real = ckpt._write
+real = file_io._write
 def stuck(handle, data):
     real(handle, data[: len(data) // 2])
     print("IN FLIGHT", flush=True)  # from the writer thread, half-way through a file
     time.sleep(600)
-ckpt._write = stuck
+file_io._write = stuck
 store.save_async(2, make_payload(2))
 time.sleep(600)
 """
@@ -874,7 +874,7 @@ def test_two_background_saves_never_overlap(tmp_path, monkeypatch):
     writing, release = threading.Event(), threading.Event()
     active, peak, order = [0], [0], []
     lock = threading.Lock()
-    real_write, real_commit = ckpt._write, CheckpointStore._commit
+    real_write, real_commit = file_io._write, CheckpointStore._commit
 
     def slow_write(handle, data):
         if "step-00000001" in str(handle.name):
@@ -893,7 +893,7 @@ def test_two_background_saves_never_overlap(tmp_path, monkeypatch):
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(ckpt, "_write", slow_write)
+    monkeypatch.setattr(file_io, "_write", slow_write)
     monkeypatch.setattr(CheckpointStore, "_commit", commit)
 
     store.save_async(1, make_payload(1))

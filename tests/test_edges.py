@@ -22,7 +22,7 @@ from conftest import WORKLOADS, run_workload
 from disks import fill, mount
 
 from steadytrain import Callback, TrainConfig, Trainer
-from steadytrain.checkpoint import store as checkpoint_module
+from steadytrain.checkpoint import file_io
 from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError, ConfigError, RunDiskFullError
@@ -284,7 +284,7 @@ class WaitForTheWriter(Callback):
 
 
 def test_a_failed_background_save_is_never_announced_and_stops_the_next_step(tmp_path, monkeypatch):
-    real_write = checkpoint_module._write
+    real_write = file_io._write
     failed = threading.Event()
 
     def write(handle, data):
@@ -293,7 +293,7 @@ def test_a_failed_background_save_is_never_announced_and_stops_the_next_step(tmp
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(handle, data)
 
-    monkeypatch.setattr(checkpoint_module, "_write", write)
+    monkeypatch.setattr(file_io, "_write", write)
     run_dir = tmp_path / "run"
     with pytest.raises(RunDiskFullError) as info:
         fit(run_dir, [WaitForTheWriter(failed)], max_steps=20, async_save=True, keep_last=2)
@@ -498,14 +498,14 @@ def test_row1_kill_9_inside_a_save_of_fit_resumes_from_the_newest_committed(
 def test_row20_a_normal_exit_waits_for_the_async_save_in_flight(tmp_path, monkeypatch):
     """The last step's save runs in the background, slowed down: fit() returns only once it
     has committed, and it is announced then."""
-    real_write = checkpoint_module._write
+    real_write = file_io._write
 
     def slow_write(handle, data):
         if "step-00000004" in getattr(handle, "name", ""):
             time.sleep(0.3)
         return real_write(handle, data)
 
-    monkeypatch.setattr(checkpoint_module, "_write", slow_write)
+    monkeypatch.setattr(file_io, "_write", slow_write)
     run_dir = tmp_path / "run"
     result = fit(run_dir, max_steps=4, async_save=True, keep_last=2)
 

@@ -225,6 +225,7 @@ ALLOWED = {
     "device/system.py": "/proc/self/clear_refs",
     "device/selftest.py": "a temporary folder of its own",
     "checkpoint/store.py": "the checkpoint store: its own folder, checked, files made O_EXCL",
+    "checkpoint/file_io.py": "the checkpoint store's files, made O_EXCL in its checked folder",
     "safety/lock.py": "the lock: O_NOFOLLOW, a hard link refused, its folder via make_folder",
     "checkpoint/state.py": "torch.save into the checkpoint store's sink",
     "config.py": "TrainConfig.dump: write_atomic into the file's own folder",

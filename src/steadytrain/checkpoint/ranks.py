@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from steadytrain.checkpoint.file_io import write_tensor_file
 from steadytrain.checkpoint.state import (
     RNG_FILE,
     Host,
@@ -35,7 +36,7 @@ from steadytrain.checkpoint.state import (
     rng_from_files,
     rng_to_files,
 )
-from steadytrain.checkpoint.store import Payload, write_tensor_file
+from steadytrain.checkpoint.store import Payload
 from steadytrain.device import set_rng_state
 from steadytrain.device.core import wait_on_host
 

@@ -1,0 +1,205 @@
+"""What a committed checkpoint folder is, and the check of one before anything in it is read.
+
+    checkpoints/step-00000250/   the payload's files + MANIFEST.json (size and sha256 of each)
+    checkpoints/latest           names the newest committed folder (a hint, verified)
+
+`verify` reads MANIFEST.json (bounded, never through a link) and checks the folder against it:
+the step, the files every checkpoint of the run holds, no file missing or added, each file's
+size and sha256. Nothing that is a link, or whose real path leaves the checkpoints folder, is
+read (`check_path`). `read_pointer` reads `latest` back the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from steadytrain import run_files
+from steadytrain._units import format_bytes
+from steadytrain._version import __version__
+from steadytrain.checkpoint.file_io import sha256_file
+from steadytrain.errors import CheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+POINTER = run_files.LATEST
+NAME = re.compile(r"^step-(\d{8,12})$")
+FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SHARD_FILE = re.compile(r"^(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
+"""The names torch.distributed.checkpoint's file writer gives its files (sharded checkpoints)."""
+OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # Finder/Explorer droppings
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a canonical checkpoint folder name, else None (`step-250`, `../x`: None)."""
+    match = NAME.match(name)
+    if match is None or dir_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
+
+
+def file_kind(name: str) -> str:
+    """What a file of a checkpoint holds, by its name."""
+    if SHARD_FILE.match(name):
+        return "sharded"
+    if name.endswith(".safetensors"):
+        return "tensors"
+    if name.endswith(".json"):
+        return "json"
+    return "objects"
+
+
+class Refused(Exception):
+    """A path that must not be touched (symlink, outside the checkpoints folder)."""
+
+
+def verify(
+    folder: Path, root: Path, required: tuple[str | tuple[str, ...], ...]
+) -> tuple[dict[str, Any], list[str]]:
+    """The manifest and what is wrong with the folder ([] = it verifies). Raises
+    CheckpointError for a checkpoint of a newer steadytrain: falling back past it would
+    throw work away."""
+    try:
+        check_path(folder, root, directory=True)
+        manifest = read_manifest(folder, root)
+    except Refused as exc:
+        return {}, [str(exc)]
+    except (OSError, ValueError) as exc:
+        return {}, [f"{MANIFEST}: {exc}"]
+    problems = []
+    if manifest["step"] != step_of(folder.name):
+        problems.append(f"{MANIFEST}: says step {manifest['step']}, folder is {folder.name}")
+    listed = manifest["files"]
+    needed = sorted(
+        " or ".join(need) if isinstance(need, tuple) else need
+        for need in required
+        if listed and not set((need,) if isinstance(need, str) else need) & set(listed)
+    )
+    if not listed:
+        problems.append(f"{MANIFEST}: lists no files; a checkpoint holds its state files")
+    elif needed:
+        problems.append(f"{MANIFEST}: does not list {needed}, which a checkpoint of this run holds")
+    present = {n for n in os.listdir(folder) if n != MANIFEST and n not in OS_CLUTTER}
+    missing = sorted(set(listed) - present)
+    extra = sorted(present - set(listed))
+    if missing or extra:
+        problems.append(
+            f"files differ from the manifest: missing {missing or 'none'}, extra {extra or 'none'}"
+        )
+    for name in sorted(set(listed) & present):
+        file = folder / name
+        expected = listed[name]
+        try:
+            check_path(file, root, directory=False)
+            size = os.lstat(file).st_size
+            if size != expected["bytes"]:
+                problems.append(
+                    f"{name}: size {size} bytes, manifest says {expected['bytes']} "
+                    "(truncated or overwritten)"
+                )
+            elif sha256_file(file) != expected["sha256"]:
+                problems.append(f"{name}: sha256 differs from the manifest (content changed)")
+        except Refused as exc:
+            problems.append(str(exc))
+        except OSError as exc:
+            problems.append(f"{name}: cannot be read ({exc})")
+    return manifest, problems
+
+
+def check_path(path: Path, root: Path, directory: bool) -> None:
+    """Refuse symlinks and anything whose real path leaves the checkpoints folder, before
+    reading it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise Refused(f"{path.name}: missing") from None
+    if stat.S_ISLNK(mode):
+        raise Refused(f"{path.name} is a symlink; checkpoints hold plain files, refused")
+    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+        raise Refused(f"{path.name}: not a {'folder' if directory else 'regular file'}")
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise Refused(f"{path.name}: resolves outside {root}; refused")
+
+
+def read_manifest(folder: Path, root: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not os.path.lexists(path):
+        raise ValueError("missing (the save did not finish)")
+    check_path(path, root, directory=False)
+    if os.lstat(path).st_size > MAX_MANIFEST_BYTES:
+        raise ValueError(f"larger than {format_bytes(MAX_MANIFEST_BYTES)}; not a manifest")
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read()
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:  # not JSON, not UTF-8, an integer of thousands of digits
+        raise ValueError(f"does not parse ({exc})") from None
+    except RecursionError:
+        raise ValueError("does not parse (nested thousands of levels deep)") from None
+    if not isinstance(manifest, dict):
+        raise ValueError("not a JSON object")
+    version = manifest.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        writer = manifest.get("steadytrain", "an unknown version")
+        raise CheckpointError(
+            f"checkpoint {folder} was written by steadytrain {writer} in checkpoint format "
+            f"{version}; this is steadytrain {__version__}, which reads format "
+            f"{FORMAT_VERSION}. Upgrade steadytrain to resume from it, or use another run_dir."
+        )
+    if version != FORMAT_VERSION:
+        raise ValueError(f"format_version {version!r} is not one steadytrain knows")
+    files = manifest.get("files")
+    if not isinstance(manifest.get("step"), int) or not isinstance(files, dict):
+        raise ValueError("'step' or 'files' is missing or of the wrong type")
+    for name, entry in files.items():
+        if not (FILE_NAME.match(name) or SHARD_FILE.match(name)) or name == MANIFEST:
+            raise ValueError(f"lists a file named {name!r}; refused")
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("bytes"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
+            raise ValueError(f"entry of {name} lacks 'bytes' or 'sha256'")
+    return manifest
+
+
+def read_pointer(root: Path, ignored: Callable[[str, str | None], None]) -> str | None:
+    """The folder name in checkpoints/latest, if it is a plain file naming a checkpoint; else
+    None, and `ignored(reason, what it holds or None)` says why (a missing pointer says
+    nothing)."""
+    path = root / POINTER
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        ignored("checkpoints/latest is a symlink; refused without reading it", None)
+        return None
+    if not stat.S_ISREG(mode):
+        ignored("checkpoints/latest is not a regular file", None)
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read(64)
+        text = raw.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        ignored(f"cannot be read ({exc})", None)
+        return None
+    if step_of(text) is None:
+        ignored("not a checkpoint folder name (step-NNNNNNNN)", raw.decode("ascii", "replace"))
+        return None
+    return text

@@ -1,4 +1,3 @@
-# long-module: the plan's one rule (bound, one pass, probe, choose, explain) reads top to bottom here; choice, finalists, probe and the record are split out
 """Choose the micro-batch, the accumulation, activation checkpointing (on CUDA also with its kept
 inputs offloaded to host memory; and, where the loss offers one, a chunked loss) that give the
 most samples per second within the memory budget.

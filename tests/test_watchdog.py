@@ -21,6 +21,7 @@ from conftest import WORKLOADS
 
 from steadytrain.events import Control, TrainState
 from steadytrain.safety import watchdog as wd
+from steadytrain.safety.hang_limits import FIRST_STEP_S, FLOOR_S, SAVE_FLOOR_S, STARTUP_S
 from steadytrain.safety.watchdog import HangWatchdog, allowance, read_heartbeat
 from steadytrain.telemetry.files import read_jsonl
 
@@ -217,10 +218,10 @@ def make(tmp_path: Path, timeout, action: str = "exit") -> tuple[HangWatchdog, l
 
 def test_limits_auto_median_first_step_and_saves(tmp_path):
     dog, _ = make(tmp_path, "auto")
-    assert dog.limit() == (wd.FIRST_STEP_S, "first step")
+    assert dog.limit() == (FIRST_STEP_S, "first step")
     dog.steps_done = 4
     dog.step_times[:4] = [100.0] * 4
-    assert dog.limit() == (wd.FLOOR_S, "step")  # too few steps to trust the median
+    assert dog.limit() == (FLOOR_S, "step")  # too few steps to trust the median
     dog.steps_done = 9
     dog.step_times[:9] = [40.0, 50.0, 60.0, 50.0, 45.0, 55.0, 50.0, 1.0, 999.0]
     assert dog.limit() == (500.0, "step")  # 10 x the median, outliers ignored
@@ -231,7 +232,7 @@ def test_limits_auto_median_first_step_and_saves(tmp_path):
     assert dog.limit() == (800.0, "checkpoint save")  # 4 x the longest save
 
     dog.steps_done, dog._startup, dog._saving = 0, "data fingerprint", None
-    assert dog.limit() == (wd.STARTUP_S, "data fingerprint")
+    assert dog.limit() == (STARTUP_S, "data fingerprint")
     assert "may each go 600 s" in dog.allowance_text()
 
     fixed, _ = make(tmp_path, 3)
@@ -239,14 +240,14 @@ def test_limits_auto_median_first_step_and_saves(tmp_path):
     fixed._startup = "data fingerprint"
     assert fixed.limit() == (3.0, "data fingerprint")  # and the start-up phases
     fixed._startup = "set-up"
-    assert fixed.limit() == (wd.STARTUP_S, "set-up")  # first imports, a large model's move
+    assert fixed.limit() == (STARTUP_S, "set-up")  # first imports, a large model's move
     fixed._waiting = "broadcast (parameters)"
     assert fixed.limit() == (3.0, "broadcast (parameters) in set-up")  # a collective: bounded
     fixed._waiting = None
     fixed._startup, fixed.steps_done = None, 1
     assert fixed.limit() == (3.0, "step")  # a configured number is used as is
     fixed._saving = "checkpoint save"
-    assert fixed.limit() == (wd.SAVE_FLOOR_S, "checkpoint save")  # a save keeps its allowance
+    assert fixed.limit() == (SAVE_FLOOR_S, "checkpoint save")  # a save keeps its allowance
     fixed._saving = None
     assert "3 s without progress is a hang, in start-up, the first step and every collective" in (
         fixed.allowance_text()

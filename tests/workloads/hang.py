@@ -17,7 +17,7 @@ the hang report must show:
              watcher can act)
     startup  blocked_in_sleep while fit() reads the first sample for the data fingerprint,
              before any step (--startup-s S shortens the start-up phases' limit,
-             watchdog.STARTUP_S, from 600 s)
+             hang_limits.STARTUP_S, from 600 s)
     before   blocked_in_sleep before fit() is called (no fit() watchdog yet: under
              steadytrain run, the watch from the process start catches it after
              --first-heartbeat-timeout)
@@ -153,9 +153,9 @@ def main():
     p.add_argument("--startup-s", type=float)
     args = p.parse_args()
     if args.startup_s is not None:
-        from steadytrain.safety import watchdog
+        from steadytrain.safety import hang_limits
 
-        watchdog.STARTUP_S = args.startup_s
+        hang_limits.STARTUP_S = args.startup_s
     if args.block == "before" and _arm(args.once):
         blocked_in_sleep(3600)
 

@@ -49,7 +49,6 @@ SEQ = 128
 """Tokens per sample: one byte per token, so a docstring chunk of up to 126 bytes plus <bos>
 and <eos>."""
 EFFECTIVE_BATCH = 16
-DEFAULT_STEPS = DemoOptions.steps
 MIN_STEPS = 10
 """Fewer leave no room for a checkpoint, a kill after it, and steps after the resume."""
 SEED = 0
@@ -119,14 +118,15 @@ class Interruption:
 
 @dataclass
 class Demo:
-    """One run of the demo; `run()` does the eight steps and returns the summary."""
+    """One run of the demo; `run()` does the eight steps and returns the summary. Its settings
+    are `DemoOptions`' (their defaults there)."""
 
     run_dir: Path
-    device: str = "auto"
-    steps: int = DEFAULT_STEPS
-    interrupt: bool = True
-    threads: int | None = 1
-    force: bool = False
+    device: str
+    steps: int
+    interrupt: bool
+    threads: int | None
+    force: bool
     console: Any = None
     summary: dict[str, Any] = field(default_factory=dict)
 

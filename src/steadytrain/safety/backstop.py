@@ -4,7 +4,7 @@ A hang that holds the GIL stops the Python watching thread too. For it `Backstop
 ``faulthandler.dump_traceback_later`` (a C thread that needs no GIL) armed beyond the limit, and
 registers the dump signal the supervisor sends before it kills a frozen child; both write every
 thread's stack to ``RUN_DIR/hangs/backstop-<pid>.txt``, which the next start, or the supervisor,
-turns into a hang report (`hang_files.adopt_backstop_dumps`). `end_process` is how the watchdog
+turns into a hang report (`run_hangs.adopt_backstop_dumps`). `end_process` is how the watchdog
 and the start watch end a process they found hung: exit 75, which `steadytrain run` restarts.
 """
 

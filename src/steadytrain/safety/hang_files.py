@@ -1,7 +1,8 @@
 """What a hang leaves on disk, and what the supervisor reads back: the reports in
 ``RUN_DIR/hangs/`` (a new ``<time>.txt`` each, made by the run's one writer, never through a
 link), the GIL backstop's stack dumps (``hangs/backstop-<pid>.txt``) turned into reports, and
-``RUN_DIR/heartbeat``. No torch here: `steadytrain run` uses this module too.
+``RUN_DIR/heartbeat``. Reading the heartbeat, making a new report file and turning backstop dumps
+into reports are in `steadytrain.run_hangs`, which the supervisor uses too (named here as well).
 """
 
 from __future__ import annotations
@@ -18,26 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
-from steadytrain._durable import NOFOLLOW, open_in_run, refuse_link, write_atomic
-from steadytrain.errors import BadInputError, RunDiskFullError, SteadytrainError
+from steadytrain._durable import write_atomic
+from steadytrain.errors import BadInputError, SteadytrainError
+from steadytrain.run_hangs import new_hang_file
 from steadytrain.safety.backstop import DUMP_SIGNAL
 from steadytrain.safety.hang_limits import heartbeat_every, margin_s, report_budget_s
 
 EVENTS_TAIL = 20
 """Lines of events.jsonl copied into a hang report: what the run did just before."""
 EVENTS_TAIL_BYTES = 64 * 1024
-
-
-def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
-    """RUN_DIR/heartbeat as a dict, or None when missing or unreadable."""
-    path = Path(run_dir) / run_files.HEARTBEAT
-    try:  # a link planted there is not read: it could name a FIFO or a device
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as handle:
-            record = json.loads(handle.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def write_heartbeat(
@@ -86,64 +76,6 @@ def write_heartbeat(
         pass
 
 
-def adopt_backstop_dumps(
-    run_dir: Path,
-    record: Callable[[str, dict], None],
-    *,
-    skip_pid: int | None = None,
-    only_pid: int | None = None,
-    detected_by: str = "faulthandler",
-    extra: dict[str, Any] | None = None,
-) -> list[Path]:
-    """Turn the stack dumps the GIL backstop (or a supervisor's SIGUSR1) left in
-    ``hangs/backstop-<pid>.txt`` into hang reports with a ``hang`` event; empty ones (a process
-    that ended without a hang) are removed. `skip_pid`: a file still in use (this process's) is
-    left alone; `only_pid`: only that process's file is looked at. Returns the reports made."""
-    hangs = Path(run_dir) / run_files.HANGS
-    made = []
-    if hangs.is_symlink():
-        refuse_link(hangs)
-    for path in sorted(hangs.glob("backstop-*.txt")):
-        pid_text = path.stem.removeprefix("backstop-")
-        if pid_text == str(skip_pid) or (only_pid is not None and pid_text != str(only_pid)):
-            continue
-        refuse_link(path)  # never read (and copied into a report) through a planted link
-        try:
-            size = path.stat().st_size
-            if size == 0:
-                path.unlink()
-                continue
-            target, fd = new_hang_file(
-                hangs, run_files.top(run_dir), time.gmtime(path.stat().st_mtime)
-            )
-            beat = read_heartbeat(Path(run_dir))
-            beat = beat if beat is not None and str(beat.get("pid")) == pid_text else {}
-            header = (
-                f"steadytrain hang report (stack dump of the {detected_by} backstop)\n"
-                f"pid: {pid_text}\n"
-                f"last heartbeat: steps done {beat.get('step')}, phase {beat.get('phase')}\n"
-                "The Python watchdog thread could not write this report: the process held the "
-                "GIL or could not run at all.\n\nEvery thread's stack, most recent call first:\n"
-            )
-            with os.fdopen(fd, "w") as out:
-                out.write(header + path.read_text(errors="replace"))
-            path.unlink()
-        except (OSError, RunDiskFullError):
-            continue
-        made.append(target)
-        info = {
-            "step": beat.get("step"),
-            "phase": beat.get("phase"),
-            "pid": int(pid_text) if pid_text.isdigit() else pid_text,
-            "file": str(target.relative_to(run_dir)),
-            "detected_by": detected_by,
-            **(extra or {}),
-        }
-        with contextlib.suppress(Exception):
-            record("hang", info)
-    return made
-
-
 def write_report(run_dir: Path, header: str, device: Any, budget: float) -> tuple[Path | None, Any]:
     """hangs/<time>.txt: `header`, then the stacks (they matter most and cannot block), then the
     events, then the memory reading of `device` (which can block on a stuck device, so it is
@@ -172,21 +104,6 @@ def write_report(run_dir: Path, header: str, device: Any, budget: float) -> tupl
             sys.stderr.write(f"steadytrain: could not write the hang report: {exc}\n")
         return None, memory
     return path, memory
-
-
-def new_hang_file(
-    folder: Path, root: Path, when: time.struct_time | None = None
-) -> tuple[Path, int]:
-    """A new hangs/<time>.txt (hangs/<time>-N.txt when taken) and its write descriptor, made
-    by the run's one writer: never through a link (BadInputError)."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", when or time.gmtime())
-    path, n = folder / f"{stamp}.txt", 1
-    while True:
-        try:
-            return path, open_in_run(path, "exclusive", root=root)
-        except FileExistsError:
-            n += 1
-            path = folder / f"{stamp}-{n}.txt"
 
 
 def tail_lines(path: Path, count: int) -> list[str]:

@@ -22,19 +22,12 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder
 from steadytrain.errors import SteadytrainError
+from steadytrain.run_files import ENV_START_WATCH  # set by `steadytrain run` for its child
+from steadytrain.run_hangs import adopt_backstop_dumps, new_hang_file, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
-from steadytrain.safety.hang_files import (
-    adopt_backstop_dumps,
-    new_hang_file,
-    read_heartbeat,
-    write_heartbeat,
-)
+from steadytrain.safety.hang_files import write_heartbeat
 from steadytrain.safety.hang_limits import MAX_POLL_S, margin_s, report_budget_s, small_stacks
 
-ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
-"""Set by `steadytrain run` for its child when it knows the run directory: JSON
-``{"run_dir": ..., "limit_s": ...}`` (limit_s: its --first-heartbeat-timeout). A process that
-imports steadytrain with it set watches itself from then on (`watch_from_start`)."""
 BEFORE_FIT = "before fit() (imports, model and data set-up)"
 
 

@@ -56,13 +56,9 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
-from steadytrain.safety.hang_files import (
-    adopt_backstop_dumps,
-    read_heartbeat,
-    write_heartbeat,
-    write_report,
-)
+from steadytrain.safety.hang_files import write_heartbeat, write_report
 from steadytrain.safety.hang_limits import (
     STEP_WINDOW,
     HangLimits,

@@ -35,7 +35,7 @@ class ChildExit:
     much the cgroup's oom_kill counter rose meanwhile (None: not readable), and the memory
     reading of its last step (None: no metrics line to tell).
 
-    Under torchrun, `rank` is the rank that failed first (`failures.failed_rank`) and
+    Under torchrun, `rank` is the rank that failed first (`attempt_end.failed_rank`) and
     `launcher_code` what torchrun exited with (1 for any worker's failure); `returncode` is then
     the rank's own code where it says one that matters (`RANK_CODES`), so a rank's hang is
     restarted as a hang and its exit 76 as a smaller restart."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain.safety.watchdog import adopt_backstop_dumps, read_heartbeat
+from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
 from steadytrain.supervisor.child_exit import HANG
 from steadytrain.supervisor.options import SupervisorOptions
 from steadytrain.supervisor.progress import progress_step

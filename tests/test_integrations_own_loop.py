@@ -94,3 +94,38 @@ def test_the_integrations_import_without_their_libraries():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("refused:") == 3
     assert "transformers" in proc.stdout and "lightning" in proc.stdout
+
+
+def _earlier_dump(run_dir: Path) -> None:
+    """The stack dump a process that hung holding the GIL left behind (the backstop's file)."""
+    (run_dir / "hangs").mkdir(parents=True)
+    (run_dir / "hangs" / "backstop-999999.txt").write_text(
+        'Thread 0x1 (most recent call first):\n  File "train.py", line 3 in step\n'
+    )
+
+
+def test_runguard_and_the_trainer_record_events_in_one_order(tmp_path: Path):
+    """RunGuard dispatches its events to the Trainer's default callbacks in the Trainer's order
+    (steadytrain.default_callbacks): the hang an earlier process left is reported before this
+    attempt's fit_start, under both."""
+    import torch
+
+    from steadytrain import TrainConfig, Trainer
+    from steadytrain.integrations import RunGuard
+
+    guarded, trained = tmp_path / "guard", tmp_path / "trainer"
+    _earlier_dump(guarded)
+    with RunGuard(guarded, config={}, memory_watch=False) as guard, guard.step(1) as row:
+        row.update(loss=1.0)
+    _earlier_dump(trained)
+    Trainer(
+        torch.nn.Linear(2, 1),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        [(torch.randn(2), torch.randn(1)) for _ in range(4)],
+        TrainConfig(run_dir=str(trained), effective_batch_size=2, max_steps=1, device="cpu"),
+    ).fit()
+    for run_dir in (guarded, trained):
+        names = [e["event"] for e in events(run_dir)]
+        assert names.index("hang") < names.index("fit_start"), (run_dir.name, names)
+        assert events(run_dir, "hang")[0]["pid"] == 999999

@@ -41,6 +41,7 @@ from steadytrain.checkpoint.state import (
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.checkpoint.writer import CheckpointWriter, copy_room, full_disk_ends_the_run
 from steadytrain.config import TrainConfig, offload_problem
+from steadytrain.default_callbacks import DefaultCallbacks
 from steadytrain.device import Device, resolve_device, seed_everything
 from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.batching import batch_len, split_batch, to_device
@@ -72,14 +73,13 @@ from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
-from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.supervised import (
     announce_run_dir,
     micro_cap_from_supervisor,
     savers_from_supervisor,
 )
-from steadytrain.safety.watchdog import HangWatchdog, allowance, startup_phase, waiting_in
+from steadytrain.safety.watchdog import allowance, startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.files import RunFiles
@@ -228,15 +228,15 @@ class Trainer:
 
     def _fit_locked(self, run_dir: Path, group: Group, as_found: _AsFound) -> FitResult:
         cfg = self.config
-        files = RunFiles(group.own_dir(run_dir))
         console = console_callback(cfg, errors_only=not group.is_main)  # one progress display
-        record = _recorder(files, console)
+        defaults = DefaultCallbacks(
+            cfg, group.own_dir(run_dir), lambda files: _recorder(files, console),
+            rank=group.rank, world_size=group.world_size,
+        )  # fmt: skip
+        files, record, watchdog = defaults.files, defaults.record, defaults.watchdog
         # Watched from here: the set-up (the parameters' broadcast, where a communicator is set
         # up) and each start-up phase have a heartbeat, a name and a limit; a rank's report
         # names it and the collective it waits in (name_waits)
-        watchdog = HangWatchdog.from_config(
-            cfg, group.own_dir(run_dir), None, record, group.rank, group.world_size
-        )
         watchdog.say = lambda text: console.note("hang_watch", {"message": text})
         name_waits(waiting_in)
         watchdog.start(None, "set-up")
@@ -276,7 +276,7 @@ class Trainer:
             )
             planned.events.append(("arithmetic", arithmetic))
             run.emit.callbacks[:] = self._callbacks(
-                run, watchdog, store, record, expected_loss, [console, tensorboard, files, planned]
+                run, defaults, store, expected_loss, [console, tensorboard], planned
             )
             as_found.started = True
             reason, code = self._loop(run).run()
@@ -443,23 +443,20 @@ class Trainer:
         return store, found.expected_loss if found is not None else None
 
     def _callbacks(
-        self, run: _Run, watchdog, store: CheckpointStore, record, expected_loss, telemetry: list
+        self,
+        run: _Run,
+        defaults: DefaultCallbacks,
+        store: CheckpointStore,
+        expected_loss: float | None,
+        display: list,
+        planned: RecordAtStart,
     ) -> list[Callback]:
-        """The default callbacks, in dispatch order, and the user's: those that keep state in
-        the checkpoint (the program's `user_state` that are callbacks, then the callbacks with
+        """The default callbacks and the user's, in the dispatch order of
+        `steadytrain.default_callbacks` (which says why): those that keep state in the
+        checkpoint (the program's `user_state` that are callbacks, then the callbacks with
         state, `stateful_callbacks`) just before the checkpoint writer, so a save holds their
         state after the step it saves; the others last, after the save is committed."""
-        cfg, state = self.config, run.state
-        host = HostBuffers()
-
-        def capture(state: TrainState, copy: bool = True) -> Payload:
-            # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
-            next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
-            return run.checkpoint.capture(next_loss, host, copy)
-
-        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
-        async_save = async_save and not run.group.active  # every rank writes: collective saves
-        main = run.group.is_main  # rank 0 commits; the others write into its staging folder
+        cfg, state, record = self.config, run.state, defaults.record
         continuity = None
         if expected_loss is not None:
             continuity = ContinuityCheck(
@@ -471,34 +468,43 @@ class Trainer:
             )
         carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
         stateful = [*carried, *stateful_callbacks(self.user_callbacks).values()]
-        callbacks = [
-            watchdog,
-            MemoryWatch.from_config(cfg, run.device, record),
-            CpuContention.from_config(cfg, run.device, record),
-            *stateful,
-            CheckpointWriter(
-                store if main else RankStore(),
-                capture,
-                cfg.save_every_steps,
-                async_save,
-                record,
-                best=(
-                    CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record)
-                    if main
-                    else RankStore()
-                )
-                if cfg.keep_best
-                else None,
-                room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
-                allowance=allowance,
-            ),
-            SignalStop(record),
-            continuity,
-            *telemetry,  # console, tensorboard, files (a late record after its fit_end
-            # reopens the file), the events decided before the start
-            *[c for c in self.user_callbacks if all(c is not s for s in stateful)],
-        ]
-        return [c for c in callbacks if c is not None]
+        defaults.watch_memory(run.device)
+        return defaults.in_order(
+            cpu=CpuContention.from_config(cfg, run.device, record),
+            before_save=stateful,
+            writer=self._writer(run, store, record),
+            continuity=continuity,
+            display=display,
+            at_start=planned,
+            user=[c for c in self.user_callbacks if all(c is not s for s in stateful)],
+        )
+
+    def _writer(self, run: _Run, store: CheckpointStore, record) -> CheckpointWriter:
+        """The checkpoint writer: every save_every_steps, in the background where it may."""
+        cfg, host = self.config, HostBuffers()
+
+        def capture(state: TrainState, copy: bool = True) -> Payload:
+            # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
+            next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
+            return run.checkpoint.capture(next_loss, host, copy)
+
+        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
+        async_save = async_save and not run.group.active  # every rank writes: collective saves
+        main = run.group.is_main  # rank 0 commits; the others write into its staging folder
+        return CheckpointWriter(
+            store if main else RankStore(),
+            capture,
+            cfg.save_every_steps,
+            async_save,
+            record,
+            best=(
+                CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record) if main else RankStore()
+            )
+            if cfg.keep_best
+            else None,
+            room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
+            allowance=allowance,
+        )
 
     def _loop(self, run: _Run) -> Loop:
         cfg = self.config

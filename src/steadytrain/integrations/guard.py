@@ -39,18 +39,17 @@ from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
 from steadytrain.config import TrainConfig
+from steadytrain.default_callbacks import DefaultCallbacks, watch_settings
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
-from steadytrain.events import Control, TrainState
+from steadytrain.events import Control, Dispatcher, Event, StepMetrics, TrainState
 from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
 from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.memory_watch import MemoryWatch
-from steadytrain.safety.signals import SignalStop, stop_exit
+from steadytrain.safety.signals import stop_exit
 from steadytrain.safety.supervised import announce_run_dir
-from steadytrain.safety.watchdog import HangWatchdog
-from steadytrain.telemetry.files import RunFiles
 
 DOES_NOT_FIT = DOES_NOT_FIT_EXIT
 DEFAULTS = {
@@ -141,12 +140,18 @@ class RunGuard:
         self.device_spec = device
         self.budget_spec = _budget_spec(memory_budget)
         self.state, self.control = TrainState(micro_batch_size=micro_batch_size), Control()
-        self.files = RunFiles(self.run_dir)
-        self.device = None
-        self.watchdog = HangWatchdog(self.run_dir, hang_timeout, hang_action, None, self.record)
-        self.memory_watch_on = memory_watch
+        settings = watch_settings(
+            hang_timeout=hang_timeout, hang_action=hang_action, memory_watch=memory_watch
+        )
+        # the Trainer's default callbacks, in its dispatch order (steadytrain.default_callbacks)
+        self.defaults = DefaultCallbacks(
+            settings, self.run_dir, lambda files: self.record, signals=handle_signals
+        )
+        self.files, self.watchdog = self.defaults.files, self.defaults.watchdog
+        self.signals = self.defaults.signals
         self.memory_watch: MemoryWatch | None = None
-        self.signals = SignalStop(self.record) if handle_signals else None
+        self.emit = Dispatcher(self.defaults.in_order(), self.state, self.control)
+        self.device = None
         self.started = False
         self._step_started = 0.0
         self._rows = 0
@@ -205,15 +210,11 @@ class RunGuard:
             "restart": restart_count(),
             **fit_info,
         }
-        self.files.on_fit_start(self.state, self.control, info)
-        if self.signals is not None:
-            self.signals.on_fit_start(self.state, self.control, {})
-        self.watchdog.on_fit_start(
-            self.state, self.control, {"fit_frame": fit_frame or sys._getframe(1)}
-        )
-        if self.memory_watch_on:
-            self.memory_watch = MemoryWatch(self.device, self.record)
-            self.memory_watch.on_fit_start(self.state, self.control, {})
+        self.defaults.watch_memory(self.device)
+        self.memory_watch = self.defaults.memory_watch
+        self.emit.callbacks[:] = self.defaults.in_order()
+        self.defaults.watch_from(self.state, self.control, fit_frame or sys._getframe(1))
+        self.emit(Event.FIT_START, info)
         return self
 
     def finish(self, reason: str = "finished", exit_code: int = 0) -> None:
@@ -221,11 +222,7 @@ class RunGuard:
         if not self.started:
             return
         self.started = False
-        info = {"reason": reason, "exit_code": exit_code}
-        self.watchdog.on_fit_end(self.state, self.control, info)
-        if self.signals is not None:
-            self.signals.on_fit_end(self.state, self.control, info)
-        self.files.on_fit_end(self.state, self.control, info)
+        self.emit(Event.FIT_END, {"reason": reason, "exit_code": exit_code})
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -235,7 +232,7 @@ class RunGuard:
 
     def start_step(self) -> None:
         self._step_started = time.perf_counter()
-        self.watchdog.on_step_start(self.state, self.control, {})
+        self.emit(Event.STEP_START)
 
     def end_step(self, step: int | None = None, **values: Any) -> None:
         """Record one optimizer step: `values` (loss, lr, micro_batch_size, ...) become its line
@@ -253,12 +250,8 @@ class RunGuard:
         if values.get("loss") is not None:
             self.state.last_loss = values["loss"]
         memory = self.device.memory().to_dict()
-        self.files.metrics.write({**row, **{f"mem_{k}": v for k, v in memory.items()}})
-        self.watchdog.on_step_end(self.state, self.control, {})
-        if self.memory_watch is not None:
-            self.memory_watch.on_step_end(
-                self.state, self.control, {"metrics": {**row, "memory": memory}}
-            )
+        # one line of metrics.jsonl: the row, then the reading as mem_* (the run files')
+        self.emit(Event.STEP_END, {"metrics": StepMetrics({**row, "memory": memory}).resolve()})
         self._rows += 1
 
     @contextlib.contextmanager
@@ -277,10 +270,7 @@ class RunGuard:
         self.end_step(step, **row)
 
     def end_epoch(self, epoch: int) -> None:
-        info = {"epoch": epoch, "memory": self.device.memory().to_dict()}
-        self.files.on_epoch_end(self.state, self.control, info)
-        if self.memory_watch is not None:
-            self.memory_watch.on_epoch_end(self.state, self.control, info)
+        self.emit(Event.EPOCH_END, {"epoch": epoch, "memory": self.device.memory().to_dict()})
         self.state.epoch = epoch + 1
 
     # -- events ------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ class Group:
 def fusable(members: list[nn.Module]) -> str | None:
     """The adapter a group of peft LoRA linears can be fused for, or None: each a plain
     `lora.Linear` with one active adapter, the same one, plain LoRA (no DoRA or other variant,
-    no bias on B), no dropout, A matrices of one dtype, and the same input width."""
+    no bias on B), no dropout, A matrices of one dtype that are plain tensors (not sharded), and
+    the same input width."""
     from peft.tuners.lora import Linear
 
     if not all(type(m) is Linear for m in members):
@@ -111,6 +112,8 @@ def fusable(members: list[nn.Module]) -> str | None:
     ):
         return None
     a_weights = [m.lora_A[adapter].weight for m in members]
+    if not all(type(a.data) is torch.Tensor for a in a_weights):
+        return None  # sharded (DTensor): its shards are gathered per module, not per group
     return adapter if len({(a.shape[1], a.dtype, a.device) for a in a_weights}) == 1 else None
 
 

@@ -860,6 +860,34 @@ def test_an_attempt_without_a_heartbeat_is_killed_and_the_line_names_the_supervi
     assert hang["detected_by"] == "supervisor" and hang["phase"] == "start-up"
 
 
+def test_a_supervisor_started_by_a_supervisor_does_not_watch_itself(tmp_path):
+    """`steadytrain run` under another one (ENV_START_WATCH in its environment: importing
+    steadytrain starts the watch from the process start) trains nothing itself, so it stops that
+    watch before its child starts: no heartbeat of its own is left in the outer run directory,
+    where the outer supervisor would take it, once stale, for a hung child. The child waits for
+    that file to go (exit 0) or for a deadline (exit 2, not restarted)."""
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    beat = outer / "heartbeat"
+    child = (
+        "import sys, time; from pathlib import Path; end = time.monotonic() + 20\n"
+        "while Path(sys.argv[1]).exists() and time.monotonic() < end: time.sleep(0.05)\n"
+        "sys.exit(2 if Path(sys.argv[1]).exists() else 0)\n"
+    )
+    watch = json.dumps({"run_dir": str(outer), "limit_s": 600})
+    result = subprocess.run(
+        [*CLI, "--", sys.executable, "-c", child, str(beat)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean_environ(), ENV_START_WATCH: watch},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert not beat.exists()
+    assert list((outer / "hangs").glob("backstop-*")) == []
+
+
 # ---- a library's checkpoint is progress (issue 24 item 2) ----------------------------------
 
 

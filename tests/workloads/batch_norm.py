@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 
@@ -37,13 +38,6 @@ class Spread(torch.nn.Module):
         h = self.norm(self.inp(x))  # (N, WIDTH): one value per channel at N = 1
         wide = torch.nn.functional.gelu(h[:, None, :] * self.scale[None, :, None])
         return self.out(wide.mean(1))
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def loss_fn(model, batch):

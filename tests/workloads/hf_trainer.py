@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 from transformers import Trainer, TrainingArguments
 
 from steadytrain.integrations.huggingface import SteadytrainCallback
@@ -51,13 +52,6 @@ class WideMLP(torch.nn.Module):
             time.sleep(self.slow)
         out = self.net(x)
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main() -> None:

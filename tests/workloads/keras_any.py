@@ -25,6 +25,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+from _common import vm_size
 
 from steadytrain.integrations import max_micro_batch
 from steadytrain.integrations.keras import SteadytrainCallback
@@ -41,13 +42,6 @@ class SlowBatches(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(self.slow)
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main() -> None:

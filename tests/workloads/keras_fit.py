@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain.integrations.keras import SteadytrainCallback
 
@@ -45,13 +46,6 @@ class UserLayer(keras.layers.Layer):
             if self.slow:
                 time.sleep(self.slow)
         return x
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain.integrations.lightning import SteadytrainCallback
 
@@ -50,13 +51,6 @@ class WideMLP(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main() -> None:

@@ -20,17 +20,11 @@ from pathlib import Path
 
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain.integrations import RunGuard, max_micro_batch
 
 FEATURES, WIDTH, TOKENS = 64, 1024, 128
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def main() -> None:

@@ -24,18 +24,12 @@ from pathlib import Path
 import psutil
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 from steadytrain.memory.chunked_loss import CausalLMLoss
 
 VOCAB = 16384
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def build(seq: int):

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _common import vm_size
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -89,13 +90,6 @@ class KillOnce(Callback):
         if state.step in self.steps and not marker.exists():
             marker.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def vm_size(field: str = "VmSize") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def warm_up() -> None:

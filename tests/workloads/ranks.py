@@ -40,6 +40,7 @@ import torch
 import torch._dynamo  # AdamW's first step imports it: too big to load under a cap
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import vm_size
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 from steadytrain.events import Callback
@@ -79,13 +80,6 @@ def token_loss(model, batch):
         logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum"
     )
     return loss_sum, (labels != -100).sum()
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def limit_memory(model, data, loss_fn, mib: int) -> None:

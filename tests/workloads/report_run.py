@@ -18,21 +18,14 @@ import os
 import resource
 import signal
 import sys
-from pathlib import Path
 
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain import Callback, TrainConfig, Trainer, entrypoint
 
 FEATURES, WIDTH, TOKENS, SAMPLES, BATCH = 16, 128, 2048, 128, 32
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def build():

@@ -20,17 +20,11 @@ from pathlib import Path
 
 import torch
 import torch._dynamo  # building an optimizer imports it: too big to load under a cap
+from _common import vm_size
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 
 FEATURES, WIDTH = 64, 2048
-
-
-def vm_size() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def build(tokens: int, samples: int = 256):

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from steadytrain.config import TrainConfig
+from steadytrain.errors import SIGNAL_EXITS
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import SignalStop
@@ -101,6 +102,12 @@ class DefaultCallbacks:
         starts before its set-up instead (`HangWatchdog.start`)."""
         self.watchdog.on_fit_start(state, control, {"fit_frame": frame})
 
+    def stopped_by(self, code: int) -> str | None:
+        """The signal ("SIGTERM") whose stop ended the loop with that signal's exit code, or
+        None."""
+        stopping = self.signals.stopping if self.signals is not None else None
+        return stopping if stopping is not None and code == SIGNAL_EXITS[stopping] else None
+
     def in_order(
         self,
         *,
@@ -127,3 +134,26 @@ class DefaultCallbacks:
             *user,
         ]
         return [c for c in ordered if c is not None]
+
+
+class RecordAtStart(Callback):
+    """Events decided before the loop starts (the plan), recorded at fit_start: events.jsonl and
+    the console open with the run's start, and the plan follows it."""
+
+    def __init__(self, record: Callable[[str, dict], None]):
+        self.record = record
+        self.events: list[tuple[str, dict]] = []
+
+    def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
+        for name, data in self.events:
+            self.record(name, data)
+        self.events = []
+
+
+def record_and_show(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
+    def record(name: str, info: dict) -> None:
+        """An event from outside the loop's dispatch: into events.jsonl and onto the console."""
+        files.record(name, info)
+        console.note(name, info)
+
+    return record

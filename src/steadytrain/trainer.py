@@ -1,15 +1,12 @@
 """The public `Trainer`: puts the device, precision, data, step runner, loop and the default
 callbacks together from the config, and runs them."""
-# long-module: the one place every part of a fit meets (start-up watching, disk-full); the program's own data, state and evaluation glue is in trainer_program.py
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,31 +17,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import run_files
 from steadytrain.checkpoint.continuity import ContinuityCheck
-from steadytrain.checkpoint.host import HostBuffers
-from steadytrain.checkpoint.identity import run_identity
-from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
-from steadytrain.checkpoint.run_state import RunState
 from steadytrain.checkpoint.state import (
-    CALLBACKS_FILE,
-    OPTIMIZER_FILE,
-    REQUIRED_FILES,
-    SCALER_FILE,
-    SCHEDULER_FILE,
-    DataOrderState,
-    ModelState,
-    ObjectState,
-    TrainStateState,
-    UserStates,
-    model_tensors_names,
     stateful_callbacks,
 )
-from steadytrain.checkpoint.store import CheckpointStore, Payload
-from steadytrain.checkpoint.writer import CheckpointWriter, copy_room, full_disk_ends_the_run
+from steadytrain.checkpoint.store import CheckpointStore
+from steadytrain.checkpoint.writer import full_disk_ends_the_run
 from steadytrain.config import TrainConfig, offload_problem
-from steadytrain.default_callbacks import DefaultCallbacks
+from steadytrain.default_callbacks import DefaultCallbacks, RecordAtStart, record_and_show
 from steadytrain.device import Device, resolve_device, seed_everything
-from steadytrain.engine import Loop, OptimizerBatchSampler, Precision, StepRunner, resolve_precision
-from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
 from steadytrain.engine.compiling import (
     check_compiler,
     compile_blocks,
@@ -55,10 +36,7 @@ from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
-from steadytrain.engine.side_pass import side_pass
-from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import (
-    SIGNAL_EXITS,
     BadInputError,
     ConfigError,
     RankOutOfMemory,
@@ -67,33 +45,33 @@ from steadytrain.errors import (
     UserCodeError,
 )
 from steadytrain.events import Callback, Control, Dispatcher, TrainState, check_callbacks
-from steadytrain.memory.analytic import analytic_for
-from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
-from steadytrain.memory.savers import MemorySavers, Savers, one_sample_norms, trial_pass
+from steadytrain.memory.savers import MemorySavers
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
-from steadytrain.safety.signals import SignalStop
 from steadytrain.safety.supervised import (
     announce_run_dir,
-    micro_cap_from_supervisor,
     savers_from_supervisor,
 )
-from steadytrain.safety.watchdog import allowance, startup_phase, waiting_in
+from steadytrain.safety.watchdog import startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
-from steadytrain.telemetry.files import RunFiles
 from steadytrain.telemetry.tensorboard import TensorBoardLog
+from steadytrain.trainer_checkpoint import TrainerCheckpoint
+from steadytrain.trainer_passes import TrainerPasses
+from steadytrain.trainer_program import BatchDependentModelWarning as BatchDependentModelWarning
 from steadytrain.trainer_program import (
+    RunParts,
     arithmetic_event,
+    build_optimizer,
     check_evaluation,
     data_source,
     dropout_note,
     make_evaluation,
     make_sampler,
-    order_identity,
+    make_scheduler,
+    warn_if_batch_dependent,
 )
-from steadytrain.user_state import check_user_state, select
+from steadytrain.user_state import check_user_state
 
 OptimizerLike = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -113,7 +91,7 @@ class FitResult:
     oom_count: int = 0
 
 
-class Trainer:
+class Trainer(TrainerCheckpoint, TrainerPasses):
     """Train `model` on `train_data` with `loss_fn(model, micro_batch)` so that the run finishes.
 
     `loss_fn` returns a mean loss tensor, or ``(loss_sum, count)`` for token-weighted losses.
@@ -230,7 +208,7 @@ class Trainer:
         cfg = self.config
         console = console_callback(cfg, errors_only=not group.is_main)  # one progress display
         defaults = DefaultCallbacks(
-            cfg, group.own_dir(run_dir), lambda files: _recorder(files, console),
+            cfg, group.own_dir(run_dir), lambda files: record_and_show(files, console),
             rank=group.rank, world_size=group.world_size,
         )  # fmt: skip
         files, record, watchdog = defaults.files, defaults.record, defaults.watchdog
@@ -280,13 +258,13 @@ class Trainer:
             )
             as_found.started = True
             reason, code = self._loop(run).run()
-            self._stopped_by = _signal_that_stopped(run, code)
+            self._stopped_by = defaults.stopped_by(code)
             return _result(run.state, reason, code, run_dir, store)
         finally:  # both ended at fit_end already; this covers a refusal before it
             watchdog.stop()
             files.close()
 
-    def _set_up(self, group: Group) -> _Run:
+    def _set_up(self, group: Group) -> RunParts:
         """Device, precision, model, optimizer, scheduler, sampler, the fresh state, the memory
         savers and the step runner: everything before a checkpoint is looked for."""
         cfg = self.config
@@ -298,12 +276,12 @@ class Trainer:
         model = self.model.to(device.torch_device)
         group = self._place(model, group, device.budget)
         model.train()
-        optimizer = self._build_optimizer(model)
-        scheduler = self._make_scheduler(optimizer)
+        optimizer = build_optimizer(self._optimizer, model)
+        scheduler = make_scheduler(self.scheduler, optimizer)
         check_evaluation(cfg, scheduler, self.eval_data, self.eval_fn)
         sampler = self._sampler()
         group.check_batches(sampler)
-        _warn_if_batch_dependent(model, cfg)
+        warn_if_batch_dependent(model, cfg)
         state = TrainState(
             steps_per_epoch=sampler.steps_per_epoch,
             max_steps=cfg.max_steps or cfg.epochs * sampler.steps_per_epoch,
@@ -330,7 +308,7 @@ class Trainer:
             user_state=self.user_state,
             group=group,
         )
-        return _Run(
+        return RunParts(
             device,
             precision,
             model,
@@ -354,45 +332,6 @@ class Trainer:
         self._distributed |= shard(model, group)
         return dataclasses.replace(group, sharded=True)
 
-    def _run_state(self, run: _Run) -> RunState:
-        """What a checkpoint holds: the run's stateful objects by name (checkpoint/state.py),
-        one rank or many, and the run's identity (its data fingerprint reads samples)."""
-        identity = self._identity(run.model, run.optimizer, run.scheduler)
-        ranks = Ranks(run.group.rank, run.group.world_size, run.group.sharded)
-        states = {
-            "model": ModelState(run.model),
-            "optimizer": ObjectState(OPTIMIZER_FILE, run.optimizer, "opt", buffered=True),
-            "scheduler": ObjectState(SCHEDULER_FILE, run.scheduler, "scheduler"),
-            "scaler": ObjectState(SCALER_FILE, run.precision.scaler, "scaler", optional=True),
-            "train_state": TrainStateState(run.state),
-            "rng": RngState(ranks),
-            "data_order": DataOrderState(run.sampler),
-            "user_state": UserStates(self.user_state, run.device.torch_device),
-            "callbacks": UserStates(
-                stateful_callbacks(self.user_callbacks),
-                run.device.torch_device,
-                "your callbacks' state (callbacks=)",
-                CALLBACKS_FILE,
-            ),
-        }
-        if run.scheduler is None:
-            del states["scheduler"]
-        if run.precision.scaler is None:
-            del states["scaler"]
-        return RunState(states, identity, ranks)
-
-    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
-        """The run's identity; what the data fingerprint checks by type only goes to _notes."""
-        cfg = self.config
-        settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
-        settings |= order_identity(self.data, cfg)
-        settings["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.user_state:
-            settings["user_state"] = sorted(self.user_state)
-        self._notes = []
-        data = SeededFetch(self.dataset)
-        return run_identity(model, optimizer, scheduler, data, settings, self._notes)
-
     def _sampler(self) -> OptimizerBatchSampler:
         cfg = self.config
         sampler = make_sampler(self.data, cfg)
@@ -404,47 +343,9 @@ class Trainer:
             )
         return sampler
 
-    def _resume_or_start(self, run: _Run, files: RunFiles) -> tuple[CheckpointStore, float | None]:
-        """The run's checkpoint states (`_run_state`) and store; the newest verified checkpoint
-        loaded into the fresh objects, if there is one; the memory savers in force; the
-        supervisor's micro-batch cap applied; then `after_identity_check`. Returns the store
-        and the loss the first resumed step must reproduce (None: nothing to check)."""
-        cfg = self.config
-        run.checkpoint = self._run_state(run)
-        store = CheckpointStore(
-            cfg.run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
-        )
-        with startup_phase("checkpoint load"):
-            found = run.checkpoint.resume(store, cfg.resume_overrides, files.record)
-        if found is not None:
-            for difference in found.overridden:
-                files.record("resume_override", {"step": found.step, "change": difference})
-            if run.checkpoint.ranks.rng_note is not None:
-                files.record("note", {"step": found.step, "message": run.checkpoint.ranks.rng_note})
-            files.record(
-                "resume",
-                {
-                    "step": found.step,
-                    "checkpoint": found.path.name,
-                    "micro_batch_size": run.state.micro_batch_size,
-                },
-            )
-        run.resumed = found is not None
-        run.savers.start(resumed=run.resumed)
-        cap = micro_cap_from_supervisor()
-        if cap is not None and cap < run.state.micro_batch_size:
-            reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
-            files.record(
-                "micro_batch_cap", {"old": run.state.micro_batch_size, "new": cap, "reason": reason}
-            )
-            run.state.micro_batch_size = cap
-        for confirmed in self.after_identity_check:  # locked, and the checkpoint is this run's
-            confirmed(Path(cfg.run_dir))
-        return store, found.expected_loss if found is not None else None
-
     def _callbacks(
         self,
-        run: _Run,
+        run: RunParts,
         defaults: DefaultCallbacks,
         store: CheckpointStore,
         expected_loss: float | None,
@@ -479,34 +380,7 @@ class Trainer:
             user=[c for c in self.user_callbacks if all(c is not s for s in stateful)],
         )
 
-    def _writer(self, run: _Run, store: CheckpointStore, record) -> CheckpointWriter:
-        """The checkpoint writer: every save_every_steps, in the background where it may."""
-        cfg, host = self.config, HostBuffers()
-
-        def capture(state: TrainState, copy: bool = True) -> Payload:
-            # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
-            next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
-            return run.checkpoint.capture(next_loss, host, copy)
-
-        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
-        async_save = async_save and not run.group.active  # every rank writes: collective saves
-        main = run.group.is_main  # rank 0 commits; the others write into its staging folder
-        return CheckpointWriter(
-            store if main else RankStore(),
-            capture,
-            cfg.save_every_steps,
-            async_save,
-            record,
-            best=(
-                CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record) if main else RankStore()
-            )
-            if cfg.keep_best
-            else None,
-            room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
-            allowance=allowance,
-        )
-
-    def _loop(self, run: _Run) -> Loop:
+    def _loop(self, run: RunParts) -> Loop:
         cfg = self.config
         return Loop(
             runner=run.runner,
@@ -535,143 +409,6 @@ class Trainer:
             },
         )
 
-    def _plan(self, run: _Run, compiled: bool = False, eager=None) -> list[tuple]:
-        """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
-        size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
-        in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
-        are put back, so the run's losses are those of a run started at the chosen size.
-        Returns the `plan` and `estimate` events (what was chosen and why)."""
-        cfg, state, savers, model = self.config, run.state, run.savers, run.model
-        batch = self._batch_at(run.sampler, 0, 0, run.group)  # planned per rank, on its share
-        analytic, _ = analytic_for(
-            model,
-            batch,
-            precision=run.precision.name,
-            optimizer=run.optimizer,
-            device_type=run.device.type,
-            compiled=compiled,
-            fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
-        )
-
-        def one_pass(size: int) -> None:
-            piece = to_device(
-                split_batch(batch, size)[0], run.device.torch_device, run.runner.non_blocking
-            )
-            select(self.user_state, 0, size, batch_len(batch))  # the first `size` samples' state
-            with one_sample_norms(model, size):
-                trial_pass(model, _checked(self.loss_fn), piece, run.precision.autocast)
-
-        before = savers.snapshot()
-        # The chunked loss is a candidate when the loss has a chunked mode for this model and
-        # the caller did not choose chunking already.
-        offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        with side_pass(
-            rng=True, buffers=model.buffers(), user_state=self.user_state, others=[savers]
-        ):
-            chosen = plan(
-                savers.trial_run(one_pass, before.chunked_loss),
-                run.device,
-                effective_batch_size=cfg.effective_batch_size,
-                activation_checkpointing=cfg.activation_checkpointing,
-                can_checkpoint=savers.can_checkpoint,
-                can_offload=savers.can_offload,
-                chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
-                if offer_chunked
-                else None,
-                plan_margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
-                micro_batch_sizes=cfg.micro_batch_sizes,
-                cap=state.micro_batch_size,
-                analytic=analytic,
-                pending=first_step_bytes(run.optimizer),
-                compiled=compiled_growth(model) if compiled else False,
-                eager_passes=eager,
-            )
-        state.micro_batch_size = run.group.smallest(chosen.micro_batch_size)  # one size for all
-        savers.restore(
-            Savers(
-                before.checkpointing or chosen.activation_checkpointing,
-                before.chunked_loss or (DEFAULT_CHUNK_TOKENS if chosen.chunked_loss else None),
-            )
-        )
-        estimate = chosen.estimate_event()
-        return [("plan", chosen.to_event())] + ([("estimate", estimate)] if estimate else [])
-
-    def _probe_next_loss(self, run: _Run, state: TrainState) -> float | None:
-        """The loss the next step will report, computed now without changing anything, so that a
-        resume from this checkpoint can prove it restored everything (see ContinuityCheck). It
-        computes what the resumed step computes: the next epoch's first batch after the epoch's
-        end hooks of the program's state (`CarriedState(reset_each_epoch=True)`), its forward
-        with autograd on as the step's (some kernels, nn.LSTM's on the CPU, differ without)."""
-        if state.step >= state.max_steps:
-            return None
-        epoch, position = state.epoch, state.batch_in_epoch
-        new_epoch = position >= state.steps_per_epoch
-        if new_epoch:
-            epoch, position = epoch + 1, 0
-        if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
-            return None
-        batch = self._batch_at(run.sampler, epoch, position, run.group)  # its share; summed
-        with side_pass(rng=True, buffers=run.model.buffers(), user_state=self.user_state):
-            if new_epoch:  # the state as the epoch's end leaves it (CarriedState resets)
-                for obj in self.user_state.values():
-                    if isinstance(obj, Callback):
-                        obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
-            return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
-
-    def _batch_at(
-        self, sampler: OptimizerBatchSampler, epoch: int, position: int, group: Group | None = None
-    ) -> Any:
-        """The collated optimizer batch at (`epoch`, `position`), as the loop will load it
-        (with `group`: as its rank loads it, its share)."""
-        indices = sampler.batch_at(epoch, position)
-        indices = group.share(indices) if group is not None else indices
-        return self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
-
-    def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return _one_step_per_batch(self._make_optimizer(model))
-
-    def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        if isinstance(self._optimizer, torch.optim.Optimizer):
-            return self._optimizer
-        if isinstance(self._optimizer, list | tuple | Mapping):  # a GAN's {'g': .., 'd': ..}
-            raise BadInputError(
-                f"optimizer: {len(self._optimizer)} optimizers given; steadytrain takes one "
-                "optimizer step per batch. Parameters that step together belong in one optimizer "
-                "(param groups for their own lr); alternating updates (a GAN's generator and "
-                "discriminator) need your own loop: see docs/porting.md, 'Several optimizers'"
-            )
-        if callable(self._optimizer):
-            optimizer = self._optimizer([p for p in model.parameters() if p.requires_grad])
-            if isinstance(optimizer, torch.optim.Optimizer):
-                return optimizer
-            found = f"the function returned {type(optimizer).__name__}"
-        else:
-            found = f"got {type(self._optimizer).__name__}"
-        raise BadInputError(
-            f"optimizer: expected a torch.optim.Optimizer or a function params -> optimizer; {found}"
-        )
-
-    def _make_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
-        """The scheduler, built here where `scheduler` is a factory `optimizer -> scheduler` or
-        a scheduler class (`scheduler=MySchedule`, called with the optimizer alone)."""
-        scheduler = self.scheduler
-        factory = isinstance(scheduler, type) or (
-            callable(scheduler) and not hasattr(scheduler, "state_dict")
-        )
-        if not factory:
-            return scheduler
-        try:
-            return scheduler(optimizer)
-        except TypeError as error:
-            if not isinstance(scheduler, type):
-                raise  # the user's own factory failed: their traceback says where
-            name = scheduler.__name__
-            raise BadInputError(
-                f"scheduler: {name}(optimizer) cannot be built from the optimizer alone ({error}); "
-                f"pass a function, e.g. scheduler=lambda opt: {name}(opt, ...), or a scheduler "
-                "built on the same optimizer"
-            ) from None
-
     def _batches(
         self, sampler: OptimizerBatchSampler, epoch: int, start: int, device, group: Group
     ) -> DataLoader:
@@ -687,63 +424,11 @@ class Trainer:
         )
 
 
-def _one_step_per_batch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """`optimizer`, refused when its step() needs a closure (LBFGS): it would evaluate the loss
-    several times per step, and the engine's step computes the gradients once, then steps."""
-    try:
-        closure = inspect.signature(optimizer.step).parameters.get("closure")
-    except (TypeError, ValueError):  # a step without a readable signature takes no closure
-        return optimizer
-    if closure is None or closure.default is not inspect.Parameter.empty:
-        return optimizer
-    name = type(optimizer).__name__
-    raise BadInputError(
-        f"optimizer: {name}.step() needs a closure (it evaluates the loss several times per "
-        "step); steadytrain computes the gradients of each batch once, then calls step() "
-        "without one. Use an optimizer whose closure is optional (SGD, Adam, AdamW), or keep "
-        f"your own loop for {name}: see docs/porting.md, 'Optimizers that need a closure'"
-    )
-
-
 _UNPLANNED_SHARDS = (
     "micro_batch_size auto under distributed: fsdp starts at each rank's whole share without "
     "trial passes (their all-gathers would need every rank to try the same sizes); an "
     "out-of-memory exits 76 and `steadytrain run` restarts the group at a smaller micro-batch"
 )
-
-
-def _checked(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Callable[..., Any]:
-    """`loss_fn` whose output is refused as the step refuses it, before the plan measures it."""
-
-    def checked(model: torch.nn.Module, batch: Any) -> Any:
-        out = loss_fn(model, batch)
-        check_loss_output(out)
-        return out
-
-    return checked
-
-
-class RecordAtStart(Callback):
-    """Events decided before the loop starts (the plan), recorded at fit_start: events.jsonl and
-    the console open with the run's start, and the plan follows it."""
-
-    def __init__(self, record: Callable[[str, dict], None]):
-        self.record = record
-        self.events: list[tuple[str, dict]] = []
-
-    def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
-        for name, data in self.events:
-            self.record(name, data)
-        self.events = []
-
-
-def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
-    """This rank's device, refusing what the config asks that it cannot do: offloaded
-    checkpointing where host memory is the device's memory."""
-    device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
-    if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
-        raise ConfigError([offload_problem(device.type)])
-    return device
 
 
 class _AsFound:
@@ -772,69 +457,13 @@ class _AsFound:
                 os.rmdir(folder)
 
 
-@dataclass
-class _Run:
-    """The parts of one `fit()`, built by `Trainer._set_up` and wired by the phases after it."""
-
-    device: Device
-    precision: Precision
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    sampler: OptimizerBatchSampler
-    state: TrainState
-    savers: MemorySavers
-    runner: StepRunner
-    emit: Dispatcher
-    group: Group
-    scheduler: Any = None
-    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
-    resumed: bool = False
-
-
-def _recorder(files: RunFiles, console: Any) -> Callable[[str, dict], None]:
-    def record(name: str, info: dict) -> None:
-        """An event from outside the loop's dispatch: into events.jsonl and onto the console."""
-        files.record(name, info)
-        console.note(name, info)
-
-    return record
-
-
-def _chunked_method(loss_fn: Any, model: torch.nn.Module, device: torch.device) -> str | None:
-    """How the loss's chunked mode computes on `device` ("fused", "chunked"), None for a loss
-    without one."""
-    method = getattr(loss_fn, "chunked_method", None)
-    return method(model, device) if callable(method) else None
-
-
-def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """What a background save adds to the next step's memory: the copy of what a checkpoint
-    holds (the model's saved tensors, the optimizer state), held while that step allocates its
-    gradients again."""
-    names = set(model_tensors_names(model))
-    tensors = [v for k, v in model.state_dict().items() if k in names]
-    for slot in optimizer.state.values():
-        tensors += [v for v in slot.values() if isinstance(v, torch.Tensor)]
-    tensors += [p for p in model.parameters() if p.requires_grad]  # the gradients
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class BatchDependentModelWarning(UserWarning):
-    """The model's forward depends on the batch, so splitting a batch changes the result."""
-
-
-def _warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
-    norms = [
-        n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-    ]
-    if norms and cfg.micro_batch_size != cfg.effective_batch_size:
-        warnings.warn(
-            f"model: {len(norms)} BatchNorm layer(s) (first: {norms[0]}) compute statistics per "
-            "micro-batch, so accumulation over micro-batches is not exactly the full batch. Set "
-            "micro_batch_size equal to effective_batch_size if it fits, or use GroupNorm/LayerNorm.",
-            BatchDependentModelWarning,
-            stacklevel=3,
-        )
+def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
+    """This rank's device, refusing what the config asks that it cannot do: offloaded
+    checkpointing where host memory is the device's memory."""
+    device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
+    if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
+        raise ConfigError([offload_problem(device.type)])
+    return device
 
 
 def _result(
@@ -846,14 +475,6 @@ def _result(
         state.step, state.last_loss, state.micro_batch_size, reason, code, str(run_dir),
         checkpoint, state.oom_count,
     )  # fmt: skip
-
-
-def _signal_that_stopped(run: _Run, code: int) -> str | None:
-    """The signal ("SIGTERM") whose stop ended the loop with that signal's exit code, or None."""
-    signals = next(c for c in run.emit.callbacks if isinstance(c, SignalStop))
-    if signals.stopping is not None and code == SIGNAL_EXITS[signals.stopping]:
-        return signals.stopping
-    return None
 
 
 def _already_finished(state: TrainState, store: CheckpointStore, run_dir: Path) -> FitResult:

@@ -7,12 +7,17 @@ iterator draws it), its `drop_last` and its collate_fn; a config that sets `shuf
 `drop_last` against it is refused, naming the field. `arithmetic_event` is the one line at the
 start of a run that lists every setting that changes the arithmetic (what a checkpoint holds of
 the program, a DataLoader's drawn orders and each user_state's state_dict(), is
-checkpoint/state.py's). Evaluation is built from the config, `eval_data` and `eval_fn`.
+checkpoint/state.py's). Evaluation is built from the config, `eval_data` and `eval_fn`; the
+optimizer and the scheduler from what was given (an object, a factory or a scheduler class), an
+optimizer that needs a closure refused. `RunParts` holds the parts of one fit() that the
+Trainer's modules share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import inspect
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +25,17 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
+from steadytrain.checkpoint.run_state import RunState
 from steadytrain.config import TrainConfig
-from steadytrain.engine import OptimizerBatchSampler, StepRunner
+from steadytrain.device import Device
+from steadytrain.engine import OptimizerBatchSampler, Precision, StepRunner
 from steadytrain.engine.collate import collate
+from steadytrain.engine.distributed import Group
 from steadytrain.engine.evaluation import EvalFn, Evaluation, takes_metric
 from steadytrain.engine.sampler import LoaderOrder
 from steadytrain.errors import BadInputError
-from steadytrain.events import TrainState
+from steadytrain.events import Dispatcher, TrainState
+from steadytrain.memory.savers import MemorySavers
 
 
 @dataclass
@@ -258,3 +267,107 @@ def make_evaluation(
         at_end=default,
         needs_metric=cfg.keep_best,
     )
+
+
+def build_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer: `optimizer` itself, or built by the factory from the parameters
+    that require grad; refused when it is several, or steps with a closure."""
+    return _one_step_per_batch(_make_optimizer(optimizer, model))
+
+
+def _make_optimizer(given: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if isinstance(given, torch.optim.Optimizer):
+        return given
+    if isinstance(given, list | tuple | Mapping):  # a GAN's {'g': .., 'd': ..}
+        raise BadInputError(
+            f"optimizer: {len(given)} optimizers given; steadytrain takes one "
+            "optimizer step per batch. Parameters that step together belong in one optimizer "
+            "(param groups for their own lr); alternating updates (a GAN's generator and "
+            "discriminator) need your own loop: see docs/porting.md, 'Several optimizers'"
+        )
+    if callable(given):
+        optimizer = given([p for p in model.parameters() if p.requires_grad])
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        found = f"the function returned {type(optimizer).__name__}"
+    else:
+        found = f"got {type(given).__name__}"
+    raise BadInputError(
+        f"optimizer: expected a torch.optim.Optimizer or a function params -> optimizer; {found}"
+    )
+
+
+def make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The scheduler, built here where `scheduler` is a factory `optimizer -> scheduler` or
+    a scheduler class (`scheduler=MySchedule`, called with the optimizer alone)."""
+    factory = isinstance(scheduler, type) or (
+        callable(scheduler) and not hasattr(scheduler, "state_dict")
+    )
+    if not factory:
+        return scheduler
+    try:
+        return scheduler(optimizer)
+    except TypeError as error:
+        if not isinstance(scheduler, type):
+            raise  # the user's own factory failed: their traceback says where
+        name = scheduler.__name__
+        raise BadInputError(
+            f"scheduler: {name}(optimizer) cannot be built from the optimizer alone ({error}); "
+            f"pass a function, e.g. scheduler=lambda opt: {name}(opt, ...), or a scheduler "
+            "built on the same optimizer"
+        ) from None
+
+
+def _one_step_per_batch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer`, refused when its step() needs a closure (LBFGS): it would evaluate the loss
+    several times per step, and the engine's step computes the gradients once, then steps."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a readable signature takes no closure
+        return optimizer
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return optimizer
+    name = type(optimizer).__name__
+    raise BadInputError(
+        f"optimizer: {name}.step() needs a closure (it evaluates the loss several times per "
+        "step); steadytrain computes the gradients of each batch once, then calls step() "
+        "without one. Use an optimizer whose closure is optional (SGD, Adam, AdamW), or keep "
+        f"your own loop for {name}: see docs/porting.md, 'Optimizers that need a closure'"
+    )
+
+
+class BatchDependentModelWarning(UserWarning):
+    """The model's forward depends on the batch, so splitting a batch changes the result."""
+
+
+def warn_if_batch_dependent(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    norms = [
+        n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    if norms and cfg.micro_batch_size != cfg.effective_batch_size:
+        warnings.warn(
+            f"model: {len(norms)} BatchNorm layer(s) (first: {norms[0]}) compute statistics per "
+            "micro-batch, so accumulation over micro-batches is not exactly the full batch. Set "
+            "micro_batch_size equal to effective_batch_size if it fits, or use GroupNorm/LayerNorm.",
+            BatchDependentModelWarning,
+            stacklevel=3,
+        )
+
+
+@dataclass
+class RunParts:
+    """The parts of one `fit()`, built by `Trainer._set_up` and wired by the phases after it."""
+
+    device: Device
+    precision: Precision
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: OptimizerBatchSampler
+    state: TrainState
+    savers: MemorySavers
+    runner: StepRunner
+    emit: Dispatcher
+    group: Group
+    scheduler: Any = None
+    checkpoint: RunState | None = None  # set by `Trainer._run_state`, under the watchdog
+    resumed: bool = False

@@ -1,0 +1,168 @@
+"""What the `Trainer` keeps in a checkpoint and how a fit starts from one: the run's stateful
+objects by name and its identity (`steadytrain.checkpoint.RunState`), the newest verified
+checkpoint loaded (or a fresh start) with the supervisor's micro-batch cap, and the checkpoint
+writer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steadytrain import run_files
+from steadytrain.checkpoint.host import HostBuffers
+from steadytrain.checkpoint.identity import run_identity
+from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
+from steadytrain.checkpoint.run_state import RunState
+from steadytrain.checkpoint.state import (
+    CALLBACKS_FILE,
+    OPTIMIZER_FILE,
+    REQUIRED_FILES,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    DataOrderState,
+    ModelState,
+    ObjectState,
+    TrainStateState,
+    UserStates,
+    model_tensors_names,
+    stateful_callbacks,
+)
+from steadytrain.checkpoint.store import CheckpointStore, Payload
+from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
+from steadytrain.engine.sampler import SeededFetch
+from steadytrain.events import TrainState
+from steadytrain.safety.supervised import (
+    micro_cap_from_supervisor,
+)
+from steadytrain.safety.watchdog import allowance, startup_phase
+from steadytrain.telemetry.files import RunFiles
+from steadytrain.trainer_program import (
+    RunParts,
+    order_identity,
+)
+
+
+class TrainerCheckpoint:
+    """These methods of `Trainer`, in their own module: they read its config, data,
+    user_state, callbacks and after_identity_check (and the resume probe, `TrainerPasses`)."""
+
+    def _run_state(self, run: RunParts) -> RunState:
+        """What a checkpoint holds: the run's stateful objects by name (checkpoint/state.py),
+        one rank or many, and the run's identity (its data fingerprint reads samples)."""
+        identity = self._identity(run.model, run.optimizer, run.scheduler)
+        ranks = Ranks(run.group.rank, run.group.world_size, run.group.sharded)
+        states = {
+            "model": ModelState(run.model),
+            "optimizer": ObjectState(OPTIMIZER_FILE, run.optimizer, "opt", buffered=True),
+            "scheduler": ObjectState(SCHEDULER_FILE, run.scheduler, "scheduler"),
+            "scaler": ObjectState(SCALER_FILE, run.precision.scaler, "scaler", optional=True),
+            "train_state": TrainStateState(run.state),
+            "rng": RngState(ranks),
+            "data_order": DataOrderState(run.sampler),
+            "user_state": UserStates(self.user_state, run.device.torch_device),
+            "callbacks": UserStates(
+                stateful_callbacks(self.user_callbacks),
+                run.device.torch_device,
+                "your callbacks' state (callbacks=)",
+                CALLBACKS_FILE,
+            ),
+        }
+        if run.scheduler is None:
+            del states["scheduler"]
+        if run.precision.scaler is None:
+            del states["scaler"]
+        return RunState(states, identity, ranks)
+
+    def _identity(self, model, optimizer, scheduler) -> dict[str, Any]:
+        """The run's identity; what the data fingerprint checks by type only goes to _notes."""
+        cfg = self.config
+        settings = {"effective_batch_size": cfg.effective_batch_size, "seed": cfg.seed}
+        settings |= order_identity(self.data, cfg)
+        settings["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.user_state:
+            settings["user_state"] = sorted(self.user_state)
+        self._notes = []
+        data = SeededFetch(self.dataset)
+        return run_identity(model, optimizer, scheduler, data, settings, self._notes)
+
+    def _resume_or_start(
+        self, run: RunParts, files: RunFiles
+    ) -> tuple[CheckpointStore, float | None]:
+        """The run's checkpoint states (`_run_state`) and store; the newest verified checkpoint
+        loaded into the fresh objects, if there is one; the memory savers in force; the
+        supervisor's micro-batch cap applied; then `after_identity_check`. Returns the store
+        and the loss the first resumed step must reproduce (None: nothing to check)."""
+        cfg = self.config
+        run.checkpoint = self._run_state(run)
+        store = CheckpointStore(
+            cfg.run_dir, cfg.keep_last, log=files.record, required=REQUIRED_FILES
+        )
+        with startup_phase("checkpoint load"):
+            found = run.checkpoint.resume(store, cfg.resume_overrides, files.record)
+        if found is not None:
+            for difference in found.overridden:
+                files.record("resume_override", {"step": found.step, "change": difference})
+            if run.checkpoint.ranks.rng_note is not None:
+                files.record("note", {"step": found.step, "message": run.checkpoint.ranks.rng_note})
+            files.record(
+                "resume",
+                {
+                    "step": found.step,
+                    "checkpoint": found.path.name,
+                    "micro_batch_size": run.state.micro_batch_size,
+                },
+            )
+        run.resumed = found is not None
+        run.savers.start(resumed=run.resumed)
+        cap = micro_cap_from_supervisor()
+        if cap is not None and cap < run.state.micro_batch_size:
+            reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
+            files.record(
+                "micro_batch_cap", {"old": run.state.micro_batch_size, "new": cap, "reason": reason}
+            )
+            run.state.micro_batch_size = cap
+        for confirmed in self.after_identity_check:  # locked, and the checkpoint is this run's
+            confirmed(Path(cfg.run_dir))
+        return store, found.expected_loss if found is not None else None
+
+    def _writer(self, run: RunParts, store: CheckpointStore, record) -> CheckpointWriter:
+        """The checkpoint writer: every save_every_steps, in the background where it may."""
+        cfg, host = self.config, HostBuffers()
+
+        def capture(state: TrainState, copy: bool = True) -> Payload:
+            # Sharded, a probe's forward gathers: an out-of-memory in it would strand the ranks.
+            next_loss = None if run.group.sharded else self._probe_next_loss(run, state)
+            return run.checkpoint.capture(next_loss, host, copy)
+
+        async_save = cfg.async_save if cfg.async_save != "auto" else cfg.keep_last >= 2
+        async_save = async_save and not run.group.active  # every rank writes: collective saves
+        main = run.group.is_main  # rank 0 commits; the others write into its staging folder
+        return CheckpointWriter(
+            store if main else RankStore(),
+            capture,
+            cfg.save_every_steps,
+            async_save,
+            record,
+            best=(
+                CheckpointStore(Path(cfg.run_dir) / "best", 1, log=record) if main else RankStore()
+            )
+            if cfg.keep_best
+            else None,
+            room=copy_room(run.device, lambda: _copy_bytes(run.model, run.optimizer)),
+            allowance=allowance,
+        )
+
+
+def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """What a background save adds to the next step's memory: the copy of what a checkpoint
+    holds (the model's saved tensors, the optimizer state), held while that step allocates its
+    gradients again."""
+    names = set(model_tensors_names(model))
+    tensors = [v for k, v in model.state_dict().items() if k in names]
+    for slot in optimizer.state.values():
+        tensors += [v for v in slot.values() if isinstance(v, torch.Tensor)]
+    tensors += [p for p in model.parameters() if p.requires_grad]  # the gradients
+    return sum(t.numel() * t.element_size() for t in tensors)

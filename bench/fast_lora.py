@@ -22,6 +22,10 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-fused-compile-unfused: the same with each projection's LoRA A product its own
   (compiling's `FUSED_PROJECTIONS` off; on by default on CUDA: the A matrices of q, k, v and of
   gate, up stacked into one product per group, engine/fused_projections.py).
+* steadytrain-fused-compile-reads: the same with the loss's avoidable reads of the GPU back
+  (memory/chunked_loss.py's `SKIP_PACKED_CHECK` and fused_loss.py's `DEVICE_SCALED_BACKWARD`
+  off: transformers' packed-sequence check before every forward, Liger's module and its
+  backward's read of the incoming gradient).
 * steadytrain-fused-compile-keep: the same, compiled with the partitioner's default (activation
   memory budget 1.0): each block keeps its elementwise results too (engine/compiling.py).
 * steadytrain-fused-compile-cudnn: the same with cuDNN's attention first in SDPA's order;
@@ -45,6 +49,10 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-cap-m16-ckpt/offload-fused-compile: Unsloth's capped setting (micro 16 × 4) by
   hand, the fused loss, compiled, with activation checkpointing, plain or with the kept layer
   inputs offloaded to host memory (`activation_checkpointing: "offload"`).
+
+With `--sync-debug`, each arm runs one step more after those (timed and profiled) under
+`torch.cuda.set_sync_debug_mode("warn")`, and its JSON's "syncs" lists every host
+synchronisation of that step with the Python stack that made it, each stack once with a count.
 
 With `--profile N`, each arm runs N more optimizer steps after the timed ones under
 torch.profiler, and its JSON gets the GPU kernel time of those steps by kind (matrix multiplies,
@@ -78,6 +86,8 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -104,6 +114,13 @@ ARMS: dict[str, dict[str, Any]] = {
         "chunk": 1024,
         "compile": True,
         "fused_projections": False,
+    },
+    "steadytrain-fused-compile-reads": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "host_reads": True,
     },
     "steadytrain-fused-compile-keep": {
         "cap": False,
@@ -284,6 +301,51 @@ class StepProfile:
         return self.summary
 
 
+class SyncWatch:
+    """Every host synchronisation of one optimizer step (the one after the timed and profiled
+    steps): `torch.cuda.set_sync_debug_mode("warn")` over that step, each warning recorded with
+    the Python stack that made it, the same stacks counted once. `step()` is called at each
+    optimizer step's end, as `StepProfile.step` is."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.steps, self.seen = at, 0, {}
+        self.saved: tuple | None = None
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps == self.at:
+            self.saved = (warnings.filters[:], warnings.showwarning)
+            warnings.simplefilter("always")
+            warnings.showwarning = self._record
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("warn")
+        elif self.steps == self.at + 1:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.saved is not None:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)
+            warnings.filters[:], warnings.showwarning = self.saved
+            self.saved = None
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if not f.filename.endswith(("warnings.py", "fast_lora.py"))
+        ]
+        key = (str(message).splitlines()[0][:120], tuple(frames[-10:]))
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.stop()
+        return [
+            {"count": n, "message": m, "stack": list(stack)}
+            for (m, stack), n in sorted(self.seen.items(), key=lambda kv: -kv[1])
+        ]
+
+
 def anchor_versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -301,8 +363,10 @@ def anchor_versions() -> dict[str, str | None]:
 
 def total_steps(args) -> int:
     """The timed steps, then the profiled ones, then (with a profile) one more that saves, so
-    that steadytrain's end-of-run checkpoint falls outside the profile."""
-    return args.steps + (args.profile + 1 if args.profile else 0)
+    that steadytrain's end-of-run checkpoint falls outside the profile; with `--sync-debug` one
+    more before that save, watched for host synchronisations."""
+    extra = args.profile + (1 if args.sync_debug else 0)
+    return args.steps + (extra + 1 if extra else 0)
 
 
 def batches(args, data, effective: int):
@@ -318,7 +382,7 @@ def batches(args, data, effective: int):
         yield ids, labels
 
 
-def loop(args, model, data, device, effective: int, micro: int, with_labels: bool, profile=None):
+def loop(args, model, data, device, effective: int, micro: int, with_labels: bool, watchers=()):
     """The plain loop every non-steadytrain arm runs: token-weighted loss per micro-batch,
     backward, clip, fused AdamW. `with_labels`: the model computes its own (mean) loss from
     labels, as Unsloth's and Liger's fused losses do; else the logits' fp32 cross-entropy."""
@@ -348,13 +412,13 @@ def loop(args, model, data, device, effective: int, micro: int, with_labels: boo
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(total))  # a host sync: the step's end
         marks.append(time.perf_counter())
-        if profile is not None:
-            profile.step()
+        for watcher in watchers:
+            watcher.step()
     return {"marks": marks, "losses": losses, "micro": micro, "accumulation": effective // micro}
 
 
 def run_steadytrain(
-    args, arm: dict, model, data, device, effective: int, profile=None
+    args, arm: dict, model, data, device, effective: int, watchers=()
 ) -> dict[str, Any]:
     from steadytrain import Callback, TrainConfig, Trainer
     from steadytrain.engine import compiling
@@ -366,6 +430,11 @@ def run_steadytrain(
         compiling.CUDA_GRAPHS = True
     if "fused_projections" in arm:
         compiling.FUSED_PROJECTIONS = arm["fused_projections"]
+    if arm.get("host_reads"):
+        from steadytrain.memory import chunked_loss, fused_loss
+
+        chunked_loss.SKIP_PACKED_CHECK = False
+        fused_loss.DEVICE_SCALED_BACKWARD = False
     if arm.get("autotune"):
         import torch._inductor.config as inductor_config
 
@@ -401,7 +470,8 @@ def run_steadytrain(
 
         class Profiling(Callback):
             def on_step_end(self, state, control, info) -> None:
-                profile.step()
+                for watcher in watchers:
+                    watcher.step()
 
         trainer = Trainer(
             model,
@@ -409,7 +479,7 @@ def run_steadytrain(
             loss_fn,
             data,
             config=config,
-            callbacks=[Profiling()] if profile is not None else (),
+            callbacks=[Profiling()] if watchers else (),
         )
         with attention:
             result = trainer.fit()
@@ -615,16 +685,20 @@ def child(args) -> None:
         loaded = time.perf_counter()
         trace = args.trace_dir / f"{name}.json.gz" if args.trace_dir else None
         profile = StepProfile(args.steps, args.profile, device, trace) if args.profile else None
+        watch = SyncWatch(args.steps + args.profile) if args.sync_debug else None
+        watchers = [w for w in (profile, watch) if w is not None]
         if model is None:
             result = run_finetune_cli(args, spec, device, data, effective, Path(work))
         elif name.startswith("steadytrain"):
-            result = run_steadytrain(args, arm, model, data, device, effective, profile)
+            result = run_steadytrain(args, arm, model, data, device, effective, watchers)
         else:
             micro = arm["micro"] if not args.smoke else min(arm["micro"], 4)
             labels = name != "plain"
-            result = loop(args, model, data, device, effective, micro, labels, profile)
+            result = loop(args, model, data, device, effective, micro, labels, watchers)
     if profile is not None:
         result["profile"] = profile.finish()
+    if watch is not None:
+        result["syncs"] = watch.finish()
     result.update(summary(args, spec, result.pop("marks")[: args.steps], effective, loaded))
     result.update(
         arm=name,
@@ -688,6 +762,7 @@ def run_arms(args) -> dict[str, Any]:
         cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
         cmd += ["--seed", str(args.seed), "--cap-gib", str(args.cap_gib)]
         cmd += ["--profile", str(args.profile)]
+        cmd += ["--sync-debug"] if args.sync_debug else []
         cmd += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
         cmd += ["--smoke"] if args.smoke else []
         print(f"running arm {name}", file=sys.stderr, flush=True)
@@ -757,6 +832,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--trace-dir", type=Path, default=None, help="with --profile: a Chrome trace per arm here"
+    )
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="one more step after those under torch.cuda.set_sync_debug_mode: every host sync "
+        "with its Python stack, in the arm's 'syncs'",
     )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--arm", help=argparse.SUPPRESS)

@@ -84,6 +84,7 @@ def reference_kernel(monkeypatch):
     """The fused path taken on CPU, through `ReferenceKernel`."""
     ReferenceKernel.calls = []
     monkeypatch.setattr(fused_loss, "_liger_loss_class", lambda: ReferenceKernel)
+    monkeypatch.setattr(fused_loss, "_liger_forward_op", lambda: None)
     monkeypatch.setattr(fused_loss, "fused_available", lambda device: True)
     monkeypatch.setattr(chunked_loss, "fused_available", lambda device: True)
     return ReferenceKernel.calls

@@ -28,12 +28,23 @@ Both modes return `(loss_sum, count)`, steadytrain's token-weighted form (engine
 of the per-token losses over label tokens (labels of -100 are ignored, and position t predicts
 label t + 1, as Hugging Face shifts them) and the number of those tokens, an int64 tensor on the
 batch's device (no host sync).
+
+A batch with neither `attention_mask` nor `position_ids` (full windows, no padding) runs with no
+packed-sequence check: transformers then builds the positions 0…seq-1 itself and asks the GPU
+whether they hold several sequences (`find_packed_sequence_indices`, a read of a device value
+that waits for all queued work before every forward). For positions it built itself the answer
+is always "one sequence", so `causal_lm_loss` gives that answer without the read
+(`_default_positions`). Batches that carry `position_ids` (packed windows) keep the check, and
+their block-diagonal mask.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -87,11 +98,13 @@ def causal_lm_loss(
     targets = _shifted(labels)
     count = (targets != IGNORE_INDEX).sum()
     if chunk_tokens is None:
-        logits = model(input_ids=input_ids, use_cache=False, **extra).logits
+        with _default_positions(not extra):
+            logits = model(input_ids=input_ids, use_cache=False, **extra).logits
         return _ce_sum(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), count
     _check_chunk_tokens(chunk_tokens)
     lm = _causal_lm(model)
-    hidden = lm.get_decoder()(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
+    with _default_positions(not extra):
+        hidden = lm.get_decoder()(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
     head = lm.get_output_embeddings()
     transform = _logit_transform(lm.config)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -175,6 +188,51 @@ class CausalLMLoss:
 
     def __repr__(self) -> str:
         return f"CausalLMLoss(chunk_tokens={self.chunk_tokens!r}, fused={self.fused!r})"
+
+
+SKIP_PACKED_CHECK = True
+"""Off: every batch runs transformers' packed-sequence check, as the model's own forward does
+(the benchmark's switch for the runs before and after)."""
+
+_UNPACKED: contextvars.ContextVar[bool] = contextvars.ContextVar("unpacked", default=False)
+
+
+@contextlib.contextmanager
+def _default_positions(unpacked: bool) -> Iterator[None]:
+    """While `unpacked` (the batch has neither an attention mask nor position ids), transformers'
+    packed-sequence check answers "not packed" without reading the GPU: the model builds
+    the positions 0…seq-1 itself, whose check always finds one sequence a row (module
+    docstring). Elsewhere, and for any other caller, the check runs as transformers wrote it."""
+    if not (unpacked and SKIP_PACKED_CHECK) or not _install_packed_check():
+        yield
+        return
+    token = _UNPACKED.set(True)
+    try:
+        yield
+    finally:
+        _UNPACKED.reset(token)
+
+
+def _install_packed_check() -> bool:
+    """Wrap transformers' `find_packed_sequence_indices` once so that it answers None (one
+    sequence a row) inside `_default_positions`; False where the model's transformers (already
+    imported, by the model's own module) has none."""
+    masking_utils = sys.modules.get("transformers.masking_utils")
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None:
+        return False
+    if getattr(check, "steadytrain_wrapped", False):
+        return True
+
+    @functools.wraps(check)
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if _UNPACKED.get():
+            return None
+        return check(position_ids)
+
+    find_packed_sequence_indices.steadytrain_wrapped = True
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    return True
 
 
 def _check_chunk_tokens(chunk_tokens: Any) -> None:

@@ -18,6 +18,13 @@ as is everything on CPU and MPS (no Triton there): `fused_loss_sum` answers None
 falls back. The values equal the plain loss's up to rounding: the kernel takes the matmul in the
 dtype autocast would (we cast the operands as autocast does, then run the kernel with autocast
 off), and its softmax and loss in fp32, as `F.cross_entropy` on `logits.float()` does.
+
+Where Liger's forward function can be imported, the kernel runs under our own autograd function
+(`_FusedLinearCrossEntropy`) rather than Liger's module: Liger's backward asks the host whether
+the incoming gradient is exactly 1 (a `torch.tensor(1.0)` copy to the device and a
+`torch.equal` read back, two waits for the GPU per micro-batch); ours scales the saved
+gradients by the incoming one on the device, with no read. The forward is Liger's own (its one
+read of the label count, `.item()`, stays).
 """
 
 from __future__ import annotations
@@ -43,6 +50,51 @@ def _liger_loss_class() -> Any:
     except Exception:  # noqa: BLE001  an optional accelerator: any import failure means "not here"
         return None
     return LigerFusedLinearCrossEntropyLoss
+
+
+DEVICE_SCALED_BACKWARD = True
+"""Off: Liger's module computes the loss, its backward's reads included (the benchmark's switch
+for the runs before and after)."""
+
+
+@functools.cache
+def _liger_forward_op() -> Any:
+    """Liger Kernel's `fused_linear_cross_entropy_forward` (the loss and the gradients in one
+    pass), or None where it cannot be imported; then Liger's module computes the loss."""
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_forward
+    except Exception:  # noqa: BLE001  an optional accelerator, as in _liger_loss_class
+        return None
+    return fused_linear_cross_entropy_forward
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The summed loss from `forward_op` (Liger's forward function or a stand-in with its
+    keywords, returning the loss first and (grad_input, grad_weight, grad_bias) last); backward
+    multiplies the saved gradients by the incoming one on the device, never reading it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, softcap, forward_op):
+        out = forward_op(
+            _input=hidden,
+            weight=weight,
+            target=targets,
+            bias=bias,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            softcap=softcap,
+        )
+        grad_input, grad_weight, grad_bias = out[-3:]
+        ctx.save_for_backward(grad_input, grad_weight, grad_bias)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = []
+        for grad in ctx.saved_tensors:
+            grads.append(None if grad is None else grad * grad_output.to(grad.dtype))
+        grad_input, grad_weight, grad_bias = grads
+        return grad_input, grad_weight, None, grad_bias, None, None
 
 
 def fused_available(device: torch.device | str) -> bool:
@@ -72,15 +124,17 @@ def fused_loss_sum(
     dtype = weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
-    loss = _liger_loss_class()(
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        softcap=getattr(config, "final_logit_softcapping", None) or None,
-    )
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    forward_op = _liger_forward_op() if DEVICE_SCALED_BACKWARD else None
     with torch.autocast(hidden.device.type, enabled=False):
-        return loss(
+        operands = (
             weight.to(dtype),
             hidden.to(dtype).contiguous(),
             targets.contiguous(),
             None if bias is None else bias.to(dtype),
         )
+        if forward_op is not None:
+            w, h, t, b = operands
+            return _FusedLinearCrossEntropy.apply(h, w, t, b, softcap, forward_op)
+        loss = _liger_loss_class()(ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)
+        return loss(*operands)

@@ -396,6 +396,20 @@ def lm_inputs(batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor], torch.Ten
     return inputs, batch["labels"][:, :keep]
 
 
+def unmasked(inputs: dict[str, torch.Tensor], batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`inputs` (from `lm_inputs`) without the attention mask when the batch's `seq_lengths`
+    (a host list) say every sample fills the trimmed width: the mask is then all ones, and the
+    model attends causally as it does with none, without reading the mask on the GPU to find
+    that out (transformers' all-ones check, a wait for the queued work before every forward)."""
+    lengths = batch.get("seq_lengths")
+    if "attention_mask" not in inputs or not lengths:
+        return inputs
+    rows, width = inputs["input_ids"].shape
+    if len(lengths) != rows or min(lengths) < width:  # padding in a row, or lengths of others
+        return inputs
+    return {key: value for key, value in inputs.items() if key != "attention_mask"}
+
+
 def causal_lm_loss(
     model: torch.nn.Module,
     batch: dict[str, Any],
@@ -414,7 +428,7 @@ def causal_lm_loss(
     when `fused` is true (memory/fused_loss.py)."""
     inputs, labels = lm_inputs(batch)
     return chunked_loss.causal_lm_loss(
-        model, {**inputs, "labels": labels}, chunk_tokens=chunk_tokens, fused=fused
+        model, {**unmasked(inputs, batch), "labels": labels}, chunk_tokens=chunk_tokens, fused=fused
     )
 
 
@@ -429,7 +443,7 @@ class LMLoss(chunked_loss.CausalLMLoss):
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, labels = lm_inputs(batch)
-        return super().__call__(model, {**inputs, "labels": labels})
+        return super().__call__(model, {**unmasked(inputs, batch), "labels": labels})
 
 
 __all__: list[str] = [

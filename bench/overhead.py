@@ -187,19 +187,30 @@ def _timed_callbacks(sync):
 
 @contextlib.contextmanager
 def _watchers_off(off: bool):
-    """Leave out the hang watchdog and the memory watch (the bare arm); a benchmark-only switch."""
+    """Leave out the hang watchdog and the memory watch (the bare arm); a benchmark-only switch:
+    the default callbacks are built with a watchdog that watches nothing and no memory watch."""
     if not off:
         yield
         return
-    import steadytrain.trainer as T
+    import steadytrain.default_callbacks as D
+    from steadytrain.events import Callback
 
-    saved = T.HangWatchdog.from_config, T.MemoryWatch.from_config
-    T.HangWatchdog.from_config = classmethod(lambda cls, *a, **k: None)
-    T.MemoryWatch.from_config = classmethod(lambda cls, *a, **k: None)
+    class Unwatched(Callback):
+        """A hang watchdog that watches nothing: what the Trainer calls on one does nothing."""
+
+        say = None
+
+        def start(self, *args: Any) -> None: ...
+        def set_up_done(self, *args: Any) -> None: ...
+        def stop(self) -> None: ...
+
+    saved = D.HangWatchdog.from_config, D.MemoryWatch.from_config
+    D.HangWatchdog.from_config = classmethod(lambda cls, *a, **k: Unwatched())
+    D.MemoryWatch.from_config = classmethod(lambda cls, *a, **k: None)
     try:
         yield
     finally:
-        T.HangWatchdog.from_config, T.MemoryWatch.from_config = saved
+        D.HangWatchdog.from_config, D.MemoryWatch.from_config = saved
 
 
 def steadytrain_round(s: Setup, steps: int, arm: str, tag: str) -> dict[str, Any]:
@@ -492,7 +503,9 @@ def main() -> None:
 
     samples = max(args.steps, args.warmup) * args.effective
     data = C.synthetic_tokens(samples, spec.seq, spec.vocab, seed=args.seed + 1)
-    sampler_order = OptimizerBatchSampler(samples, args.effective, args.seed).order(0)
+    sampler_order = [
+        int(i) for i in OptimizerBatchSampler(samples, args.effective, args.seed).order(0)
+    ]
     if sampler_order != C.data_order(samples, args.seed):
         sys.exit(
             "the plain loop's data order no longer matches steadytrain's sampler; update "

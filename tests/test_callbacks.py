@@ -240,3 +240,60 @@ def test_program_state_that_changes_at_step_end_is_saved_with_the_step(tmp_path)
     assert resumed.steps == 6
     for mine, theirs in zip(resumed_model.parameters(), whole_model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+class EvalSeen(Callback):
+    """Both names of the evaluation's end: eval_end, and evaluation_end as it was called."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_eval_end(self, state, control, info):
+        self.seen.append(("eval_end", state.step, info["metrics"]["eval_loss"]))
+
+    def on_evaluation_end(self, state, control, info):
+        self.seen.append(("evaluation_end", state.step, info["metrics"]["eval_loss"]))
+
+
+class EarlierNameOnly:
+    """A duck-typed callback written when the event was called evaluation_end."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_evaluation_end(self, state, control, info):
+        self.steps.append(state.step)
+
+
+def test_the_evaluation_end_is_eval_end_and_its_earlier_name_still_runs(tmp_path):
+    """Every evaluation name a user writes begins with eval_ (eval_step_end, eval_end): a
+    callback's on_eval_end runs at each evaluation's end, and one written with the earlier
+    on_evaluation_end is neither refused nor skipped."""
+    assert Event.EVALUATION_END is Event.EVAL_END and Event.EVAL_END.value == "eval_end"
+    seen, earlier = EvalSeen(), EarlierNameOnly()
+    torch.manual_seed(0)
+    data = [(torch.randn(2), torch.randn(1)) for _ in range(8)]
+    config = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        effective_batch_size=4,
+        max_steps=2,
+        eval_every_steps=1,
+        progress="off",
+    )
+    Trainer(
+        torch.nn.Linear(2, 1),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        data,
+        config,
+        eval_data=data[:4],
+        callbacks=[seen, earlier],
+    ).fit()
+    assert [(name, step) for name, step, _ in seen.seen] == [
+        ("eval_end", 1),
+        ("evaluation_end", 1),
+        ("eval_end", 2),
+        ("evaluation_end", 2),
+    ]
+    assert seen.seen[0][2] == seen.seen[1][2]  # the same info
+    assert earlier.steps == [1, 2]

@@ -17,7 +17,7 @@ The loop, with each event where it fires::
                 for micro_batch in eval_data:
                     forward under no_grad
                     eval_step_end                 # heartbeat: one per evaluation micro-batch
-                evaluation_end                    # info["metrics"]; a plateau scheduler steps
+                eval_end                          # info["metrics"]; a plateau scheduler steps
             step_end                              # info["metrics"]: one row of metrics.jsonl
         epoch_end
     fit_end                                       # info["reason"]: "finished" | "stopped"
@@ -54,10 +54,11 @@ class Event(str, enum.Enum):
     SHRINK = "shrink"  # old, new, reason, memory
     MEMORY_SAVER = "memory_saver"  # saver, reason, memory
     EVAL_STEP_END = "eval_step_end"  # index
-    EVALUATION_END = "evaluation_end"  # metrics, epoch, best (eval_metric improved)
+    EVAL_END = "eval_end"  # metrics, epoch, best (eval_metric improved)
     STEP_END = "step_end"  # metrics
     EPOCH_END = "epoch_end"  # epoch, memory
     FIT_END = "fit_end"  # reason, exit_code
+    EVALUATION_END = "eval_end"  # the earlier name of EVAL_END (an alias: the same member)
 
     @property
     def method(self) -> str:
@@ -74,7 +75,7 @@ class Callback:
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_eval_step_end(self, state: TrainState, control: Control, info: dict) -> None: ...
-    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None: ...
+    def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_epoch_end(self, state: TrainState, control: Control, info: dict) -> None: ...
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None: ...
@@ -90,20 +91,25 @@ OTHER_LIBRARIES = {
     "on_train_batch_start": "on_step_start",
     "on_batch_end": "on_step_end",
     "on_train_batch_end": "on_step_end",
-    "on_evaluate": "on_evaluation_end",
-    "on_validation_end": "on_evaluation_end",
+    "on_evaluate": "on_eval_end",
+    "on_validation_end": "on_eval_end",
 }
 """The names Hugging Face, Lightning and Keras give to the loop's points, and the event each
 is here: the suggestion for a callback written for one of them."""
+
+EARLIER_METHODS = {Event.EVAL_END: ("on_evaluation_end",)}
+"""Methods called under their earlier names too (eval_end was evaluation_end), so callbacks
+written for them keep running."""
 
 
 def check_callbacks(callbacks: Iterable[Any]) -> None:
     """Refuse a callback with an ``on_*`` method that no event calls (``on_train_end`` would
     never run): `UserCodeError` (exit 5) naming the method, the closest event and the events."""
     methods = [event.method for event in Event]
+    earlier = [name for names in EARLIER_METHODS.values() for name in names]
     for callback in callbacks:
         for name in dir(callback):
-            if not name.startswith("on_") or name in methods:
+            if not name.startswith("on_") or name in methods or name in earlier:
                 continue
             if not callable(inspect.getattr_static(callback, name, None)):
                 continue
@@ -213,10 +219,12 @@ class Dispatcher:
 
     def __call__(self, event: Event, info: dict | None = None) -> None:
         info = {} if info is None else info
+        names = (event.method, *EARLIER_METHODS.get(event, ()))
         for callback in self.callbacks:
-            method = getattr(callback, event.method, None)
-            if method is not None:
-                method(self.state, self.control, info)
+            for name in names:
+                method = getattr(callback, name, None)
+                if method is not None:
+                    method(self.state, self.control, info)
 
 
 # -- one optimizer step's metrics row ------------------------------------------------------------

@@ -121,7 +121,7 @@ class CheckpointWriter(Callback):
                 metrics["checkpoint_time"] = self.save(state, final=control.stop_requested)
             control.save_requested = False
 
-    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+    def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:
         """keep_best: a full checkpoint of the step whose evaluation was the best so far, in
         RUN_DIR/best/checkpoints/ (one kept, replaced only after a better one is committed)."""
         if self.best is None or not info.get("best"):

@@ -165,7 +165,7 @@ class Evaluation:
         return bool(ends_epoch and self.every_epochs and (state.epoch + 1) % self.every_epochs == 0)
 
     def run(self, state: TrainState) -> dict[str, float]:
-        """One evaluation; emits `evaluation_end` and steps a metric-driven scheduler."""
+        """One evaluation; emits `eval_end` and steps a metric-driven scheduler."""
         runner = self.runner
         with side_pass(model=runner.model, eval_mode=True, user_state=runner.user_state) as saved:
 
@@ -188,7 +188,7 @@ class Evaluation:
                 state.best_metric, state.best_step = value, state.step
             if self.scheduler is not None:
                 self.scheduler.step(value)
-        runner.emit(Event.EVALUATION_END, {"metrics": metrics, "epoch": state.epoch, "best": best})
+        runner.emit(Event.EVAL_END, {"metrics": metrics, "epoch": state.epoch, "best": best})
         return metrics
 
     def value(self, metrics: dict[str, float]) -> float:

@@ -84,7 +84,7 @@ class ConsoleLog(Callback):
         self._print_pending()
         self.console.print(f"[yellow]{info['saver'].replace('_', ' ')} on[/] ({info['reason']})")
 
-    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+    def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:
         self._print_pending()
         values = ", ".join(f"{k} {v:.5g}" for k, v in info["metrics"].items())
         self.console.print(f"evaluation at step {state.step} (epoch {info['epoch']}): {values}")
@@ -161,7 +161,7 @@ class ErrorsOnly(ConsoleLog):
     def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None:
         pass
 
-    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+    def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:
         pass
 
     def note(self, name: str, info: dict) -> None:

@@ -59,7 +59,7 @@ class RunFiles(Callback):
         memory = metrics.pop("memory", {}) or {}
         self.metrics.write({**metrics, **{f"mem_{k}": v for k, v in memory.items()}})
 
-    def on_evaluation_end(self, state: TrainState, control: Control, info: dict) -> None:
+    def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:
         """An evaluation row in metrics.jsonl: ``kind: "eval"``, the step and epoch it followed,
         and the evaluation's metrics (step rows have no ``kind``)."""
         self._write_pending()

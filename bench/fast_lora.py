@@ -779,9 +779,10 @@ def run_arms(args) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             code = "timeout"
         text = Path(path).read_text() if code == 0 else ""
-        results[name] = json.loads(text) if text else {"arm": name, "error": f"exit {code}"}
+        key = name if name not in results else f"{name}#{len(results)}"  # an arm run again
+        results[key] = json.loads(text) if text else {"arm": name, "error": f"exit {code}"}
         Path(path).unlink(missing_ok=True)
-        print(json.dumps(row_of(results[name])), file=sys.stderr, flush=True)
+        print(json.dumps(row_of(results[key])), file=sys.stderr, flush=True)
     return results
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_estimate import ALL7, llama_3b, tiny
+from tiny_models import save_byte_llama
 
 from steadytrain.cli.memory_commands import estimate_command, plan_command
 from steadytrain.device import resolve_device
@@ -188,25 +189,7 @@ def steadytrain(capsys, *args: str) -> tuple[int, str]:
 
 def tiny_finetune(tmp_path: Path) -> Path:
     """A tiny Llama saved with the byte tokenizer, 16 records and a one-step config file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from steadytrain.recipes.data import byte_tokenizer
-
-    torch.manual_seed(0)
-    shape = LlamaConfig(
-        vocab_size=262,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-    LlamaForCausalLM(shape).save_pretrained(tmp_path / "tiny")
-    byte_tokenizer().save_pretrained(tmp_path / "tiny")
+    save_byte_llama(tmp_path / "tiny")
     records = [json.dumps({"prompt": f"{i}+1=", "completion": f"{i + 1}"}) for i in range(16)]
     (tmp_path / "train.jsonl").write_text("\n".join(records) + "\n")
     config = {

@@ -145,19 +145,24 @@ class StopAt(Callback):
             control.request_stop(0, f"stopped at step {self.step}")
 
 
-def _counted(run_dir, max_steps, stop_at=None) -> StepCounter:
-    torch.manual_seed(0)
-    counter = StepCounter()
-    config = TrainConfig(
+def _small_run(run_dir, **fields) -> TrainConfig:
+    """Two samples a step on the CPU, a checkpoint every 3 steps written synchronously."""
+    return TrainConfig(
         run_dir=str(run_dir),
         effective_batch_size=2,
         micro_batch_size=2,
-        max_steps=max_steps,
         save_every_steps=3,
         async_save=False,
         device="cpu",
         progress="off",
+        **fields,
     )
+
+
+def _counted(run_dir, max_steps, stop_at=None) -> StepCounter:
+    torch.manual_seed(0)
+    counter = StepCounter()
+    config = _small_run(run_dir, max_steps=max_steps)
     Trainer(
         torch.nn.Linear(2, 1),
         lambda params: torch.optim.SGD(params, lr=0.1),
@@ -203,16 +208,7 @@ class Curriculum(Callback):
 def _curriculum(run_dir, max_steps, stop_at=None) -> tuple[Curriculum, torch.nn.Module]:
     torch.manual_seed(0)
     curriculum, model = Curriculum(), torch.nn.Linear(2, 1)
-    config = TrainConfig(
-        run_dir=str(run_dir),
-        effective_batch_size=2,
-        micro_batch_size=2,
-        max_steps=max_steps,
-        save_every_steps=3,
-        async_save=False,
-        device="cpu",
-        progress="off",
-    )
+    config = _small_run(run_dir, max_steps=max_steps)
 
     def loss_fn(m, b):
         return torch.nn.functional.mse_loss(m(b[0]), b[1]) * (1 + curriculum.steps)
@@ -273,13 +269,7 @@ def test_the_evaluation_end_is_eval_end_and_its_earlier_name_still_runs(tmp_path
     seen, earlier = EvalSeen(), EarlierNameOnly()
     torch.manual_seed(0)
     data = [(torch.randn(2), torch.randn(1)) for _ in range(8)]
-    config = TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        effective_batch_size=4,
-        max_steps=2,
-        eval_every_steps=1,
-        progress="off",
-    )
+    config = _small_run(tmp_path / "run", max_steps=3, eval_every_steps=1)
     Trainer(
         torch.nn.Linear(2, 1),
         lambda params: torch.optim.SGD(params, lr=0.1),
@@ -290,10 +280,7 @@ def test_the_evaluation_end_is_eval_end_and_its_earlier_name_still_runs(tmp_path
         callbacks=[seen, earlier],
     ).fit()
     assert [(name, step) for name, step, _ in seen.seen] == [
-        ("eval_end", 1),
-        ("evaluation_end", 1),
-        ("eval_end", 2),
-        ("evaluation_end", 2),
+        (name, step) for step in (1, 2, 3) for name in ("eval_end", "evaluation_end")
     ]
     assert seen.seen[0][2] == seen.seen[1][2]  # the same info
-    assert earlier.steps == [1, 2]
+    assert earlier.steps == [1, 2, 3]

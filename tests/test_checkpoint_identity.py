@@ -14,6 +14,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
+from tiny_models import save_byte_llama
 
 from steadytrain.recipes.finetune import run_finetune
 from steadytrain.safety.lock import RunLock
@@ -25,26 +26,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny Llama fine-tune stopped at step 2 of 4 with a checkpoint: (config, output_dir)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from steadytrain.recipes.data import byte_tokenizer
-
     root = tmp_path_factory.mktemp("identity")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=262,
+    save_byte_llama(
+        root / "tiny",
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     )
-    LlamaForCausalLM(config).save_pretrained(root / "tiny")
-    byte_tokenizer().save_pretrained(root / "tiny")
     records = [{"prompt": f"{i % 7}+{i % 5}=", "completion": f"{i % 7 + i % 5}"} for i in range(16)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = root / "run"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import llama_config
 
 from steadytrain import TrainConfig, Trainer
 from steadytrain.engine.compiling import compile_blocks
@@ -22,18 +23,10 @@ LAYERS = 2
 
 def lora_llama():
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = llama_config(vocab_size=128, num_hidden_layers=LAYERS, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)

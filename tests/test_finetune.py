@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import save_byte_llama
 
 from steadytrain.config import TrainConfig, parse_overrides
 from steadytrain.errors import BadInputError, ConfigError
@@ -69,26 +70,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny Llama saved with the byte tokenizer, and 64 prompt/completion records."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from steadytrain.recipes.data import byte_tokenizer
-
     root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=262,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "tiny")
-    byte_tokenizer().save_pretrained(root / "tiny")
+    save_byte_llama(root / "tiny")
     lines = []
     for i in range(64):
         a, b = i % 9, (i * 7) % 11

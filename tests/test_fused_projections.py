@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import llama_config
 
 from steadytrain.engine import compiling
 from steadytrain.engine.compiling import compile_blocks
@@ -21,18 +22,10 @@ def lora_llama(dropout: float = 0.0):
     """A tiny Llama with LoRA on its 7 projections; B drawn at random so that every LoRA
     gradient is non-zero (peft starts B at zero)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = llama_config(vocab_size=128, num_hidden_layers=LAYERS, max_position_embeddings=64)
     lora = LoraConfig(
         r=4,
         lora_alpha=8,

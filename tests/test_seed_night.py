@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import save_byte_llama
 
 from steadytrain.telemetry.files import read_jsonl
 
@@ -46,26 +47,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A tiny Llama saved with the byte tokenizer, and 32 prompt/completion records."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from steadytrain.recipes.data import byte_tokenizer
-
     root = tmp_path_factory.mktemp("seed-night")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=262,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "tiny")
-    byte_tokenizer().save_pretrained(root / "tiny")
+    save_byte_llama(root / "tiny", max_position_embeddings=2048)
     lines = [
         json.dumps({"prompt": f"{i % 9}+{(i * 7) % 11}=", "completion": f"{i % 9 + (i * 7) % 11}"})
         for i in range(32)

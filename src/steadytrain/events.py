@@ -101,6 +101,9 @@ EARLIER_METHODS = {Event.EVAL_END: ("on_evaluation_end",)}
 """Methods called under their earlier names too (eval_end was evaluation_end), so callbacks
 written for them keep running."""
 
+_METHODS = {event: (event.method, *EARLIER_METHODS.get(event, ())) for event in Event}
+"""The methods each event calls on a callback, its earlier names included."""
+
 
 def check_callbacks(callbacks: Iterable[Any]) -> None:
     """Refuse a callback with an ``on_*`` method that no event calls (``on_train_end`` would
@@ -219,9 +222,8 @@ class Dispatcher:
 
     def __call__(self, event: Event, info: dict | None = None) -> None:
         info = {} if info is None else info
-        names = (event.method, *EARLIER_METHODS.get(event, ()))
         for callback in self.callbacks:
-            for name in names:
+            for name in _METHODS[event]:
                 method = getattr(callback, name, None)
                 if method is not None:
                     method(self.state, self.control, info)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from steadytrain.errors import BadInputError
 from steadytrain.run_events import append_event
@@ -372,6 +373,49 @@ def test_the_rank_that_failed_first_is_the_one_not_waiting_for_another():
     assert rank_end(1, {"event": "oom", "time": 1.0}).exit_code == 76  # not recovered from
     assert rank_end(0, {"event": "oom", "time": 1.0, "phase": "rank 1"}).waiting  # rank 1's oom
     assert "without an exit record" in silent.describe()
+
+
+class PeerGone(torch.nn.Module):
+    """Step 2's forward fails as a rank's does when its peer died inside a collective: the error
+    carries the collective's name (set by the watchdog's `waiting_in`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            error = RuntimeError("Connection closed by peer")
+            error.steadytrain_collective = "all-reduce (sample count)"
+            raise error
+        return self.linear(x)
+
+
+def test_a_rank_stopped_after_its_fit_end_is_still_seen_waiting_for_its_peer(tmp_path):
+    """torchrun may stop a rank between its fit_end and its exit record: the fit_end names the
+    collective a dead peer broke too, so the supervisor does not take that rank for the one
+    that failed first."""
+    from steadytrain import TrainConfig, Trainer
+
+    config = TrainConfig(
+        run_dir=str(tmp_path), effective_batch_size=2, micro_batch_size=2, max_steps=3,
+        device="cpu", progress="off",
+    )  # fmt: skip
+    trainer = Trainer(
+        PeerGone(),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        [(torch.randn(2), torch.randn(1)) for _ in range(6)],
+        config,
+    )
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        trainer.fit()
+    (end,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "fit_end"]
+    assert end["collective"] == "all-reduce (sample count)" and end["exit_code"] != 0
+    assert rank_end(0, end).waiting
+    assert failed_rank([rank_end(0, end), rank_end(1, None)]).rank == 1
 
 
 def test_several_ranks_killed_without_a_word_are_named_together_not_one_of_them_first():

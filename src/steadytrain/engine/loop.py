@@ -104,15 +104,13 @@ class Loop:
             if theirs is not None:
                 kind = f"an error in your code ({theirs.where})"
                 reason = f"stopped by {kind}: {theirs.error}"
-            self.emit(
-                Event.FIT_END,
-                {
-                    "reason": reason,
-                    "exit_code": code,
-                    "error": kind,
-                    "error_step": step,
-                },
-            )
+            info = {"reason": reason, "exit_code": code, "error": kind, "error_step": step}
+            # a collective broken by a peer that died: said here too, since torchrun may stop
+            # this rank before its exit record, and `steadytrain run` must not blame it
+            collective = getattr(exc, "steadytrain_collective", None)
+            if collective is not None:
+                info["collective"] = collective
+            self.emit(Event.FIT_END, info)
             if theirs is not None and theirs is not exc:
                 raise theirs from exc
             with contextlib.suppress(AttributeError, TypeError):  # for the "error" event

@@ -1,19 +1,22 @@
-"""The recipes' commands (finetune, demo, merge, generate, evaluate) and `run` are generated from
-options dataclasses (`steadytrain.recipes.options`, `cli.RunCommand`): every field is an argument
-or option with its help and default; the command line and the recipe's Python function start from
-the same defaults, and `run` from the supervisor's; `python -m steadytrain.recipes.finetune`
-parses as `steadytrain finetune` does."""
+"""The recipes' commands (finetune, demo, merge, generate, evaluate), `doctor` and `run` are
+generated from options dataclasses (`steadytrain.recipes.options`, `steadytrain.doctor.options`,
+`cli.RunCommand`): every field is an argument or option with its help and default; the command
+line and the recipe's (or the doctor's) Python function start from the same defaults, and `run`
+from the supervisor's; `python -m steadytrain.recipes.finetune` parses as `steadytrain finetune`
+does."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from pathlib import Path
 
 import pytest
 import typer
 
 from steadytrain.cli import FinetuneCommand, RunCommand, app, main
+from steadytrain.doctor.options import DoctorOptions
 from steadytrain.recipes import options as recipe_options
 from steadytrain.recipes.options import REQUIRED
 
@@ -23,6 +26,7 @@ COMMANDS = {
     "merge": recipe_options.MergeOptions,
     "generate": recipe_options.GenerateOptions,
     "evaluate": recipe_options.EvaluateOptions,
+    "doctor": DoctorOptions,
     "run": RunCommand,
 }
 FLAGS = {  # public: README and docs show them
@@ -32,6 +36,7 @@ FLAGS = {  # public: README and docs show them
     "generate": {"--prompts-file", "--base", "--max-new-tokens", "--temperature", "--top-p"}
     | {"--seed", "--chat", "--device", "--dtype", "--json"},
     "evaluate": {"--base", "--max-seq-length", "--batch-size", "--device", "--dtype", "--json"},
+    "doctor": {"--json", "--selftest", "--device", "--run-dir"},
     "run": {"--max-restarts", "--run-dir", "--backoff-initial", "--backoff-max", "--stop-timeout"}
     | {"--first-heartbeat-timeout"},
 }
@@ -88,6 +93,30 @@ def test_the_command_line_and_the_python_function_start_from_the_same_defaults(
     with pytest.raises(Seen) as from_python:
         getattr(module, f"{command}_command")(*args, **kwargs)
     assert from_cli.value.args[0] == from_python.value.args[0]
+
+
+def test_the_doctor_command_and_run_doctor_start_from_the_same_defaults(monkeypatch, capsys):
+    """What `steadytrain doctor` and `run_doctor()` hand the checks and print, the checks
+    replaced by a spy that finds nothing; and `diagnose`'s own defaults are the command's."""
+    from steadytrain.doctor import diagnosis
+
+    calls, real = [], diagnosis.diagnose
+
+    def spy(*args):
+        calls.append(args)
+        return []
+
+    monkeypatch.setattr(diagnosis, "diagnose", spy)
+    with pytest.raises(SystemExit) as from_cli:
+        main(["doctor"])
+    cli_out = capsys.readouterr().out
+    from_python = diagnosis.run_doctor()
+    assert calls[0] == calls[1] and len(calls) == 2
+    assert (from_cli.value.code, cli_out) == (from_python, capsys.readouterr().out)
+    defaults = inspect.signature(real).parameters
+    cli = _params("doctor")
+    for name in ("device", "run_dir", "selftest"):
+        assert defaults[name].default == cli[name].default, name
 
 
 def test_python_m_finetune_parses_as_steadytrain_finetune(monkeypatch, capsys):

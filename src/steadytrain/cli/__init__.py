@@ -18,6 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 from steadytrain import __version__
 from steadytrain.cli.memory_commands import register as register_memory_commands
 from steadytrain.cli.options import options_command
+from steadytrain.doctor.options import DoctorOptions
 from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
 from steadytrain.recipes.options import (
     DemoOptions,
@@ -84,21 +85,13 @@ def _main(
     """Make a training run on a memory-constrained machine finish."""
 
 
-@app.command()
-def doctor(
-    json_output: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
-    selftest: bool = typer.Option(
-        False, "--selftest", help="Also run a tiny training step and a checkpoint round trip."
-    ),
-    device: str = typer.Option("auto", help="Device to diagnose: auto, cpu, mps, cuda, cuda:N."),
-    run_dir: str = typer.Option(".", help="Where runs will be written (its free disk is checked)."),
-) -> None:
-    """Diagnose this machine for training: exit 0 healthy, 1 warnings, 2 broken."""
+def _doctor(**options: Any) -> int:
     from steadytrain.doctor import run_doctor
 
-    raise typer.Exit(
-        run_doctor(json_output=json_output, selftest=selftest, device=device, run_dir=run_dir)
-    )
+    return run_doctor(**options)
+
+
+options_command(app, "doctor", DoctorOptions, _doctor)
 
 
 @app.command("config")

@@ -1,6 +1,7 @@
 """Command-line options generated from dataclasses: the settings of `estimate` and `plan`
 (`steadytrain.memory.settings`: each field's `option(...)` gives the flag, the help and the
-commands that show it) and the options of each recipe's command (`steadytrain.recipes.options`),
+commands that show it) and the options of the doctor's and each recipe's command
+(`steadytrain.doctor.options`, `steadytrain.recipes.options`),
 so an option is declared once, beside its default, and never copied by hand into a signature."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
+from steadytrain._options import REQUIRED, flag_of
 from steadytrain.memory.settings import Settings, cli_default_of, options
-from steadytrain.recipes.options import REQUIRED, flag_of
 
 MODEL_HELP = "A local model directory (config.json) or a Hugging Face id."
 

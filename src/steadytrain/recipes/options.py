@@ -1,40 +1,23 @@
 """The options of the commands that run a recipe (`steadytrain finetune`, `demo`, `merge`,
 `generate`, `evaluate`): one frozen dataclass per command, whose fields are its arguments and
-options, each written once with its default, its flag and its help. The command line is generated
-from them (cli/options.py), `python -m steadytrain.recipes.finetune` parses with the same one, and
-each recipe's `*_command` function and Python API take their defaults from them. Nothing here
-imports torch: the command line reads these without loading the recipes."""
+options, each written once with its default, its flag and its help (`argument` and `option` of
+`steadytrain._options`). The command line is generated from them (cli/options.py),
+`python -m steadytrain.recipes.finetune` parses with the same one, and each recipe's `*_command`
+function and Python API take their defaults from them. Nothing here imports torch: the command
+line reads these without loading the recipes."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-REQUIRED: Any = dataclasses.MISSING
-"""The default of an argument or option that has none: the command refuses to run without it."""
+from steadytrain._options import REQUIRED, argument, flag_of, option
 
 MODEL_HELP = "A run directory, an adapter folder (final/) or a model folder."
 DEVICE_HELP = "auto, cpu, mps, cuda or cuda:N."
 DTYPE_HELP = "fp32, bf16 or fp16 (default: fp32 on CPU)."
 BASE_HELP = "Base model folder for an adapter."
-
-
-def argument(metavar: str, help: str, default: Any = REQUIRED) -> Any:
-    """A positional argument, shown as `metavar`."""
-    return field(default=default, metadata={"argument": True, "metavar": metavar, "help": help})
-
-
-def option(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None) -> Any:
-    """An option; `flag` defaults to the field's name in kebab case (`--x/--no-x` for a pair)."""
-    meta = {"argument": False, "flag": flag, "metavar": metavar, "help": help}
-    return field(default=default, metadata=meta)
-
-
-def flag_of(f: dataclasses.Field) -> str:
-    """The option's flag as typer takes it (both spellings of a `--x/--no-x` pair)."""
-    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -160,6 +143,7 @@ def argparse_options(parser: argparse.ArgumentParser, options: type) -> None:
 
 
 __all__ = [
+    "REQUIRED",
     "DemoOptions",
     "EvaluateOptions",
     "FinetuneOptions",
@@ -167,5 +151,6 @@ __all__ = [
     "MergeOptions",
     "argparse_options",
     "argument",
+    "flag_of",
     "option",
 ]

@@ -35,6 +35,7 @@ from steadytrain._durable import write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, parse_bytes
 from steadytrain.config_explain import (
     RULES,
+    TRAINER_NAMES,
     accepts,
     explain,
     flat_types,
@@ -363,7 +364,7 @@ class TrainConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = explain(exc, type(self))
+            problems = explain(exc, type(self), TRAINER_NAMES)
             if not any(not err["loc"] for err in exc.errors()):
                 # The rules between fields did not run: check them on the fields that are valid.
                 problems += _combination_problems(_valid_values(type(self), data, exc), set(data))

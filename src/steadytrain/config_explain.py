@@ -27,8 +27,9 @@ RULES = {
 # -- problems --------------------------------------------------------------------------
 
 
-def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
-    """One plain line per problem: the field, what is allowed, what was found."""
+def explain(exc: ValidationError, model: type[BaseModel], hints: dict | None = None) -> list[str]:
+    """One plain line per problem: the field, what is allowed, what was found; an unknown key
+    of `hints` (`TRAINER_NAMES`) gets its note."""
     fields = list(model.model_fields)
     by_field: dict[str, list[Any]] = {}
     problems: list[str] = []
@@ -44,7 +45,7 @@ def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     for name, errors in by_field.items():
         first = errors[0]
         if first["type"] == "extra_forbidden":
-            lines.append(f"{name}: unknown field; {suggestion(name, fields)}")
+            lines.append(f"{name}: unknown field; {suggestion(name, fields, hints)}")
         elif first["type"] == "missing":
             info = model.model_fields[name]
             lines.append(
@@ -65,7 +66,67 @@ def explain(exc: ValidationError, model: type[BaseModel]) -> list[str]:
     return lines + problems
 
 
-def suggestion(key: str, fields: list[str]) -> str:
+_ACCUMULATION = (
+    ["effective_batch_size", "micro_batch_size"],
+    "accumulation is not set on its own: effective_batch_size is what the optimizer sees in "
+    "each step and micro_batch_size what one pass holds, so 64 and 16 accumulate 4 passes; "
+    "an out-of-memory halves micro_batch_size while the effective batch stays",
+)
+_OPTIMIZER = (
+    [],
+    "the optimizer and its settings are given in Python: "
+    "Trainer(optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))",
+)
+_SCHEDULE = ([], "a learning-rate schedule is given in Python: Trainer(scheduler=...)")
+_LOADER = (
+    [],
+    "a DataLoader setting: pass your DataLoader as train_data, or use num_workers; "
+    "memory is pinned on CUDA automatically",
+)
+TRAINER_NAMES: dict[str, tuple[list[str], str]] = {
+    "gradient_accumulation_steps": _ACCUMULATION,
+    "accumulation_steps": _ACCUMULATION,
+    "grad_accum_steps": _ACCUMULATION,
+    "per_device_train_batch_size": (["micro_batch_size"], "the micro-batch the run starts with"),
+    "output_dir": (["run_dir"], "checkpoints, metrics and events are all written there"),
+    "checkpoint_dir": (["run_dir"], "checkpoints go to run_dir/checkpoints/"),
+    "save_dir": (["run_dir"], "checkpoints go to run_dir/checkpoints/"),
+    "checkpoint_frequency": (["save_every_steps"], "counted in optimizer steps"),
+    "save_total_limit": (["keep_last"], "how many checkpoints are kept"),
+    "logging_steps": (["log_every_steps"], "how often a step line is printed"),
+    "gradient_checkpointing": (["activation_checkpointing"], "true, false, 'auto' or 'offload'"),
+    "fp16": (["precision"], "precision: fp16 (or bf16, fp32, auto)"),
+    "bf16": (["precision"], "precision: bf16 (or fp16, fp32, auto)"),
+    "amp": (["precision"], "precision: fp16 or bf16 (or fp32, auto)"),
+    "lr": _OPTIMIZER,
+    "learning_rate": _OPTIMIZER,
+    "weight_decay": _OPTIMIZER,
+    "optimizer": _OPTIMIZER,
+    "optim": _OPTIMIZER,
+    "warmup_steps": _SCHEDULE,
+    "lr_scheduler_type": _SCHEDULE,
+    "scheduler": _SCHEDULE,
+    "pin_memory": _LOADER,
+    "persistent_workers": _LOADER,
+    "prefetch_factor": _LOADER,
+}
+"""Names users bring from other trainers' configs (Hugging Face `TrainingArguments`, the
+DataLoader, guides) -> the fields that hold the setting here and a note: what `TrainConfig`
+says for such a key instead of a list of every field."""
+
+
+def suggestion(key: str, fields: list[str], hints: dict | None = None) -> str:
+    """What to say about the unknown `key`: a hint of `hints` where it has one (its fields and
+    note), else the closest fields, else every field."""
+    hinted, note = (hints or {}).get(key.strip().lower(), ([], ""))
+    hinted = [name for name in hinted if name in fields]
+    if hinted:
+        return "did you mean " + _join_or([f"'{name}'" for name in hinted]) + f"? ({note})"
+    if note:
+        close = _closest(key, fields)
+        if close:
+            return "did you mean " + _join_or([f"'{name}'" for name in close]) + f"? ({note})"
+        return "the fields are: " + ", ".join(fields) + f"; {note}"
     close = _closest(key, fields)
     if close:
         return "did you mean " + _join_or([f"'{name}'" for name in close]) + "?"

@@ -1,0 +1,75 @@
+"""The seed users' first commands, as they would type them: their configs written with the names
+they bring from guides and other trainers, their typos, a missing file, a budget too small.
+Each answer is checked for what the user needs from it: the documented exit code and one message
+that names the key or file and says the fix. In-process through `steadytrain.cli.main` where the
+process is not what is tested."""
+
+from __future__ import annotations
+
+import pytest
+
+from steadytrain.cli import main as cli_main
+from steadytrain.config import TrainConfig
+from steadytrain.errors import ConfigError
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run `steadytrain ARGS` in this process; (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(list(args))
+    captured = capsys.readouterr()
+    return info.value.code, captured.out, captured.err
+
+
+# -- seed 000 / 003: a PyTorch script's config, written with the names of the guides -------------
+
+SEED_000_YAML = """\
+# my M1 Max run: batch 64 did not fit, so 16 at a time, accumulated 4 times
+run_dir: runs/m1
+effective_batch_size: 64
+gradient_accumulation_steps: 4
+checkpoint_dir: runs/m1/ckpt
+fp16: true
+learning_rate: 0.001
+pin_memory: true
+"""
+
+
+def test_trainer_names_from_other_configs_say_where_the_setting_lives(capsys, tmp_path):
+    """A TrainConfig file written with Hugging Face's and the DataLoader's names: each key is
+    refused (exit 2) with the field that holds the setting here, or where it is given instead,
+    not with the list of every field alone."""
+    config = tmp_path / "train.yaml"
+    config.write_text(SEED_000_YAML)
+    code, _, err = cli(capsys, "config", str(config))
+    assert code == 2
+    assert "(5 problem(s))" in err, err
+    lines = {
+        line.split(":")[0].strip(" -"): line for line in err.splitlines() if ": unknown" in line
+    }
+    assert (
+        "did you mean 'effective_batch_size' or 'micro_batch_size'?"
+        in lines["gradient_accumulation_steps"]
+    )
+    assert "accumulate 4 passes" in lines["gradient_accumulation_steps"]
+    assert "did you mean 'run_dir'?" in lines["checkpoint_dir"]
+    assert "did you mean 'precision'?" in lines["fp16"]
+    assert "precision: fp16" in lines["fp16"]
+    assert "Trainer(optimizer=lambda params:" in lines["learning_rate"]
+    assert "pass your DataLoader as train_data" in lines["pin_memory"]
+    assert "Traceback" not in err
+
+
+def test_output_dir_in_a_script_config_names_run_dir(tmp_path):
+    """The same names through the Python API the user's script calls (`TrainConfig.load`), where
+    `output_dir` (Hugging Face's) is a TrainConfig's unknown key: the error names run_dir."""
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        "effective_batch_size: 64\noutput_dir: runs/m1\ngradient_checkpointing: true\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(config)
+    assert info.value.exit_code == 2
+    text = str(info.value)
+    assert "output_dir: unknown field; did you mean 'run_dir'?" in text
+    assert "gradient_checkpointing: unknown field; did you mean 'activation_checkpointing'?" in text

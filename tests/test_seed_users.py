@@ -6,11 +6,17 @@ process is not what is tested."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from tiny_models import save_byte_llama
 
 from steadytrain.cli import main as cli_main
 from steadytrain.config import TrainConfig
 from steadytrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -73,3 +79,53 @@ def test_output_dir_in_a_script_config_names_run_dir(tmp_path):
     text = str(info.value)
     assert "output_dir: unknown field; did you mean 'run_dir'?" in text
     assert "gradient_checkpointing: unknown field; did you mean 'activation_checkpointing'?" in text
+
+
+# -- seed 004: the LoRA fine-tune from a JSON config ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A tiny Llama saved with the byte tokenizer (the user's `model_name_or_path`), and
+    prompt/completion records as data/train.jsonl."""
+    root = tmp_path_factory.mktemp("seed-users")
+    save_byte_llama(root / "tiny", max_position_embeddings=2048)
+    (root / "data").mkdir()
+    records = [
+        json.dumps({"prompt": f"{i % 9}+{(i * 7) % 11}=", "completion": f"{i % 9 + (i * 7) % 11}"})
+        for i in range(32)
+    ]
+    (root / "data" / "train.jsonl").write_text("\n".join(records) + "\n")
+    return root
+
+
+def seed_004_config(workspace: Path, out: Path, **changes) -> Path:
+    """The seed's config (examples/finetune_config.json, comments and all) pointed at the tiny
+    model, the data and `out`, with `changes` applied as `--set` would."""
+    text = (ROOT / "examples" / "finetune_config.json").read_text()
+    text = text.replace('"meta-llama/Llama-3.2-3B"', json.dumps(str(workspace / "tiny")))
+    text = text.replace('"data/train.jsonl"', json.dumps(str(workspace / "data" / "train.jsonl")))
+    text = text.replace('"eval_file": "data/eval.jsonl",', "")
+    text = text.replace('"models/checkpoints"', json.dumps(str(out)))
+    path = out.parent / f"{out.name}.json"
+    path.write_text(text)
+    return path
+
+
+def test_a_budget_nothing_fits_says_the_fix_in_words(capsys, workspace, tmp_path):
+    """memory_budget below what micro-batch 1 with every saver needs, where no setting of the
+    config lowers the estimate enough: exit 3 before anything loads or is written, and the
+    message says what would change it (a larger memory_budget) as a sentence, not an empty list
+    followed by 'or'."""
+    out = tmp_path / "out"
+    config = seed_004_config(workspace, out)
+    code, _, err = cli(
+        capsys, "finetune", "--config", str(config), "--set", "memory_budget=100MiB",
+        "--set", "max_seq_length=32",
+    )  # fmt: skip
+    assert code == 3, err
+    message = " ".join(err.split())
+    assert "memory_budget: the estimate at micro-batch 1" in message
+    assert "): or a larger" not in message, message
+    assert "what would change it" in message and "a larger `memory_budget`" in message
+    assert not out.exists()

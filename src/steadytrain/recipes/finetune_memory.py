@@ -195,12 +195,19 @@ def refusal(config: FinetuneConfig, device_type: str, budget: int | None) -> str
         config.gradient_accumulation_steps * config.per_device_train_batch_size,
         current=result,
     )
-    what = "; ".join([*lines(found, CONFIG), "or a larger `memory_budget`"])
+    changes = lines(found, CONFIG)
+    what = (
+        "what would change it (the estimate at each): "
+        + "; ".join([*changes, "or a larger `memory_budget`"])
+        if changes
+        else "no setting of this config lowers the estimate; what would change it: a smaller "
+        "model, or a larger `memory_budget`"
+    )
     return (
         f"memory_budget: the estimate at micro-batch 1 with every memory saver this config "
         f"allows is {format_bytes(result.total)}, over the budget of {format_bytes(budget)} "
         f"(memory_budget: {config.to_train_config().memory_budget}), so no micro-batch keeps "
-        f"the run within it; what would change it (the estimate at each): {what}"
+        f"the run within it; {what}"
     )
 
 

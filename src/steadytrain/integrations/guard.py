@@ -183,6 +183,8 @@ class RunGuard:
         **fit_info: Any,
     ) -> RunGuard:
         """Write config.json, record ``fit_start``, install the signal handlers, start watching.
+        A config.json a model saved there (Hugging Face's ``save_model()`` writes its own into
+        ``output_dir``) is kept: the run's config is then in the ``fit_start`` event alone.
         `fit_frame`: the frame whose return ends the run (the watchdog stands down then)."""
         if self.started:
             return self
@@ -197,11 +199,12 @@ class RunGuard:
         else:
             self.device = self.device_spec
         self.watchdog.device = self.device
-        write_atomic(
-            self.run_dir / run_files.CONFIG,
-            json.dumps(self.config, indent=1, default=str),
-            root=run_files.top(self.run_dir),
-        )
+        if not _saved_model_config(self.run_dir / run_files.CONFIG):
+            write_atomic(
+                self.run_dir / run_files.CONFIG,
+                json.dumps(self.config, indent=1, default=str),
+                root=run_files.top(self.run_dir),
+            )
         reading = self.device.memory().to_dict()
         info = {
             "device": str(self.device.torch_device),
@@ -389,3 +392,15 @@ def _budget_spec(value: str | float) -> int | float:
     if value == "auto":
         return DEFAULT_BUDGET_FRACTION
     return parse_bytes(value) if isinstance(value, str) else value
+
+
+def _saved_model_config(path: Path) -> bool:
+    """True when `path` is a model's config.json (a plain file naming a ``model_type``), as
+    Hugging Face's ``save_model()`` leaves in ``output_dir``: not the guard's to replace."""
+    if path.is_symlink() or not path.is_file():
+        return False  # a link is refused by the writer, naming it
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and isinstance(saved.get("model_type"), str)

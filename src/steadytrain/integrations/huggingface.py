@@ -4,8 +4,10 @@ What the callback does to the trainer it is given to (at ``on_init_end``, so it 
 the constructor, not added later):
 
 * ``train()`` resumes by itself from the newest ``OUTPUT_DIR/checkpoint-N`` that verifies against
-  the manifest this callback wrote after Hugging Face saved it (`resume_from_checkpoint` given by
-  the user wins); one without a manifest, or that fails it, is skipped with an event.
+  the manifest this callback wrote after Hugging Face saved it; one without a manifest, or that
+  fails it, is skipped with an event. `resume_from_checkpoint` given by the user wins, except a
+  ``checkpoint-N`` of ``output_dir`` that fails its manifest while an older one verifies (run_clm
+  passes ``get_last_checkpoint(output_dir)``, the newest by number, half-written or not).
 * Out of memory, with ``auto_find_batch_size``: Hugging Face retries its loop at 0.9 times the
   batch, and the batch the optimizer sees shrinks with it. Here the retry runs at the largest
   divisor of the asked effective batch at most half the micro-batch that failed, with the
@@ -38,7 +40,7 @@ from steadytrain.integrations.guard import (
     max_micro_batch,
     module_sizes,
 )
-from steadytrain.integrations.manifest import newest_verified
+from steadytrain.integrations.manifest import newest_verified, problems
 from steadytrain.safety.signals import stop_exit
 
 try:
@@ -107,6 +109,10 @@ class SteadytrainCallback(_Base):
         if resume_from_checkpoint in (None, True) and self.auto_resume:
             found = newest_verified(_checkpoints(output_dir), self.guard.record)
             resume_from_checkpoint = str(found[1]) if found else None
+        else:
+            resume_from_checkpoint = _verified_instead(
+                resume_from_checkpoint, output_dir, self.guard.record
+            )
         self.micro = divisor_at_most(self.effective_batch, max_micro_batch() or self.asked_micro)
         self.guard.state.micro_batch_size = self.micro
         self.guard.state.effective_batch_size = self.effective_batch
@@ -246,6 +252,33 @@ def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return found
+
+
+def _verified_instead(given: Any, output_dir: Path, record) -> Any:
+    """The checkpoint to resume from when the caller named one. A `checkpoint-N` of
+    `output_dir` that fails its manifest (half-written when the process was killed: what
+    run_clm's ``get_last_checkpoint`` picks, the newest by number) gives way to the newest older
+    one that verifies, each skipped one recorded; with none verified, or any other path, the
+    caller's choice stands."""
+    if not isinstance(given, (str, Path)):
+        return given
+    path = Path(given)
+    match = _CHECKPOINT.match(path.name)
+    if match is None or not path.is_dir() or not _same_folder(path.parent, output_dir):
+        return given
+    if not problems(path):
+        return given
+    step = int(match.group(1))
+    older = [(s, p) for s, p in _checkpoints(output_dir) if s <= step]
+    found = newest_verified(older, record)
+    return str(found[1]) if found else given
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def _calling_trainer() -> Any:

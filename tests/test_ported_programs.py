@@ -1,0 +1,223 @@
+"""Public training programs ported by following README.md, docs/porting.md and
+docs/integrations.md as written: transformers' run_clm script with its own checkpoint detection
+kept, and a plain loop over a stream whose torch.autocast stays in the loss function."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import llama_config
+from torch.utils.data import DataLoader
+
+from steadytrain import TrainConfig, Trainer
+from steadytrain.telemetry.files import read_jsonl
+
+# -- transformers' run_clm.py -------------------------------------------------------------------
+
+BLOCK = 16
+
+
+def grouped_bytes(start: int, stop: int) -> list[dict]:
+    """run_clm's tokenize + group_texts, bytes for tokens: the text of a standard module."""
+    ids = list(Path(os.__file__).read_bytes()[start:stop])
+    return [
+        {"input_ids": torch.tensor(ids[i : i + BLOCK]), "labels": torch.tensor(ids[i : i + BLOCK])}
+        for i in range(0, len(ids) - BLOCK + 1, BLOCK)
+    ]
+
+
+def run_clm(output_dir: Path, max_steps: int, callbacks=()) -> dict:
+    """run_clm.py's main(), small: its last-checkpoint detection, TrainingArguments with eval and
+    save strategies, gradient accumulation and a cosine schedule, train(resume_from_checkpoint=
+    last_checkpoint), save_model(). The one added line: SteadytrainCallback(). Returns the
+    trained parameters."""
+    from transformers import LlamaForCausalLM, TrainingArguments, default_data_collator
+    from transformers import Trainer as HuggingFaceTrainer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from steadytrain.integrations.huggingface import SteadytrainCallback
+
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        seed=42,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    last_checkpoint = None
+    if os.path.isdir(args.output_dir):
+        last_checkpoint = get_last_checkpoint(args.output_dir)
+    torch.manual_seed(args.seed)
+    model = LlamaForCausalLM(llama_config(vocab_size=256, max_position_embeddings=BLOCK))
+    trainer = HuggingFaceTrainer(
+        model=model,
+        args=args,
+        train_dataset=grouped_bytes(0, 1024),
+        eval_dataset=grouped_bytes(1024, 1024 + 4 * BLOCK),
+        data_collator=default_data_collator,
+        callbacks=[SteadytrainCallback(), *callbacks],
+    )
+    trainer.train(resume_from_checkpoint=last_checkpoint)
+    trainer.save_model()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def run_clm_reference(tmp_path_factory) -> dict:
+    pytest.importorskip("transformers")
+    return run_clm(tmp_path_factory.mktemp("run_clm") / "reference", 4)
+
+
+def test_run_clm_s_own_newest_checkpoint_half_written_gives_way_to_a_verified_one(
+    tmp_path, run_clm_reference
+):
+    """run_clm passes get_last_checkpoint(output_dir), the newest checkpoint-N by number, to
+    train(): one a kill left half-written made Hugging Face fail to load it (a traceback, and the
+    same again on every restart). The callback resumes from the newest that verifies instead,
+    and the run ends at the uninterrupted run's parameters."""
+    out = tmp_path / "out"
+    run_clm(out, 4)
+    with open(out / "checkpoint-4" / "model.safetensors", "r+b") as torn:
+        torn.truncate(100)
+    (out / "checkpoint-4" / "steadytrain-manifest.json").unlink()
+
+    params = run_clm(out, 4)
+
+    events = read_jsonl(out / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "checkpoint_skipped"] == [4]
+    assert [e for e in events if e["event"] == "resume"][-1]["checkpoint"].endswith("checkpoint-2")
+    for name, value in run_clm_reference.items():
+        assert torch.equal(params[name], value), name
+
+
+def test_the_model_run_clm_saved_in_output_dir_still_loads_after_a_rerun_fails(tmp_path):
+    """trainer.save_model() writes the model's config.json into output_dir, where the callback
+    writes the run's config.json when train() starts: a rerun that stopped before its own
+    save_model() (a crash, a kill) left a folder from_pretrained refused ("Unrecognized model").
+    The model's config.json is kept."""
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            raise RuntimeError("the rerun's own error")
+
+    out = tmp_path / "out"
+    run_clm(out, 2)
+    with pytest.raises(RuntimeError, match="the rerun's own error"):
+        run_clm(out, 2, callbacks=[Crash()])
+
+    AutoModelForCausalLM.from_pretrained(out)  # the saved model, as run_clm left it
+    starts = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "fit_start"]
+    assert starts[-1]["config"]["library"] == "transformers"  # the run's config is recorded
+
+
+# -- a plain loop: a stream, bf16 autocast, clipping, a LambdaLR ---------------------------------
+
+STEPS, BATCH = 12, 8
+WEIGHTS = torch.linspace(-1, 1, 8).reshape(8, 1)
+
+
+def sample(i: int):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(8, generator=g)
+    return x, x @ WEIGHTS + 0.1 * torch.randn(1, generator=g)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        i = 0
+        while True:
+            yield sample(i)
+            i += 1
+
+
+class Indexed(torch.utils.data.Dataset):
+    """The stream as docs/porting.md 'Streams' says: sample i made from i, a length past the run."""
+
+    def __len__(self):
+        return 10**12
+
+    def __getitem__(self, i):
+        return sample(i)
+
+
+def warm_then_halve(step: int) -> float:
+    return min(1.0, (step + 1) / 4) * 0.5 ** (step // 6)
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+
+def own_loop() -> torch.nn.Module:
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warm_then_halve)
+    for step, (x, y) in enumerate(DataLoader(Stream(), batch_size=BATCH)):
+        if step == STEPS:
+            break
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+    return model
+
+
+def port(run_dir: Path, autocast_in_loss_fn: bool, precision: str) -> torch.nn.Module:
+    model = mlp()
+
+    def loss_fn(model, batch):
+        x, y = batch
+        if not autocast_in_loss_fn:
+            return F.mse_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # left as the loop had it
+            return F.mse_loss(model(x), y)
+
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=BATCH,
+        micro_batch_size=BATCH,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        precision=precision,
+        seed=None,
+        device="cpu",
+        progress="off",
+        memory_watch=False,
+    )
+    Trainer(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=3e-3),
+        loss_fn,
+        DataLoader(Indexed(), batch_size=BATCH),
+        config,
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, warm_then_halve),
+    ).fit()
+    return model
+
+
+def test_a_loop_s_autocast_kept_in_loss_fn_or_given_as_precision_trains_as_the_loop(tmp_path):
+    """docs/porting.md 'Mixed precision': the loop's torch.autocast left in loss_fn (the config's
+    precision fp32), or removed for precision bf16, gives the loop's parameters bit for bit."""
+    loop = own_loop().state_dict()
+    for name, (kept, precision) in {"kept": (True, "fp32"), "config": (False, "bf16")}.items():
+        ported = port(tmp_path / name, kept, precision).state_dict()
+        assert all(torch.equal(ported[k], v) for k, v in loop.items()), name

@@ -129,3 +129,32 @@ def test_a_budget_nothing_fits_says_the_fix_in_words(capsys, workspace, tmp_path
     assert "): or a larger" not in message, message
     assert "what would change it" in message and "a larger `memory_budget`" in message
     assert not out.exists()
+
+
+def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
+    capsys, workspace, tmp_path
+):
+    """The seed's troubleshooting ladder ("Solution 4: reduce LoRA rank", r 16 -> 8) applied to
+    the output_dir of a run that finished: refused (exit 2) before anything is written, naming
+    the change and calling the run what it is, finished at its last step, not interrupted; the
+    dry-run says the same and that a rerun trains nothing more unless the run is lengthened."""
+    out = tmp_path / "out"
+    config = seed_004_config(workspace, out)
+    short = ["--set", "max_steps=2", "--set", "save_steps=2"]
+    code, _, err = cli(capsys, "finetune", "--config", str(config), *short)
+    assert code == 0, err
+    log = (out / "training.log").read_text()
+    code, _, err = cli(capsys, "finetune", "--config", str(config), *short, "--set", "lora.r=8")
+    assert code == 2, err
+    message = " ".join(err.split())
+    assert f"resume: {out} holds a finished run (step 2 of 2)" in message, message
+    assert "lora.r: 16 -> 8" in message
+    assert "interrupted" not in message
+    assert (out / "training.log").read_text() == log  # nothing written
+    code, said, _ = cli(capsys, "finetune", "--config", str(config), *short, "--dry-run")
+    assert code == 0
+    said = " ".join(said.split())
+    assert (
+        f"{out} holds a finished run (step 2 of 2): the fine-tune resumes it at its last step"
+        in said
+    )

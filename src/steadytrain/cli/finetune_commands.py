@@ -13,6 +13,7 @@ import typer
 
 from steadytrain import run_files
 from steadytrain.recipes.finetune_config import FinetuneConfig, load_config_file
+from steadytrain.recipes.finetune_resume import held_run
 
 # Keys only a fine-tune config has: a file holding one of them is read as a fine-tune config.
 FINETUNE_KEYS = ("model_name_or_path", "train_file", "per_device_train_batch_size", "output_dir")
@@ -80,7 +81,16 @@ def _files(config: FinetuneConfig) -> list[str]:
     checkpoints = out / run_files.CHECKPOINTS
     lines = []
     if (checkpoints / run_files.LATEST).exists():
-        lines.append(f"{out} holds an interrupted run: the fine-tune resumes it")
+        held = held_run(out)
+        lines.append(
+            f"{out} holds {held}: the fine-tune resumes it"
+            + (
+                " at its last step (a raised max_steps or num_train_epochs trains further) and "
+                "writes final/ again"
+                if held.startswith("a finished")
+                else ""
+            )
+        )
     every = config.to_train_config().save_every_steps
     lines += [
         f"{out / run_files.CONFIG}, {out / run_files.TRAINING_CONFIG}: the resolved configs",

@@ -56,7 +56,7 @@ def resume_changes(config: FinetuneConfig, run_dir: Path) -> list[str]:
     ]
     if refused:
         raise BadInputError(
-            f"resume: {run_dir} holds an interrupted run; "
+            f"resume: {run_dir} holds {held_run(run_dir)}; "
             + ("this change makes" if len(refused) == 1 else "these changes make")
             + " it another run:\n  "
             + "\n  ".join(refused)
@@ -133,6 +133,23 @@ def _recorded(run_dir: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def held_run(run_dir: Path) -> str:
+    """The run `run_dir` holds, in words, from its newest checkpoint's saved step: 'a finished
+    run (step 8 of 8)', 'an interrupted run (step 22 of 400)', or 'a run' where that cannot be
+    read. A finished run resumes too: at its last step, training nothing unless its length is
+    raised."""
+    checkpoints = run_dir / run_files.CHECKPOINTS
+    try:
+        name = (checkpoints / run_files.LATEST).read_text(encoding="utf-8").strip()
+        state = checkpoints / name / "trainer_state.json"  # checkpoint.state.STATE_FILE
+        saved = json.loads(state.read_text(encoding="utf-8"))
+        step, last = int(saved["state"]["step"]), int(saved["state"]["max_steps"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return "a run"
+    kind = "a finished run" if step >= last else "an interrupted run"
+    return f"{kind} (step {step} of {last})"
+
+
 def _batch_refusal(
     old: int, recorded: dict[str, Any], config: FinetuneConfig, run_dir: Path
 ) -> str:
@@ -147,7 +164,7 @@ def _batch_refusal(
         f"gradient_accumulation_steps {recorded.get(BATCH[1])}"
     )
     return (
-        f"resume: {run_dir} holds an interrupted run with an effective batch of {old} ({was}); "
+        f"resume: {run_dir} holds {held_run(run_dir)} with an effective batch of {old} ({was}); "
         f"this config gives {config.effective_batch_size} ({now}), which makes it another run. "
         f"To go on with less memory keep the product at {old}: {keep}. To change the batch on "
         f'purpose, add "resume_overrides": ["effective_batch_size"] to the config, or use a '
@@ -155,4 +172,4 @@ def _batch_refusal(
     )
 
 
-__all__ = ["resume_changes"]
+__all__ = ["held_run", "resume_changes"]

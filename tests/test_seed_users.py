@@ -158,3 +158,26 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         f"{out} holds a finished run (step 2 of 2): the fine-tune resumes it at its last step"
         in said
     )
+
+
+def test_plan_given_the_config_file_or_the_models_config_json_names_what_to_give(
+    capsys, workspace, tmp_path
+):
+    """After `steadytrain estimate my-run.json` works, the user tries `plan` the same way, and
+    `estimate` on the model's config.json: exit 2, each naming what to give instead (the dry-run
+    for a fine-tune config, the folder for a config.json), with no traceback."""
+    config = seed_004_config(workspace, tmp_path / "out")
+    code, _, err = cli(capsys, "plan", str(config), "--effective-batch", "8")
+    assert code == 2
+    message = " ".join(err.split())
+    assert f"{config} is a fine-tune config, not a model folder" in message
+    assert f"steadytrain finetune --config {config} --dry-run" in message
+    assert f"steadytrain plan {workspace / 'tiny'} --effective-batch N" in message
+    code, _, err = cli(capsys, "estimate", str(workspace / "tiny" / "config.json"))
+    assert code == 2
+    message = " ".join(err.split())
+    assert (
+        f"is the model's config file; pass the folder that holds it: '{workspace / 'tiny'}'"
+        in message
+    )
+    assert "Traceback" not in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -17,6 +18,7 @@ import typer
 from steadytrain._units import format_bytes, format_count
 from steadytrain.cli.options import settings_command
 from steadytrain.cli.readable import readable_console
+from steadytrain.errors import BadInputError
 from steadytrain.memory.settings import Settings, from_options
 
 if TYPE_CHECKING:
@@ -126,9 +128,25 @@ def plan_command(
     """`steadytrain plan`: the analytic estimate, then (on CUDA by default, elsewhere with
     --probe) a probe of the model built from its config with random weights on this device,
     then the plan. Exit 0 with a plan, 3 when nothing fits, 2 bad input."""
+    from steadytrain.cli.finetune_commands import is_finetune_file
     from steadytrain.memory.config_plan import plan_for_config
     from steadytrain.memory.estimate import load_config
 
+    if is_finetune_file(model):  # plan takes a model; a fine-tune config's plan is its dry-run
+        from steadytrain.recipes.finetune_config import load_config_file
+
+        base = load_config_file(Path(model)).get("model_name_or_path")
+        raise BadInputError(
+            f"model: {model} is a fine-tune config, not a model folder; its plan is printed by "
+            f"`steadytrain finetune --config {model} --dry-run` (the planner's with "
+            f"micro_batch_size: auto), its memory by `steadytrain estimate {model}`; or give "
+            "plan the model's folder: "
+            + (
+                f"`steadytrain plan {base} --effective-batch N`"
+                if isinstance(base, str)
+                else "its model_name_or_path"
+            )
+        )
     if effective_batch_size is not None:
         given["effective_batch_size"] = effective_batch_size
     settings = from_options("plan", given)

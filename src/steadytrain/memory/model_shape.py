@@ -66,6 +66,11 @@ def load_config(model: str):
     path = Path(model).expanduser()
     looks_local = path.exists() or model.startswith((".", "/", "~")) or os.sep + os.sep in model
     if looks_local:
+        if path.is_file() and path.name == "config.json":
+            raise BadInputError(
+                f"model: {model!r} is the model's config file; pass the folder that holds it: "
+                f"{str(path.parent)!r}"
+            )
         if not path.is_dir():
             raise BadInputError(
                 f"model: {model!r} is not a directory; pass a local model directory holding "

@@ -221,3 +221,45 @@ def test_a_loop_s_autocast_kept_in_loss_fn_or_given_as_precision_trains_as_the_l
     for name, (kept, precision) in {"kept": (True, "fp32"), "config": (False, "bf16")}.items():
         ported = port(tmp_path / name, kept, precision).state_dict()
         assert all(torch.equal(ported[k], v) for k, v in loop.items()), name
+
+
+@pytest.mark.parametrize(
+    ("field", "given", "called"),
+    [
+        ("loss_fn", {"loss_fn": lambda batch: batch[0].sum()}, "loss_fn(model, batch)"),
+        ("eval_fn", {"eval_fn": lambda batches: {"n": 1.0}}, "eval_fn(model, batches)"),
+    ],
+)
+def test_a_function_that_cannot_take_what_the_trainer_passes_exits_5_naming_it(
+    tmp_path, capsys, field, given, called
+):
+    """A loop's body moved into loss_fn(batch), or test(loader) into eval_fn(batches), without
+    the model: the call failed inside steadytrain's frame, so @entrypoint printed a traceback
+    and exited 1 (an internal error). It exits 5 before training, naming the function, what it
+    takes and the call steadytrain makes."""
+    import steadytrain
+
+    parts = {"loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), **given}
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+
+    @steadytrain.entrypoint
+    def main():
+        config = TrainConfig(run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu")
+        return Trainer(
+            mlp(),
+            lambda params: torch.optim.SGD(params, lr=0.1),
+            parts["loss_fn"],
+            data,
+            config,
+            eval_data=data,
+            eval_fn=parts.get("eval_fn"),
+        ).fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 5, err
+    assert "Traceback" not in err
+    assert f"{field} <lambda> (test_ported_programs.py:" in err
+    assert "takes (batch" in err and f"steadytrain calls {called}" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -26,6 +26,7 @@ from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.default_callbacks import DefaultCallbacks, RecordAtStart, record_and_show
 from steadytrain.device import Device, resolve_device, seed_everything
 from steadytrain.engine import Loop, OptimizerBatchSampler, StepRunner, resolve_precision
+from steadytrain.engine.accumulation import check_takes
 from steadytrain.engine.compiling import (
     check_compiler,
     compile_blocks,
@@ -131,6 +132,9 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
             None if eval_data is None else data_source(eval_data, collate_fn, None, "eval_data")
         )
         self.eval_fn = eval_fn
+        check_takes(loss_fn, ("model", "batch"), "loss_fn")
+        if eval_fn is not None:
+            check_takes(eval_fn, ("model", "batches"), "eval_fn")
         self.user_state = check_user_state(user_state)
         carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
         check_callbacks([*self.user_callbacks, *carried])  # each on_* method names an event

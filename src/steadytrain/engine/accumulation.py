@@ -10,8 +10,10 @@ by the batch's total count (`divide_and_clip`), so padding and uneven splits do 
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +94,29 @@ def check_loss_output(out: Any) -> None:
     _check_loss(out[0] if is_pair and len(out) == 2 else out, is_pair, len(out) if is_pair else 2)
     if is_pair:
         _check_count(out[1])
+
+
+def check_takes(fn: Any, params: tuple[str, ...], where: str) -> None:
+    """Refuse, before training, a function the engine calls with `params` (positionally) that
+    cannot take them: ``loss_fn(batch)`` for ``loss_fn(model, batch)``. Such a call fails
+    inside steadytrain's frame, where the error would not read as the user's."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object inspect cannot read: used as it is
+        return
+    try:
+        signature.bind(*params)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            name += f" ({Path(code.co_filename).name}:{code.co_firstlineno})"
+        wanted = ", ".join(params)
+        raise UserCodeError(
+            f"{where} {name} takes {signature}, but steadytrain calls {where}({wanted}) "
+            f"({exc}): give it the parameters ({wanted}), in that order",
+            where=where,
+        ) from None
 
 
 def _check_count(count: Any) -> None:

@@ -10,11 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import save_byte_llama
 
+from steadytrain import Trainer
 from steadytrain.cli import main as cli_main
 from steadytrain.config import TrainConfig
 from steadytrain.errors import ConfigError
+from steadytrain.telemetry.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,3 +184,51 @@ def test_plan_given_the_config_file_or_the_models_config_json_names_what_to_give
         in message
     )
     assert "Traceback" not in err
+
+
+# -- seed 000: a PyTorch script whose memory budget is below what the process already holds ------
+
+
+class Images(torch.utils.data.Dataset):
+    """Small seeded images and labels, as the seed's image classifier trains on."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(3, 8, 8, generator=g), torch.tensor(i % 4)
+
+
+def image_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_a_budget_below_what_the_process_holds_is_said_so_by_the_plan(tmp_path):
+    """memory_budget below what the process already holds before the first pass (the
+    interpreter and torch alone are hundreds of MiB on CPU): the plan's reasons say the run is
+    already over its budget and what to set, not that 'the peak may reach' a limit above it."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
+    config = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        effective_batch_size=8,
+        micro_batch_size="auto",
+        max_steps=1,
+        memory_budget="1MiB",
+        device="cpu",
+        progress="off",
+    )
+    Trainer(
+        model=model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        loss_fn=image_loss,
+        train_data=Images(),
+        config=config,
+    ).fit()
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    (plan,) = [e for e in events if e.get("event") == "plan"]
+    said = " ".join(plan["reasons"])
+    assert "already over the budget before the first pass" in said, said
+    assert "set memory_budget above what is in use" in said
+    assert "the peak may reach" not in said

@@ -158,6 +158,13 @@ class Room:
         )
 
     def describe(self) -> str:
+        if self.budget is not None and self.in_use is not None and self.in_use >= self.budget:
+            return (
+                f"budget {format_bytes(self.budget)}, {format_bytes(self.in_use)} in use: "
+                "already over the budget before the first pass (the process, its libraries, "
+                "the model and the data), so no micro-batch can keep the run within it; set "
+                "memory_budget above what is in use"
+            )
         return (
             f"budget {format_bytes(self.budget)}, {format_bytes(self.in_use)} in use: the peak "
             f"may reach {format_bytes(self.limit)} ({self.margin:.0%} of the room above what is "

@@ -263,3 +263,43 @@ def test_a_function_that_cannot_take_what_the_trainer_passes_exits_5_naming_it(
     assert f"{field} <lambda> (test_ported_programs.py:" in err
     assert "takes (batch" in err and f"steadytrain calls {called}" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_loop_s_own_scheduler_beside_an_optimizer_function_is_refused_naming_both(
+    tmp_path, capsys
+):
+    """mnist/main.py builds `optimizer` and `StepLR(optimizer, ...)`; a port that gives the
+    Trainer `lambda params: Adadelta(params, ...)` and that StepLR stepped the loop's optimizer,
+    not the run's: the run trained at its first learning rate throughout, silently. It exits 2
+    before training, naming the scheduler and both ways to fix it."""
+    import steadytrain
+
+    model = mlp()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)  # the loop's, kept
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+
+    @steadytrain.entrypoint
+    def main():
+        config = TrainConfig(
+            run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu", progress="off"
+        )
+        return Trainer(
+            model,
+            lambda params: torch.optim.Adadelta(params, lr=1.0),
+            lambda model, batch: F.mse_loss(model(batch[0]), batch[1]),
+            data,
+            config,
+            scheduler=scheduler,
+        ).fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "Traceback" not in err
+    assert (
+        "scheduler: this StepLR was built on an optimizer (Adadelta) that is not the run's" in err
+    )
+    assert "scheduler=lambda opt: StepLR(opt, ...)" in err
+    assert not (tmp_path / "run").exists()  # a refused start leaves nothing of its own

@@ -304,6 +304,7 @@ def make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
         callable(scheduler) and not hasattr(scheduler, "state_dict")
     )
     if not factory:
+        _check_same_optimizer(scheduler, optimizer)
         return scheduler
     try:
         return scheduler(optimizer)
@@ -316,6 +317,23 @@ def make_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
             f"pass a function, e.g. scheduler=lambda opt: {name}(opt, ...), or a scheduler "
             "built on the same optimizer"
         ) from None
+
+
+def _check_same_optimizer(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a scheduler built on another optimizer than the run's (a loop's own optimizer,
+    with a function given for the Trainer's): it would set that one's learning rate, and the
+    run would train at the first one throughout, silently."""
+    own = getattr(scheduler, "optimizer", None)
+    if not isinstance(own, torch.optim.Optimizer) or own is optimizer:
+        return
+    name = type(scheduler).__name__
+    raise BadInputError(
+        f"scheduler: this {name} was built on an optimizer ({type(own).__name__}) that is not "
+        f"the run's ({type(optimizer).__name__}, from `optimizer`): stepping it would change "
+        "that one's learning rate and the run would keep its first learning rate throughout. "
+        "Pass the optimizer it was built on as `optimizer`, or the scheduler as a function of "
+        f"the run's optimizer: scheduler=lambda opt: {name}(opt, ...)"
+    )
 
 
 def _one_step_per_batch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -346,10 +347,46 @@ def test_command_json_and_exit_codes(tmp_path, capsys):
         "logits and loss",
         "framework/allocator overhead",
     ]
-    code = estimate_command(str(tmp_path), seq=64, memory="512MiB", json_output=True)
+    code = estimate_command(str(tmp_path), seq=64, memory="300MiB", json_output=True)
     assert code == 3 and json.loads(capsys.readouterr().out)["fits"] is False
     with pytest.raises(BadInputError, match="--memory"):
         estimate_command(str(tmp_path), memory="sixteen")
+
+
+def test_a_tiny_fine_tune_on_cpu_is_held_to_what_its_process_really_takes(
+    tmp_path, capsys, monkeypatch
+):
+    """On CPU memory_budget is what the whole process may use. A tiny Llama's fine-tune peaks
+    near 400 MiB resident with a CPU-only torch and near 1 GiB with one built for CUDA
+    (OVERHEAD_FIXED_CPU*), so `finetune --dry-run` at 450 MiB says it fits with the first and
+    not with the second, and under 400 MiB with neither."""
+    from tiny_models import save_byte_llama
+
+    from steadytrain.cli import main
+
+    save_byte_llama(tmp_path / "tiny")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    config = {
+        "model_name_or_path": str(tmp_path / "tiny"),
+        "train_file": str(tmp_path / "train.jsonl"),
+        "max_seq_length": 32,
+        "device": "cpu",
+        "lora": {"r": 4},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "finetune.json").write_text(json.dumps(config))
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    for cuda, budget, code in ((None, 450, 0), (None, 390, 3), ("13.0", 450, 3), ("13.0", 1100, 0)):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        capsys.readouterr()
+        given = ["--config", str(tmp_path / "finetune.json"), "--set", f"memory_budget={budget}MiB"]
+        with pytest.raises(SystemExit) as done:
+            main(["finetune", "--dry-run", *given])
+        said = capsys.readouterr()
+        assert done.value.code == code, (cuda, said.out + said.err)
+        verdict = "fits" if code == 0 else "does not fit"
+        of = f"{budget / 1024:.2f} GiB" if budget >= 1024 else f"{budget}.00 MiB"
+        assert re.search(rf"peak: estimated [\d.]+ [MG]iB of {of}: {verdict}", said.out), said.out
 
 
 def test_command_table_says_does_not_fit_with_knobs(tmp_path):

@@ -32,9 +32,10 @@ ASSUMED_CHUNKED = 1.1
 vocabulary (docs/benchmarks.md)."""
 ANALYTIC_MARGIN = 1.0
 """Without a probe the plan takes the whole budget, as `estimate` does: the analytic total
-already carries the estimate's overhead margin (10-30 % of the peak + 512 MiB), so `--memory X`
-means the same X to both commands. `--margin` still applies when given; the device margins
-(`MARGINS`) are for the peaks a probe measures, which have no overhead in them."""
+already carries the estimate's overhead margin (10-30 % of the peak + 512 MiB; on CPU 400 MiB or
+1 GiB, by torch's build), so `--memory X` means the same X to both commands. `--margin` still
+applies when given; the device margins (`MARGINS`) are for the peaks a probe measures, which have
+no overhead in them."""
 CHECKPOINTING = {"auto": "auto", "on": True, "off": False, OFFLOAD: OFFLOAD}
 """`--checkpointing` in the config's terms (activation_checkpointing: auto, true, false,
 offload)."""

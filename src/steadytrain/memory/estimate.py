@@ -75,6 +75,7 @@ __all__ = [  # the names other modules and users import from here
     "Settings",
     "attention_kernel",
     "count_parameters",
+    "cpu_runtime_bytes",
     "estimate",
     "load_config",
     "shape_of",
@@ -98,6 +99,19 @@ fixed share for the runtime itself (CUDA context or Metal/MPS driver state, torc
 buffers). On an H100 (bench/estimate_accuracy.py) reserved over allocated was 1.04-1.14 without
 activation checkpointing and 1.06-1.36 with it (recomputation churns the cache). A planning
 margin, not a measurement."""
+OVERHEAD_FIXED_CPU = 400 * 2**20
+"""The fixed share on CPU with a CPU-only torch build. On CPU the budget is what the training
+process may use in total, so the share is the process itself: its resident memory but the tensors
+the rows count. Measured (a fresh process, Linux x86_64, torch 2.13.0+cpu, transformers 5.24,
+Python 3.11): 254 MiB after importing torch, transformers and steadytrain, 367 MiB after building
+a tiny Llama (35k parameters) and one forward/backward, and a peak of 395 MiB (ru_maxrss) for
+`steadytrain finetune` of that model (LoRA, 20 steps, a checkpoint)."""
+OVERHEAD_FIXED_CPU_GPU_BUILD = 2**30
+"""The fixed share on CPU with a torch built for a GPU (CUDA; ROCm taken as the same), whose
+libraries the process loads even where it trains on the CPU. Measured as above with torch
+2.11.0+cu130 (transformers 5.17, Python 3.12, CUDA_VISIBLE_DEVICES empty or not): 491 MiB after
+importing torch, 829 MiB after the tiny Llama's forward/backward, and a peak of 983 MiB for the
+same `steadytrain finetune`."""
 RUNTIME = {
     "cuda": "runtime: the CUDA context and torch's buffers",
     "mps": "runtime: Metal driver state and torch's buffers",
@@ -187,7 +201,7 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
     measured = None if known else _measured(config, shape, s, notes)
     if known or measured is not None:
         peak, phase, peak_formula, extra = _peak(shape, counts, s, costs, notes, measured)
-        overhead = int(_overhead_fraction(s) * peak) + OVERHEAD_FIXED
+        overhead = int(_overhead_fraction(s) * peak) + _overhead_fixed(s)
         total = peak + overhead
     else:
         peak = overhead = total = phase = peak_formula = None
@@ -424,11 +438,24 @@ def _overhead_fraction(s: Settings) -> float:
     return OVERHEAD_FRACTION_CHECKPOINTING if s.checkpointing else OVERHEAD_FRACTION
 
 
+def _overhead_fixed(s: Settings) -> int:
+    return cpu_runtime_bytes() if s.device_type == "cpu" else OVERHEAD_FIXED
+
+
+def cpu_runtime_bytes() -> int:
+    """The fixed share of a run on CPU with this machine's torch build: `OVERHEAD_FIXED_CPU`, or
+    `OVERHEAD_FIXED_CPU_GPU_BUILD` for a torch built for CUDA or ROCm."""
+    import torch
+
+    gpu_build = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+    return OVERHEAD_FIXED_CPU_GPU_BUILD if gpu_build else OVERHEAD_FIXED_CPU
+
+
 def _overhead_row(s: Settings, overhead: int | None) -> Row:
     formula = (
         f"{_overhead_fraction(s):.0%} of the peak (allocator rounding, fragmentation"
         f"{', more with checkpointing' if s.checkpointing else ''}) + "
-        f"{format_bytes(OVERHEAD_FIXED)} ({RUNTIME.get(s.device_type, RUNTIME['cpu'])})"
+        f"{format_bytes(_overhead_fixed(s))} ({RUNTIME.get(s.device_type, RUNTIME['cpu'])})"
     )
     return Row("framework/allocator overhead", overhead, formula)
 

@@ -303,3 +303,31 @@ def test_a_loop_s_own_scheduler_beside_an_optimizer_function_is_refused_naming_b
     )
     assert "scheduler=lambda opt: StepLR(opt, ...)" in err
     assert not (tmp_path / "run").exists()  # a refused start leaves nothing of its own
+
+
+def test_an_optimizer_built_on_another_instance_of_the_model_is_refused(tmp_path, capsys):
+    """A port that builds the model again (to reseed it) and passes the loop's optimizer, built on
+    the first instance: every step updated that one and the model given to the Trainer never
+    trained, silently. It exits 2 before training, naming the optimizer and the fix."""
+    import steadytrain
+
+    optimizer = torch.optim.Adadelta(mlp().parameters(), lr=1.0)  # the loop's, on its model
+    model = mlp()  # built again for the port
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+
+    @steadytrain.entrypoint
+    def main():
+        config = TrainConfig(
+            run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu", progress="off"
+        )
+        loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+        return Trainer(model, optimizer, loss_fn, data, config).fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "Traceback" not in err
+    assert "optimizer: this Adadelta holds 4 parameter tensor(s), none of them the model's" in err
+    assert "optimizer=lambda params: Adadelta(params, ...)" in err
+    assert not (tmp_path / "run").exists()

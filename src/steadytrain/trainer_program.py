@@ -277,6 +277,7 @@ def build_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optim
 
 def _make_optimizer(given: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     if isinstance(given, torch.optim.Optimizer):
+        _check_holds_the_model(given, model)
         return given
     if isinstance(given, list | tuple | Mapping):  # a GAN's {'g': .., 'd': ..}
         raise BadInputError(
@@ -294,6 +295,22 @@ def _make_optimizer(given: Any, model: torch.nn.Module) -> torch.optim.Optimizer
         found = f"got {type(given).__name__}"
     raise BadInputError(
         f"optimizer: expected a torch.optim.Optimizer or a function params -> optimizer; {found}"
+    )
+
+
+def _check_holds_the_model(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Refuse an optimizer that holds none of the model's trainable parameters (built on another
+    instance of the model): every step would update that one, and this model would not train."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not held or not trainable or any(id(p) in held for p in trainable):
+        return
+    raise BadInputError(
+        f"optimizer: this {type(optimizer).__name__} holds {len(held)} parameter tensor(s), none "
+        f"of them the model's ({len(trainable)} trainable): it was built on another instance of "
+        "the model, so the run would update that one and this model would not train. Build it "
+        "on this model's parameters, or pass a function: "
+        f"optimizer=lambda params: {type(optimizer).__name__}(params, ...)"
     )
 
 

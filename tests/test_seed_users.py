@@ -232,3 +232,14 @@ def test_a_budget_below_what_the_process_holds_is_said_so_by_the_plan(tmp_path):
     assert "already over the budget before the first pass" in said, said
     assert "set memory_budget above what is in use" in said
     assert "the peak may reach" not in said
+
+
+def test_evaluate_with_its_two_arguments_swapped_says_the_order(capsys, workspace):
+    """The seed's "run evaluation" after the fine-tune, model first and data second: exit 2 before
+    anything loads, saying the data file comes first and the command in that order."""
+    model, data = workspace / "tiny", workspace / "data" / "train.jsonl"
+    code, _, err = cli(capsys, "evaluate", str(model), str(data))
+    assert code == 2
+    message = " ".join(err.split())
+    assert f"EVAL_FILE: {model} is a folder, not a data file" in message, message
+    assert f"steadytrain evaluate {data} {model}" in message

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,10 +201,26 @@ def evaluate(
     """Load `model` (run directory, adapter folder or model folder) and score it on `eval_file`:
     base and base + adapter for an adapter, the model alone otherwise."""
     check_settings(max_seq_length, batch_size)
-    if not Path(eval_file).expanduser().is_file():
-        raise BadInputError(f"EVAL_FILE: {eval_file} does not exist or is not a file")
+    check_eval_file(eval_file, model)
     loaded = open_model(model, base, device, dtype, weights=False)
     return score(loaded, eval_file, max_seq_length=max_seq_length, batch_size=batch_size)
+
+
+def check_eval_file(eval_file: str | os.PathLike, model: str | os.PathLike) -> None:
+    """EVAL_FILE must be a data file; a folder there is most often the two arguments swapped
+    (`evaluate MODEL EVAL_FILE`), which the message says when MODEL is a file."""
+    path = Path(eval_file).expanduser()
+    if path.is_file():
+        return
+    if not path.is_dir():
+        raise BadInputError(f"EVAL_FILE: {eval_file} does not exist or is not a file")
+    swapped = (
+        f": steadytrain evaluate {model} {eval_file}" if Path(model).expanduser().is_file() else ""
+    )
+    raise BadInputError(
+        f"EVAL_FILE: {eval_file} is a folder, not a data file; the data file comes first, then "
+        f"the model (steadytrain evaluate EVAL_FILE MODEL){swapped}"
+    )
 
 
 def table(report: EvalReport) -> Any:
@@ -267,8 +284,7 @@ def evaluate_command(
     console = console or Console(highlight=False)
     err_console = err_console or Console(stderr=True, highlight=False, soft_wrap=True)
     check_settings(o.max_seq_length, o.batch_size)
-    if not Path(o.eval_file).expanduser().is_file():
-        raise BadInputError(f"EVAL_FILE: {o.eval_file} does not exist or is not a file")
+    check_eval_file(o.eval_file, o.model)
     loaded = open_model(o.model, o.base, o.device, o.dtype, weights=False)
     err_console.print(
         f"{loaded.artifact.describe()} on {loaded.device.torch_device} ({dtype_name(loaded.dtype)})",

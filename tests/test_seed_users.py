@@ -69,6 +69,20 @@ def test_trainer_names_from_other_configs_say_where_the_setting_lives(capsys, tm
     assert "Traceback" not in err
 
 
+def test_a_trainer_config_with_output_dir_is_checked_as_a_trainer_config(capsys, tmp_path):
+    """`output_dir` (Hugging Face's folder name) beside `effective_batch_size` in the config of
+    a script: `steadytrain config` checks it as the TrainConfig it is (output_dir: did you mean
+    run_dir), not as a fine-tune config missing model_name_or_path and train_file."""
+    config = tmp_path / "train.yaml"
+    config.write_text("effective_batch_size: 64\nmicro_batch_size: 16\noutput_dir: runs/m1\n")
+    code, _, err = cli(capsys, "config", str(config))
+    assert code == 2
+    message = " ".join(err.split())
+    assert "(1 problem(s))" in message, message
+    assert "output_dir: unknown field; did you mean 'run_dir'?" in message
+    assert "model_name_or_path" not in message
+
+
 def test_output_dir_in_a_script_config_names_run_dir(tmp_path):
     """The same names through the Python API the user's script calls (`TrainConfig.load`), where
     `output_dir` (Hugging Face's) is a TrainConfig's unknown key: the error names run_dir."""

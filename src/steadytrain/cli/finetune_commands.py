@@ -15,7 +15,9 @@ from steadytrain import run_files
 from steadytrain.recipes.finetune_config import FinetuneConfig, load_config_file
 from steadytrain.recipes.finetune_resume import held_run
 
-# Keys only a fine-tune config has: a file holding one of them is read as a fine-tune config.
+# Keys only a fine-tune config has: a file holding one of them is read as a fine-tune config,
+# except one whose only such key is output_dir beside effective_batch_size (a TrainConfig's
+# required field, which a fine-tune computes): a Trainer's config with Hugging Face's folder name.
 FINETUNE_KEYS = ("model_name_or_path", "train_file", "per_device_train_batch_size", "output_dir")
 
 
@@ -28,6 +30,8 @@ def is_finetune_file(path: str) -> bool:
         data = load_config_file(file)
     except Exception:  # noqa: BLE001 (not ours to judge here: the TrainConfig reader says why)
         return False
+    if "effective_batch_size" in data and not any(key in data for key in FINETUNE_KEYS[:3]):
+        return False  # a Trainer's config that names its folder as Hugging Face does
     return any(key in data for key in FINETUNE_KEYS)
 
 

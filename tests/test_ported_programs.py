@@ -5,6 +5,7 @@ kept, and a plain loop over a stream whose torch.autocast stays in the loss func
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,53 @@ def test_the_model_run_clm_saved_in_output_dir_still_loads_after_a_rerun_fails(t
     AutoModelForCausalLM.from_pretrained(out)  # the saved model, as run_clm left it
     starts = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "fit_start"]
     assert starts[-1]["config"]["library"] == "transformers"  # the run's config is recorded
+
+
+SLOW_EVALUATION = """
+import sys, time, torch
+from transformers import Trainer, TrainingArguments
+from steadytrain.integrations.huggingface import SteadytrainCallback
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        if not self.training:
+            time.sleep(0.5)  # one batch of a large validation set on a slow machine
+        out = self.linear(x)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+torch.manual_seed(0)
+data = [{"x": torch.randn(4), "labels": torch.randn(1)} for _ in range(16)]
+args = TrainingArguments(
+    output_dir=sys.argv[1], per_device_train_batch_size=4, per_device_eval_batch_size=1,
+    max_steps=4, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
+    report_to=[], use_cpu=True, disable_tqdm=True,
+)
+callback = SteadytrainCallback(hang_timeout=float(sys.argv[2]))
+Trainer(model=Model(), args=args, train_dataset=data, eval_dataset=data[:10],
+        callbacks=[callback]).train()
+"""
+
+
+def test_a_hugging_face_evaluation_longer_than_the_hang_limit_is_progress(tmp_path):
+    """run_clm evaluates at eval_steps, before that step's save: an evaluation longer than the
+    hang limit, with no training step in it, was taken for a hang (exit 75), and the restart
+    evaluated again at the same step, without a new checkpoint, until `steadytrain run` gave
+    up. Each evaluation batch is a heartbeat, as in the Trainer's own evaluation."""
+    import forkserver
+
+    script = tmp_path / "train.py"
+    script.write_text(SLOW_EVALUATION)
+    out = tmp_path / "out"
+    # 10 evaluation batches of 0.5 s: 5 s of evaluation against a limit of 3 s
+    proc = forkserver.run([sys.executable, str(script), str(out), "3"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_jsonl(out / "events.jsonl")
+    assert not [e for e in events if e["event"] == "hang"]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [4]
 
 
 # -- a plain loop: a stream, bf16 autocast, clipping, a LambdaLR ---------------------------------

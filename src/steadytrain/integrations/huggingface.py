@@ -231,6 +231,10 @@ class SteadytrainCallback(_Base):
             control.should_save = True
             control.should_training_stop = True
 
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self.guard is not None:
+            self.guard.beat()  # each evaluation batch is progress, not a hang
+
     def on_save(self, args, state, control, **kwargs):
         if self.guard is None:
             return

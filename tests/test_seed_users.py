@@ -154,7 +154,8 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
     """The seed's troubleshooting ladder ("Solution 4: reduce LoRA rank", r 16 -> 8) applied to
     the output_dir of a run that finished: refused (exit 2) before anything is written, naming
     the change and calling the run what it is, finished at its last step, not interrupted; the
-    dry-run says the same and that a rerun trains nothing more unless the run is lengthened."""
+    dry-run says the same and that a rerun trains nothing more unless the run is lengthened, and
+    answers each change as the run does: refused with exit 2, or resumed naming the change."""
     out = tmp_path / "out"
     config = seed_004_config(workspace, out)
     short = ["--set", "max_steps=2", "--set", "save_steps=2"]
@@ -175,6 +176,23 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         f"{out} holds a finished run (step 2 of 2): the fine-tune resumes it at its last step"
         in said
     )
+    # The dry-run of the ladder's steps gives the run's answer: refused, exit 2, the same message.
+    for change in ("lora.r=8", "gradient_accumulation_steps=4"):
+        code, said, _ = cli(capsys, "finetune", "--config", str(config), *short, "--set", change)
+        code_dry, said_dry, _ = cli(
+            capsys, "finetune", "--config", str(config), *short, "--set", change, "--dry-run"
+        )
+        assert code == code_dry == 2, said_dry
+        said_dry = " ".join(said_dry.split())
+        assert f"the run stops here (exit 2): resume: {out} holds a finished run" in said_dry
+        assert "the fine-tune resumes it" not in said_dry
+    assert "gradient_accumulation_steps 8 with per_device_train_batch_size 1" in said_dry
+    code, said, _ = cli(
+        capsys, "finetune", "--config", str(config), *short, "--set", "logging_steps=1",
+        "--dry-run",
+    )  # fmt: skip
+    assert code == 0
+    assert "keeping it the same run: logging_steps: 10 -> 1" in " ".join(said.split())
 
 
 def test_plan_given_the_config_file_or_the_models_config_json_names_what_to_give(

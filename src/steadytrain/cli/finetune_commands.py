@@ -40,7 +40,8 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     stop with exit 3 (`finetune_memory.refusal`: not even micro-batch 1 with every saver the
     config allows fits its budget, the config's `memory_budget` and `device` resolved as the
     run resolves them), else 0. Where its start does not fit, the advisor says in the config's
-    keys what would. A missing data file is said (the run would stop on it with exit 2)."""
+    keys what would. A missing data file is said (the run would stop on it with exit 2). Exit 2
+    where output_dir holds a run this config may not resume (the run refuses it the same way)."""
     from steadytrain.cli.memory_commands import render_advice, render_estimate
     from steadytrain.recipes.finetune_memory import advice, refusal, run_plan, target
 
@@ -74,27 +75,45 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
             "  the run starts there; where memory runs out, the ladder halves the micro-batch "
             "and turns on the savers left: at micro-batch 1 with all of them the estimate fits"
         )
+    held, refused = _held(config)
+    if refused:
+        typer.echo(f"the run stops here (exit 2): {held}")
     typer.echo("files:")
-    for line in _files(config):
+    for line in ([] if refused else [held] if held else []) + _files(config):
         typer.echo(f"  {line}")
-    return 3 if stop is not None else 0
+    return 2 if refused else 3 if stop is not None else 0
+
+
+def _held(config: FinetuneConfig) -> tuple[str, bool]:
+    """What the run does with the run output_dir holds ('' where none), as the run decides it
+    before anything loads (`resume_changes`): resumes it, saying the changes it keeps, or
+    refuses it (True, with the run's message)."""
+    from steadytrain.errors import BadInputError
+    from steadytrain.recipes.finetune_resume import resume_changes
+
+    out = Path(config.output_dir)
+    if not (out / run_files.CHECKPOINTS / run_files.LATEST).exists():
+        return "", False
+    held = held_run(out)
+    try:
+        changes = resume_changes(config, out)
+    except BadInputError as exc:
+        return str(exc), True
+    line = f"{out} holds {held}: the fine-tune resumes it" + (
+        " at its last step (a raised max_steps or num_train_epochs trains further) and "
+        "writes final/ again"
+        if held.startswith("a finished")
+        else ""
+    )
+    if changes:
+        line += "; changed since it started, keeping it the same run: " + "; ".join(changes)
+    return line, False
 
 
 def _files(config: FinetuneConfig) -> list[str]:
     out = Path(config.output_dir)
     checkpoints = out / run_files.CHECKPOINTS
     lines = []
-    if (checkpoints / run_files.LATEST).exists():
-        held = held_run(out)
-        lines.append(
-            f"{out} holds {held}: the fine-tune resumes it"
-            + (
-                " at its last step (a raised max_steps or num_train_epochs trains further) and "
-                "writes final/ again"
-                if held.startswith("a finished")
-                else ""
-            )
-        )
     every = config.to_train_config().save_every_steps
     lines += [
         f"{out / run_files.CONFIG}, {out / run_files.TRAINING_CONFIG}: the resolved configs",

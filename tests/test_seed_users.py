@@ -177,8 +177,8 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         in said
     )
     # The dry-run of the ladder's steps gives the run's answer: refused, exit 2, the same message.
-    for change in ("lora.r=8", "gradient_accumulation_steps=4"):
-        code, said, _ = cli(capsys, "finetune", "--config", str(config), *short, "--set", change)
+    for change in ("lora.r=8", "gradient_accumulation_steps=4", "fp16=true"):
+        code, _, told = cli(capsys, "finetune", "--config", str(config), *short, "--set", change)
         code_dry, said_dry, _ = cli(
             capsys, "finetune", "--config", str(config), *short, "--set", change, "--dry-run"
         )
@@ -186,7 +186,11 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         said_dry = " ".join(said_dry.split())
         assert f"the run stops here (exit 2): resume: {out} holds a finished run" in said_dry
         assert "the fine-tune resumes it" not in said_dry
-    assert "gradient_accumulation_steps 8 with per_device_train_batch_size 1" in said_dry
+        assert f"resume: {out} holds a finished run" in " ".join(told.split())
+        assert "fingerprint" not in told  # said before the base loads, not by the engine
+        if change.startswith("gradient_accumulation_steps"):
+            assert "gradient_accumulation_steps 8 with per_device_train_batch_size 1" in said_dry
+    assert "fp16: False -> True (the dtype the frozen base loads in" in said_dry
     code, said, _ = cli(
         capsys, "finetune", "--config", str(config), *short, "--set", "logging_steps=1",
         "--dry-run",

@@ -171,6 +171,9 @@ class SteadytrainCallback(_Base):
             self._save(self.guard.state.epoch)  # mid-epoch: a resume repeats this epoch
             self.model.stop_training = True
 
+    def on_test_batch_end(self, batch, logs=None) -> None:
+        self.guard.beat()  # each validation batch of fit() is progress, not a hang
+
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.guard.state.epoch = epoch
         self._batches, self._mean = 0, None

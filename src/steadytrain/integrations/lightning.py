@@ -204,6 +204,10 @@ class SteadytrainCallback(_Base):
                 trainer.save_checkpoint(path)
             trainer.should_stop = True
 
+    def on_validation_batch_end(self, trainer, pl_module, *args, **kwargs) -> None:
+        if self.guard is not None:
+            self.guard.beat()  # each validation batch is progress, not a hang
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.guard.end_epoch(trainer.current_epoch)
 

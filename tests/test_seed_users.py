@@ -177,7 +177,7 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         in said
     )
     # The dry-run of the ladder's steps gives the run's answer: refused, exit 2, the same message.
-    for change in ("lora.r=8", "gradient_accumulation_steps=4", "fp16=true"):
+    for change in ("lora.r=8", "gradient_accumulation_steps=4", "fp16=true", "shuffle=false"):
         code, _, told = cli(capsys, "finetune", "--config", str(config), *short, "--set", change)
         code_dry, said_dry, _ = cli(
             capsys, "finetune", "--config", str(config), *short, "--set", change, "--dry-run"
@@ -190,13 +190,22 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
         assert "fingerprint" not in told  # said before the base loads, not by the engine
         if change.startswith("gradient_accumulation_steps"):
             assert "gradient_accumulation_steps 8 with per_device_train_batch_size 1" in said_dry
-    assert "fp16: False -> True (the dtype the frozen base loads in" in said_dry
+        if change == "fp16=true":
+            assert "fp16: False -> True (the dtype the frozen base loads in" in said_dry
+    assert 'allow it on purpose with "resume_overrides": ["shuffle"]' in said_dry
     code, said, _ = cli(
         capsys, "finetune", "--config", str(config), *short, "--set", "logging_steps=1",
         "--dry-run",
     )  # fmt: skip
     assert code == 0
     assert "keeping it the same run: logging_steps: 10 -> 1" in " ".join(said.split())
+    # Written out as the values the run already had (the engine's shuffle, fp32): the same run.
+    code, said, _ = cli(
+        capsys, "finetune", "--config", str(config), *short, "--set", "shuffle=true",
+        "--set", "precision=fp32", "--dry-run",
+    )  # fmt: skip
+    assert code == 0, said
+    assert "the fine-tune resumes it" in " ".join(said.split())
 
 
 def test_plan_given_the_config_file_or_the_models_config_json_names_what_to_give(

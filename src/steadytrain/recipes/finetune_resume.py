@@ -52,7 +52,9 @@ def resume_changes(config: FinetuneConfig, run_dir: Path) -> list[str]:
     refused = [
         _refusal(key, before.get(key), after.get(key))
         for key in changed
-        if _defining(key) is not None and _defining(key)[1] not in allowed
+        if _defining(key) is not None
+        and _defining(key)[1] not in allowed
+        and _in_effect(key, before) != _in_effect(key, after)
     ]
     if refused:
         raise BadInputError(
@@ -85,10 +87,25 @@ _DEFINING: dict[str, tuple[str, str | None]] = {
     "warmup_steps": ("the schedule's saved state", None),
     "warmup_ratio": ("the schedule's saved state", None),
     "seed": ("the data order and the random draws", "seed"),
+    "shuffle": ("the data order", "shuffle"),
+    "drop_last": ("the samples each epoch holds", "drop_last"),
     "train_file": ("the training data", "data"),
     "max_seq_length": ("the training data (its token windows)", "data"),
     "packing": ("the training data (its token windows)", "data"),
 }
+
+
+def _in_effect(key: str, values: dict[str, Any]) -> Any:
+    """The value `key` has in the run: a pass-through key left out is the engine's default
+    (shuffle, drop_last: true), and fp16, bf16 and precision are one setting, the precision."""
+    if key in ("fp16", "bf16", "precision"):
+        given = values.get("precision")
+        if given is not None:
+            return given
+        return "fp16" if values.get("fp16") else "bf16" if values.get("bf16") else "fp32"
+    if key in ("shuffle", "drop_last"):
+        return True if values.get(key) is None else values.get(key)
+    return values.get(key)
 
 
 def _defining(key: str) -> tuple[str, str | None] | None:

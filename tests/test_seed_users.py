@@ -288,3 +288,23 @@ def test_evaluate_with_its_two_arguments_swapped_says_the_order(capsys, workspac
     message = " ".join(err.split())
     assert f"EVAL_FILE: {model} is a folder, not a data file" in message, message
     assert f"steadytrain evaluate {data} {model}" in message
+
+
+def test_target_modules_given_as_comma_separated_names_shows_the_list_to_write(
+    capsys, workspace, tmp_path
+):
+    """`--set lora.target_modules=q_proj,v_proj` (how names are listed on other command lines):
+    exit 2 showing the list form, with --set as it is typed; that form then works."""
+    config = seed_004_config(workspace, tmp_path / "out")
+    code, _, err = cli(
+        capsys, "finetune", "--config", str(config), "--set", "lora.target_modules=q_proj,v_proj",
+        "--dry-run",
+    )  # fmt: skip
+    assert code == 2
+    message = " ".join(err.split())
+    assert "lora.target_modules: must be 'all-linear' or a list of module names" in message
+    shown = "lora.target_modules=[q_proj, v_proj]"
+    assert f"(with --set: '{shown}')" in message, message
+    code, said, _ = cli(capsys, "finetune", "--config", str(config), "--set", shown, "--dry-run")
+    assert code == 0
+    assert "LoRA r=16 on q_proj,v_proj" in " ".join(said.split())

@@ -21,6 +21,8 @@ from pydantic.fields import FieldInfo
 RULES = {
     "device": "'auto', 'cpu', 'mps', 'cuda' or 'cuda:N'",
     "memory_budget": "'auto', a size like '12GiB' or '16GB', or a fraction of usable memory in (0, 1]",
+    "target_modules": "'all-linear' or a list of module names, [q_proj, v_proj] (with --set: "
+    "'lora.target_modules=[q_proj, v_proj]')",
 }
 
 

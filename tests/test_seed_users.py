@@ -98,6 +98,17 @@ def test_output_dir_in_a_script_config_names_run_dir(tmp_path):
     assert "gradient_checkpointing: unknown field; did you mean 'activation_checkpointing'?" in text
 
 
+def test_a_duration_with_a_unit_is_not_told_to_drop_quotes_it_never_had():
+    """`hang_timeout: 5m` (a duration as other tools write it): the message says what the field
+    takes, not 'write it without quotes', which is for a number written as text ('3')."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(effective_batch_size=64, hang_timeout="5m", epochs="3")
+    lines = {line.split(":")[0].strip(" -"): line for line in str(info.value).splitlines()}
+    assert "must be 'auto' or a number > 0 (found '5m')" in lines["hang_timeout"]
+    assert "without quotes" not in lines["hang_timeout"]
+    assert "write it without quotes (found '3')" in lines["epochs"]
+
+
 # -- seed 004: the LoRA fine-tune from a JSON config ---------------------------------------------
 
 

@@ -62,7 +62,7 @@ def explain(exc: ValidationError, model: type[BaseModel], hints: dict | None = N
             if any(e["type"] == "finite_number" for e in errors):
                 rule += "; inf and nan are not accepted"
             strict = {"int_type", "float_type", "bool_type"}  # strict mode: "8" is not 8
-            if isinstance(first["input"], str) and any(e["type"] in strict for e in errors):
+            if _quoted_value(first["input"]) and any(e["type"] in strict for e in errors):
                 rule += "; text is not read as a number or true/false, write it without quotes"
             lines.append(f"{name}: {rule} (found {show_value(first['input'])})")
     return lines + problems
@@ -115,6 +115,20 @@ TRAINER_NAMES: dict[str, tuple[list[str], str]] = {
 """Names users bring from other trainers' configs (Hugging Face `TrainingArguments`, the
 DataLoader, guides) -> the fields that hold the setting here and a note: what `TrainConfig`
 says for such a key instead of a list of every field."""
+
+
+def _quoted_value(value: Any) -> bool:
+    """True for text that reads as a number or true/false ("8", "0.5", "true"): a value written
+    in quotes. Other text ('5m') is no number at all, and the quotes are not what is wrong."""
+    if not isinstance(value, str):
+        return False
+    if value.strip().lower() in ("true", "false"):
+        return True
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def suggestion(key: str, fields: list[str], hints: dict | None = None) -> str:

@@ -438,3 +438,45 @@ def test_an_optimizer_built_on_another_instance_of_the_model_is_refused(tmp_path
     assert "optimizer: this Adadelta holds 4 parameter tensor(s), none of them the model's" in err
     assert "optimizer=lambda params: Adadelta(params, ...)" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("shuffled_by", "named"),
+    [
+        ("config", "the config's shuffle: an epoch's order is held in memory, 8 bytes a sample"),
+        ("loader", "the DataLoader's RandomSampler: an epoch's order is held in memory, 36 bytes"),
+    ],
+)
+def test_a_stream_ported_as_a_dataset_then_shuffled_is_refused_naming_the_order(
+    tmp_path, capsys, shuffled_by, named
+):
+    """The stream as docs/porting.md 'Streams' ports it (10**12 samples), with the default
+    shuffle of the config or a DataLoader's shuffle=True: drawing the epoch's permutation
+    failed in the first step with the allocator's error, a traceback and exit 1. It exits 2
+    before training, naming the order, its size against the budget and the fix."""
+    import steadytrain
+
+    data = Indexed() if shuffled_by == "config" else DataLoader(Indexed(), BATCH, shuffle=True)
+
+    @steadytrain.entrypoint
+    def main():
+        config = TrainConfig(
+            run_dir=str(tmp_path / "run"),
+            effective_batch_size=BATCH,
+            max_steps=2,
+            device="cpu",
+            memory_budget="1GiB",
+            progress="off",
+        )
+        loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+        return Trainer(
+            mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config
+        ).fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert "Traceback" not in err
+    assert f"train_data: 1,000,000,000,000 samples shuffled by {named}" in err
+    assert "more than the memory budget 1.00 GiB. Read them in order" in err

@@ -65,6 +65,7 @@ from steadytrain.trainer_program import (
     arithmetic_event,
     build_optimizer,
     check_evaluation,
+    check_order_fits,
     data_source,
     dropout_note,
     make_evaluation,
@@ -284,6 +285,7 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
         scheduler = make_scheduler(self.scheduler, optimizer)
         check_evaluation(cfg, scheduler, self.eval_data, self.eval_fn)
         sampler = self._sampler()
+        check_order_fits(self.data, sampler, device.budget)
         group.check_batches(sampler)
         warn_if_batch_dependent(model, cfg)
         state = TrainState(

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
+from steadytrain._units import format_bytes
 from steadytrain.checkpoint.run_state import RunState
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device
@@ -115,6 +116,40 @@ def make_sampler(source: DataSource, cfg: TrainConfig) -> OptimizerBatchSampler:
     order = source.order
     return OptimizerBatchSampler(
         len(order), cfg.effective_batch_size, seed, True, source.loader.drop_last, order
+    )
+
+
+HELD_ORDER_BYTES = {"tensor": 8, "list": 36}
+"""Bytes a sample of an epoch's order held in memory: the config's shuffle keeps a permutation
+tensor (int64); a DataLoader's sampler is drawn as its iterator yields, into a list of Python
+ints (an 8-byte pointer and a 28-byte int each)."""
+
+
+def check_order_fits(
+    source: DataSource, sampler: OptimizerBatchSampler, budget: int | None
+) -> None:
+    """Refuse, before training, an epoch order that cannot be held within the memory budget (a
+    stream of 10**12 samples, ported as docs/porting.md says, then shuffled): drawing it would
+    fail with the allocator's error in the first step."""
+    loader = source.loader
+    if loader is None and not sampler.shuffle:
+        return
+    if loader is not None and type(loader.sampler) is SequentialSampler:
+        return
+    kind = "tensor" if loader is None else "list"
+    need = sampler.num_samples * HELD_ORDER_BYTES[kind]
+    if budget is None or need <= budget:
+        return
+    what, fix = (
+        ("the config's shuffle", "shuffle: false")
+        if loader is None
+        else (f"the DataLoader's {type(loader.sampler).__name__}", "a DataLoader without shuffle")
+    )
+    raise BadInputError(
+        f"train_data: {sampler.num_samples:,} samples shuffled by {what}: an epoch's order is "
+        f"held in memory, {HELD_ORDER_BYTES[kind]} bytes a sample, {format_bytes(need)}, more "
+        f"than the memory budget {format_bytes(budget)}. Read them in order ({fix}), or give "
+        "the dataset a __len__ of the samples the run reads (max_steps x effective_batch_size)"
     )
 
 

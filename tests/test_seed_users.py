@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from integration_helpers import run_plain, workload_env
 from tiny_models import save_byte_llama
 
 from steadytrain import Trainer
@@ -319,3 +320,24 @@ def test_target_modules_given_as_comma_separated_names_shows_the_list_to_write(
     code, said, _ = cli(capsys, "finetune", "--config", str(config), "--set", shown, "--dry-run")
     assert code == 0
     assert "LoRA r=16 on q_proj,v_proj" in " ".join(said.split())
+
+
+# -- seed 001: a Keras fit with the callback, stopped and started again ----------------------
+
+
+def test_a_keras_fit_started_again_says_where_it_resumes(tmp_path):
+    """The Keras user's fit, run again on its run directory (after a stop, or with more
+    epochs): the console says which checkpoint it resumes from and the epoch fit() goes on at,
+    as the Trainer's 'resuming at step N' does; before, only events.jsonl said so."""
+    run_dir = tmp_path / "keras"
+    env = workload_env(KERAS_BACKEND="torch")
+    first = run_plain("keras_fit.py", run_dir, "--epochs", "1", env=env)
+    assert first.returncode == 0, first.stderr
+    again = run_plain("keras_fit.py", run_dir, "--epochs", "2", env=env)
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stderr.split())
+    checkpoint = run_dir / "checkpoints" / "step-00000004"
+    assert (
+        f"steadytrain: resuming from {checkpoint} (step 4): fit() goes on at epoch 2 of 2" in said
+    )
+    assert "resuming" not in first.stderr

@@ -274,6 +274,13 @@ class SteadytrainCallback(_Base):
         model._initial_epoch = state["epoch"]  # what Keras's BackupAndRestore sets
         self.guard.state.step, self.guard.state.epoch = step, state["epoch"]
         self.guard.record("resume", {"checkpoint": str(path), "epoch": state["epoch"]})
+        epochs = (self.params or {}).get("epochs")
+        print(
+            f"steadytrain: resuming from {path} (step {step}): fit() goes on at epoch "
+            f"{state['epoch'] + 1}" + (f" of {epochs}" if epochs else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _SplitStep:

@@ -341,3 +341,10 @@ def test_a_keras_fit_started_again_says_where_it_resumes(tmp_path):
         f"steadytrain: resuming from {checkpoint} (step 4): fit() goes on at epoch 2 of 2" in said
     )
     assert "resuming" not in first.stderr
+    done = run_plain("keras_fit.py", run_dir, "--epochs", "2", env=env)
+    assert done.returncode == 0, done.stderr
+    checkpoint = run_dir / "checkpoints" / "step-00000008"
+    said = " ".join(done.stderr.split())
+    assert (
+        f"resuming from {checkpoint} (step 8): all 2 epochs are done, fit() trains nothing" in said
+    )

@@ -274,10 +274,14 @@ class SteadytrainCallback(_Base):
         model._initial_epoch = state["epoch"]  # what Keras's BackupAndRestore sets
         self.guard.state.step, self.guard.state.epoch = step, state["epoch"]
         self.guard.record("resume", {"checkpoint": str(path), "epoch": state["epoch"]})
-        epochs = (self.params or {}).get("epochs")
+        epochs, done = (self.params or {}).get("epochs"), state["epoch"]
         print(
-            f"steadytrain: resuming from {path} (step {step}): fit() goes on at epoch "
-            f"{state['epoch'] + 1}" + (f" of {epochs}" if epochs else ""),
+            f"steadytrain: resuming from {path} (step {step}): "
+            + (
+                f"all {epochs} epochs are done, fit() trains nothing (raise epochs to go on)"
+                if epochs and done >= epochs
+                else f"fit() goes on at epoch {done + 1}" + (f" of {epochs}" if epochs else "")
+            ),
             file=sys.stderr,
             flush=True,
         )

@@ -480,3 +480,42 @@ def test_a_stream_ported_as_a_dataset_then_shuffled_is_refused_naming_the_order(
     assert "Traceback" not in err
     assert f"train_data: 1,000,000,000,000 samples shuffled by {named}" in err
     assert "more than the memory budget 1.00 GiB. Read them in order" in err
+
+
+@pytest.mark.parametrize("micro", ["auto", 4], ids=["planned", "given"])
+def test_a_loop_body_moved_into_loss_fn_with_its_backward_exits_5_naming_it(
+    tmp_path, capsys, micro
+):
+    """docs/porting.md: loss_fn is "the body of your loop, up to loss.backward()". Moved with its
+    loss.backward(), the engine's own backward (in the plan's measured pass, or in the first
+    step) met a freed graph: autograd's error from steadytrain's frame, a traceback and exit 1.
+    It exits 5 naming loss_fn, the two causes and the fix."""
+    import steadytrain
+
+    def loss_fn(model, batch):
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        loss.backward()  # as the loop had it
+        return loss
+
+    data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
+
+    @steadytrain.entrypoint
+    def main():
+        config = TrainConfig(
+            run_dir=str(tmp_path / "run"),
+            effective_batch_size=4,
+            micro_batch_size=micro,
+            device="cpu",
+            progress="off",
+        )
+        return Trainer(
+            mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config
+        ).fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 5, err
+    assert "Traceback (most recent call last)" not in err
+    assert "error in your code (loss_fn)" in err
+    assert "loss_fn called loss.backward() itself (return the loss and nothing more" in err

@@ -96,6 +96,30 @@ def check_loss_output(out: Any) -> None:
         _check_count(out[1])
 
 
+SECOND_BACKWARD = "Trying to backward through the graph a second time"
+"""The start of autograd's error for a graph an earlier backward freed."""
+
+
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` of what `loss_fn` returned. A graph an earlier backward freed is the
+    user's code: a loop's ``loss.backward()`` moved into `loss_fn` with the rest of its body,
+    or a tensor kept from an earlier step that still carries its graph (a recurrent hidden state
+    not detached). Either failed in steadytrain's own frame, as an internal error."""
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        if SECOND_BACKWARD not in str(exc):
+            raise
+        raise UserCodeError(
+            "the loss's graph was freed by an earlier backward before steadytrain's: loss_fn "
+            "called loss.backward() itself (return the loss and nothing more: steadytrain runs "
+            "backward, the optimizer step and zero_grad), or it uses a tensor kept from an "
+            "earlier step that still carries that step's graph (detach it, e.g. a recurrent "
+            "hidden state: CarriedState in docs/porting.md)",
+            where="loss_fn",
+        ) from None
+
+
 def check_takes(fn: Any, params: tuple[str, ...], where: str) -> None:
     """Refuse, before training, a function the engine calls with `params` (positionally) that
     cannot take them: ``loss_fn(batch)`` for ``loss_fn(model, batch)``. Such a call fails

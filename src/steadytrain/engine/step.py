@@ -31,7 +31,7 @@ from steadytrain.device import (
     call_or_oom,
     retry_on_oom,
 )
-from steadytrain.engine.accumulation import BatchLoss, TokenCount, divide_and_clip
+from steadytrain.engine.accumulation import BatchLoss, TokenCount, backward, divide_and_clip
 from steadytrain.engine.accumulation import check_loss_output as check_loss_output  # re-export
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.distributed import Group, RanksOutOfMemory
@@ -301,7 +301,7 @@ class StepRunner:
             if self.precision.scaler is not None:
                 scaled = self.precision.scaler.scale(scaled)
             self._phase = "backward"
-            scaled.backward()
+            backward(scaled)
             del out, scaled
             self.emit(
                 Event.MICRO_STEP_END, {"index": i, "count": len(pieces), "size": batch_len(piece)}

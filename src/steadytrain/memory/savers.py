@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from steadytrain.engine.accumulation import backward
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -289,7 +290,7 @@ def trial_pass(
         with autocast():
             out = loss_fn(model, batch)
         loss = out[0] if isinstance(out, (tuple, list)) else out
-        loss.backward()
+        backward(loss)
         del out, loss
     finally:
         for param in model.parameters():

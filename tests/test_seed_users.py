@@ -218,6 +218,12 @@ def test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run(
     )  # fmt: skip
     assert code == 0, said
     assert "the fine-tune resumes it" in " ".join(said.split())
+    # `export` given the adapter it already wrote (final/) names the folder export takes.
+    code, _, err = cli(capsys, "export", str(out / "final"))
+    assert code == 2
+    message = " ".join(err.split())
+    assert f"{out / 'final'}: is an exported adapter already" in message, message
+    assert f"(here: steadytrain export {out})" in message
 
 
 def test_plan_given_the_config_file_or_the_models_config_json_names_what_to_give(

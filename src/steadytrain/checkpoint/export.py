@@ -30,6 +30,14 @@ def checkpoint_folder(run_dir: Path, step: int | None) -> Path:
     committed = dict(store.committed())
     if step is None:
         latest = store.latest()
+        if latest is None and (Path(run_dir) / "adapter_config.json").is_file():
+            up = [p for p in Path(run_dir).parents[:2] if (p / run_files.CHECKPOINTS).is_dir()]
+            raise BadInputError(
+                f"{run_dir}: is an exported adapter already (it holds adapter_config.json), not "
+                "a run directory: give it to generate, merge or evaluate as it is; export takes "
+                "the fine-tune's output_dir"
+                + (f" (here: steadytrain export {up[0]})" if up else "")
+            )
         if latest is None:
             raise BadInputError(f"{run_dir}: has no checkpoint yet; nothing to export")
         return latest[1]

@@ -336,6 +336,7 @@ def test_a_loop_s_autocast_kept_in_loss_fn_or_given_as_precision_trains_as_the_l
         ("loss_fn", {"loss_fn": lambda batch: batch[0].sum()}, "loss_fn(model, batch)"),
         ("eval_fn", {"eval_fn": lambda batches: {"n": 1.0}}, "eval_fn(model, batches)"),
     ],
+    ids=["loss_fn", "eval_fn"],
 )
 def test_a_function_that_cannot_take_what_the_trainer_passes_exits_5_naming_it(
     tmp_path, capsys, field, given, called
@@ -446,6 +447,7 @@ def test_an_optimizer_built_on_another_instance_of_the_model_is_refused(tmp_path
         ("config", "the config's shuffle: an epoch's order is held in memory, 8 bytes a sample"),
         ("loader", "the DataLoader's RandomSampler: an epoch's order is held in memory, 36 bytes"),
     ],
+    ids=["config", "loader"],
 )
 def test_a_stream_ported_as_a_dataset_then_shuffled_is_refused_naming_the_order(
     tmp_path, capsys, shuffled_by, named

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_workload
 from integration_helpers import run_plain, workload_env
 from tiny_models import save_byte_llama
 
@@ -354,3 +355,20 @@ def test_a_keras_fit_started_again_says_where_it_resumes(tmp_path):
     assert (
         f"resuming from {checkpoint} (step 8): all 2 epochs are done, fit() trains nothing" in said
     )
+
+
+# -- seed 001: training that stalls with no error ------------------------------------------------
+
+
+def test_a_hang_is_said_on_the_console_without_empty_or_nested_fields(tmp_path):
+    """A step that stalls (the seed's "halts with no error at all"), hang_action report: the
+    console's hang line names the phase and the stack file, without fields that hold nothing
+    ('collective None', the run outside a collective) or a whole record ('memory {…}')."""
+    result = run_workload(
+        "hang.py", str(tmp_path / "run"), "--action", "report", "--block", "sleep", "--at", "2",
+        "--block-seconds", "3", "--steps", "3", "--once", str(tmp_path / "marker"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (line,) = [s for s in result.stderr.splitlines() if s.startswith("hang: ")]
+    assert "phase step" in line and "hangs/" in line, line
+    assert "None" not in line and "{…}" not in line, line

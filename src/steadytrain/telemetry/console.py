@@ -361,7 +361,11 @@ def describe_note(name: str, info: dict) -> str:
         )
     if isinstance(info.get("message"), str):  # the watcher wrote its own sentence
         return f"{name.replace('_', ' ')}: {info['message']}"
-    fields = ", ".join(f"{k} {_short(v)}" for k, v in info.items() if k not in ("time", "event"))
+    fields = ", ".join(  # a field with no value, or a record of its own (memory), says nothing
+        f"{k} {_short(v)}"
+        for k, v in info.items()
+        if k not in ("time", "event") and v is not None and not isinstance(v, dict)
+    )
     return f"{name.replace('_', ' ')}: {fields}" if fields else name.replace("_", " ")
 
 

@@ -67,7 +67,7 @@ def test_trainer_names_from_other_configs_say_where_the_setting_lives(capsys, tm
     assert "did you mean 'precision'?" in lines["fp16"]
     assert "precision: fp16" in lines["fp16"]
     assert "Trainer(optimizer=lambda params:" in lines["learning_rate"]
-    assert "pass your DataLoader as train_data" in lines["pin_memory"]
+    assert "memory is pinned on CUDA, where it helps" in lines["pin_memory"]
     assert "Traceback" not in err
 
 

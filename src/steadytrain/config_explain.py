@@ -82,8 +82,8 @@ _OPTIMIZER = (
 _SCHEDULE = ([], "a learning-rate schedule is given in Python: Trainer(scheduler=...)")
 _LOADER = (
     [],
-    "a DataLoader setting: pass your DataLoader as train_data, or use num_workers; "
-    "memory is pinned on CUDA automatically",
+    "steadytrain builds each DataLoader itself, from a DataLoader given as train_data too: "
+    "memory is pinned on CUDA, where it helps, and the worker processes are num_workers",
 )
 TRAINER_NAMES: dict[str, tuple[list[str], str]] = {
     "gradient_accumulation_steps": _ACCUMULATION,

@@ -83,7 +83,8 @@ _SCHEDULE = ([], "a learning-rate schedule is given in Python: Trainer(scheduler
 _LOADER = (
     [],
     "steadytrain builds each DataLoader itself, from a DataLoader given as train_data too: "
-    "memory is pinned on CUDA, where it helps, and the worker processes are num_workers",
+    "memory is pinned on CUDA, where it helps, and the worker processes are num_workers (or "
+    "the given DataLoader's, the larger)",
 )
 TRAINER_NAMES: dict[str, tuple[list[str], str]] = {
     "gradient_accumulation_steps": _ACCUMULATION,

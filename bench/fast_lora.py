@@ -22,6 +22,8 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
 * steadytrain-fused-compile-unfused: the same with each projection's LoRA A product its own
   (compiling's `FUSED_PROJECTIONS` off; on by default on CUDA: the A matrices of q, k, v and of
   gate, up stacked into one product per group, engine/fused_projections.py).
+* steadytrain-fused-compile-noepilogue: the same with each LoRA term added after its frozen
+  product, as peft adds it (fused_projections' `EPILOGUE_ADD` off; on by default: one `addmm`).
 * steadytrain-fused-compile-reads: the same with the loss's avoidable reads of the GPU back
   (memory/chunked_loss.py's `SKIP_PACKED_CHECK` and fused_loss.py's `DEVICE_SCALED_BACKWARD`
   off: transformers' packed-sequence check before every forward, Liger's module and its
@@ -114,6 +116,13 @@ ARMS: dict[str, dict[str, Any]] = {
         "chunk": 1024,
         "compile": True,
         "fused_projections": False,
+    },
+    "steadytrain-fused-compile-noepilogue": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "epilogue": False,
     },
     "steadytrain-fused-compile-reads": {
         "cap": False,
@@ -430,6 +439,10 @@ def run_steadytrain(
         compiling.CUDA_GRAPHS = True
     if "fused_projections" in arm:
         compiling.FUSED_PROJECTIONS = arm["fused_projections"]
+    if "epilogue" in arm:
+        from steadytrain.engine import fused_projections
+
+        fused_projections.EPILOGUE_ADD = arm["epilogue"]
     if arm.get("host_reads"):
         from steadytrain.memory import chunked_loss, fused_loss
 

@@ -38,8 +38,9 @@ Older torch without the budget compiles with its default.
 
 On CUDA the LoRA projections that read the same input (q, k, v; gate, up) are fused first
 (`FUSED_PROJECTIONS`, engine/fused_projections.py): one product of the input with their stacked
-A matrices per group instead of one per projection, the adapters' parameters and names as they
-were. The event's `fused_projections` counts the groups.
+A matrices per group instead of one per projection, and each LoRA term added inside its frozen
+product (engine/lora_product.py), the adapters' parameters and names as they were. The event's
+`fused_projections` counts the groups (o and down are groups of one).
 
 `compile: true` is refused before anything runs where it cannot work: on CPU inductor builds C++ and
 needs a compiler, on CUDA it generates Triton kernels and needs Triton. On MPS, where inductor's
@@ -79,8 +80,10 @@ graphed run (docs/benchmarks.md, "CUDA graphs over the compiled layers")."""
 FUSED_PROJECTIONS = True
 """Whether a CUDA run's LoRA projections that read the same input (q, k, v; gate, up) compute
 their A products as one product per group, set up before their layers are compiled
-(engine/fused_projections.py): on an H200 the 1B LoRA's kernels took 3-5 % less time a step
-(docs/benchmarks.md, "Fused LoRA projections")."""
+(engine/fused_projections.py), each LoRA term added inside its frozen product: on an H200 the
+1B LoRA's kernels took 3-5 % less time a step for the stacked A matrices and 4-5 % less again for
+the products (docs/benchmarks.md, "Fused LoRA projections", "The LoRA term inside the frozen
+product")."""
 
 
 def compile_blocks(

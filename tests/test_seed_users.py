@@ -372,3 +372,29 @@ def test_a_hang_is_said_on_the_console_without_empty_or_nested_fields(tmp_path):
     (line,) = [s for s in result.stderr.splitlines() if s.startswith("hang: ")]
     assert "phase step" in line and "hangs/" in line, line
     assert "None" not in line and "{…}" not in line, line
+
+
+def test_alpaca_records_are_told_how_to_write_them(capsys, workspace, tmp_path):
+    """Training data in the Alpaca layout ("instruction", "input", "output") or ShareGPT's
+    ("conversations"), as many guides ship it: exit 2 before the model loads, saying which
+    fields to write them as."""
+    data = tmp_path / "alpaca.jsonl"
+    rows = [{"instruction": f"Add {i} and 1", "input": "", "output": str(i + 1)} for i in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = seed_004_config(workspace, tmp_path / "out")
+    code, _, err = cli(capsys, "finetune", "--config", str(config), "--set", f"train_file={data}")
+    assert code == 2
+    message = " ".join(err.split())
+    assert 'line 1: has the Alpaca fields "instruction", "input", "output"' in message, message
+    assert (
+        'write "prompt" (the instruction, then the input) and "completion" (the output)' in message
+    )
+    assert not (tmp_path / "out" / "final").exists()
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    sharegpt.write_text(json.dumps({"conversations": turns}) + "\n")
+    code, _, err = cli(
+        capsys, "finetune", "--config", str(config), "--set", f"train_file={sharegpt}"
+    )
+    assert code == 2
+    assert 'has "conversations" (ShareGPT\'s), not "messages"' in " ".join(err.split()), err

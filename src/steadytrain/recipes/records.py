@@ -137,6 +137,17 @@ def _record_format(record: dict) -> tuple[str | None, str | None]:
         found.append("text")
     if len(found) == 1:
         return found[0], None
+    if not found and "instruction" in record and "output" in record:
+        return None, (
+            'has the Alpaca fields "instruction", "input", "output", none of "text", "prompt" + '
+            '"completion" or "messages"; write "prompt" (the instruction, then the input) and '
+            '"completion" (the output): {"prompt": "...", "completion": "..."}'
+        )
+    if not found and "conversations" in record:
+        return None, (
+            'has "conversations" (ShareGPT\'s), not "messages"; write it as "messages": '
+            '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
+        )
     if not found:
         keys = ", ".join(f'"{k}"' for k in list(record)[:8]) or "none"
         return None, (

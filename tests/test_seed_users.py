@@ -398,3 +398,23 @@ def test_alpaca_records_are_told_how_to_write_them(capsys, workspace, tmp_path):
     )
     assert code == 2
     assert 'has "conversations" (ShareGPT\'s), not "messages"' in " ".join(err.split()), err
+
+
+def test_supervising_a_fine_tune_with_another_run_dir_is_refused_before_it_starts(
+    capsys, workspace, tmp_path
+):
+    """`steadytrain run --run-dir runs/x -- steadytrain finetune --config ...` whose output_dir is
+    another folder: the supervisor would watch a folder the run never writes, and count every
+    restart as one without progress. Exit 2 before anything starts, naming both folders."""
+    out = tmp_path / "out"
+    config = seed_004_config(workspace, out)
+    elsewhere = tmp_path / "runs" / "x"
+    code, _, err = cli(
+        capsys, "run", "--run-dir", str(elsewhere), "--",
+        "steadytrain", "finetune", "--config", str(config),
+    )  # fmt: skip
+    assert code == 2
+    message = " ".join(err.split())
+    assert f"--run-dir {elsewhere} is not the fine-tune's output_dir {out}" in message, message
+    assert "leave out --run-dir" in message
+    assert not elsewhere.exists() and not out.exists()

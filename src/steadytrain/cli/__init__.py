@@ -178,17 +178,28 @@ def _run(
     **given: Any,
 ) -> int:
     import os
+    from pathlib import Path
 
     from steadytrain.cli.run_locate import finetune_run_dir
+    from steadytrain.errors import BadInputError
     from steadytrain.safety.watchdog import stop_start_watch
     from steadytrain.supervisor import Supervisor, resolve_run_dir
 
     if not command:
         ctx.fail("give the command to supervise after --: steadytrain run [OPTIONS] -- CMD ...")
+    output_dir = finetune_run_dir(command)
+    same = run_dir is None or output_dir is None or Path(run_dir).resolve() == output_dir.resolve()
+    if not same:
+        raise BadInputError(
+            f"--run-dir {run_dir} is not the fine-tune's output_dir {output_dir}: the run "
+            "writes its checkpoints there, where the supervisor would not look, so every "
+            "restart would count as one without progress; leave out --run-dir (the "
+            "fine-tune's output_dir is used), or give the same folder"
+        )
     options = SupervisorOptions(
         **given,
         first_heartbeat_s=first_heartbeat_timeout,
-        run_dir=resolve_run_dir(run_dir, os.environ) or finetune_run_dir(command),
+        run_dir=resolve_run_dir(run_dir, os.environ) or output_dir,
         advice=finetune_advice,
     )
     stop_start_watch()  # a supervisor started by another one trains nothing itself

@@ -269,27 +269,32 @@ def image_loss(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def test_a_budget_below_what_the_process_holds_is_said_so_by_the_plan(tmp_path):
-    """memory_budget below what the process already holds before the first pass (the
-    interpreter and torch alone are hundreds of MiB on CPU): the plan's reasons say the run is
-    already over its budget and what to set, not that 'the peak may reach' a limit above it."""
+def image_trainer(tmp_path, micro, budget) -> Trainer:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
     config = TrainConfig(
         run_dir=str(tmp_path / "run"),
         effective_batch_size=8,
-        micro_batch_size="auto",
+        micro_batch_size=micro,
         max_steps=1,
-        memory_budget="1MiB",
+        memory_budget=budget,
         device="cpu",
         progress="off",
     )
-    Trainer(
+    return Trainer(
         model=model,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=image_loss,
         train_data=Images(),
         config=config,
-    ).fit()
+    )
+
+
+def test_a_budget_below_what_the_process_holds_is_said_so_by_the_plan(tmp_path):
+    """memory_budget as a fraction of usable memory that comes to less than the process
+    already holds before the first pass (the interpreter and torch alone are hundreds of MiB on
+    CPU): the plan's reasons say the run is already over its budget and what to set, not that
+    'the peak may reach' a limit above it."""
+    image_trainer(tmp_path, "auto", 1e-6).fit()
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     (plan,) = [e for e in events if e.get("event") == "plan"]
     said = " ".join(plan["reasons"])
@@ -418,3 +423,17 @@ def test_supervising_a_fine_tune_with_another_run_dir_is_refused_before_it_start
     assert f"--run-dir {elsewhere} is not the fine-tune's output_dir {out}" in message, message
     assert "leave out --run-dir" in message
     assert not elsewhere.exists() and not out.exists()
+
+
+def test_a_budget_size_below_what_the_process_holds_is_said_at_the_start(tmp_path, capsys):
+    """memory_budget given as a size below what the process holds with the model in place
+    (50MB on CPU, where torch alone is hundreds of MiB): the start says so, naming
+    memory_budget, both sizes and the fix, on the console and in events.jsonl, where the run
+    used to train far over its budget without a word."""
+    image_trainer(tmp_path, 2, "50MB").fit()
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    notes = [e["message"] for e in events if e.get("event") == "note"]
+    told = [n for n in notes if n.startswith("memory_budget: 47.68 MiB is less than this")]
+    assert len(told) == 1, notes
+    assert "of resident memory" in told[0] and "leave it out (auto" in told[0]
+    assert "memory_budget: 47.68 MiB is less than this" in capsys.readouterr().err

@@ -169,7 +169,8 @@ class TrainConfig(BaseModel):
         f"{DEFAULT_BUDGET_FRACTION} of it. Usable: "
         "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
         "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "
-        "cgroup limit.",
+        "cgroup limit. A size below what the process already holds with the model in place is "
+        "said in a note at the start.",
     )
     hang_timeout: Literal["auto"] | Annotated[float, Field(gt=0)] = Field(
         "auto",

@@ -63,6 +63,7 @@ from steadytrain.trainer_program import BatchDependentModelWarning as BatchDepen
 from steadytrain.trainer_program import (
     RunParts,
     arithmetic_event,
+    budget_note,
     build_optimizer,
     check_evaluation,
     check_order_fits,
@@ -252,7 +253,7 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
                     compile_event = compile_blocks(run.model, run.device.type)
             if compiled:
                 planned.events.append(("compile", compile_event))
-            notes = [*self._notes, dropout_note(run.model, cfg)]
+            notes = [*self._notes, dropout_note(run.model, cfg), budget_note(run.device)]
             planned.events += [("note", {"message": n}) for n in notes if n is not None]
             arithmetic = arithmetic_event(
                 cfg, self.data, run.sampler, run.state, run.precision.name, run.group.world_size

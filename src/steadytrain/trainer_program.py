@@ -153,6 +153,30 @@ def check_order_fits(
     )
 
 
+def budget_note(device: Device) -> str | None:
+    """A note, at the start, where `memory_budget` was given as a size below what this process
+    already holds with the model in place (on CPU its resident memory: the interpreter and torch
+    alone are hundreds of MiB; elsewhere the device's allocated memory): no micro-batch or
+    memory saver brings the run under it. A note, not a refusal: the fine-tune refuses a budget
+    its estimate does not fit before loading anything, and a process that holds more than a
+    fresh one (a notebook's data) would otherwise be refused where its dry-run said it fits. A
+    fraction of usable memory is left to the plan."""
+    budget = device.budget
+    if not isinstance(device.budget_spec, int) or budget is None:
+        return None
+    reading = device.memory()
+    held = reading.rss if device.type == "cpu" else reading.allocated
+    if held is None or held <= budget:
+        return None
+    what = "resident memory" if device.type == "cpu" else f"memory allocated on {device.type}"
+    return (
+        f"memory_budget: {format_bytes(budget)} is less than this process already holds with "
+        f"the model in place ({format_bytes(held)} of {what}): the run cannot keep within it "
+        "and trains over it. Give a memory_budget above that (steadytrain estimate shows what "
+        "training adds), or leave it out (auto: 0.9 of usable memory)"
+    )
+
+
 def order_identity(source: DataSource, cfg: TrainConfig) -> dict[str, Any]:
     """shuffle and drop_last as the run uses them (a DataLoader's, or the config's)."""
     if source.loader is None:

@@ -219,6 +219,54 @@ def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
     assert quiet.stderr.count("announced no run dir") == 1, quiet.stderr
 
 
+def test_a_trainer_child_writing_elsewhere_than_the_given_run_dir_is_followed_there(tmp_path):
+    """`steadytrain run --run-dir A` around a script whose Trainer writes to B: the child
+    announces B, the supervisor says so and counts B's checkpoints as progress, so two failures
+    after new checkpoints do not exhaust --max-restarts 0 (before: A never changed, and the
+    supervisor gave up on a run that was making progress)."""
+    given, run_dir = tmp_path / "given", tmp_path / "own"
+    child = (
+        "import os, pathlib, sys\n"
+        "from steadytrain.safety.supervised import announce_run_dir\n"
+        f"run = pathlib.Path({str(run_dir)!r})\n"
+        "announce_run_dir(run)\n"
+        "(run / 'checkpoints').mkdir(parents=True, exist_ok=True)\n"
+        "attempt = int(os.environ['STEADYTRAIN_RESTART'])\n"
+        "(run / 'checkpoints' / 'latest').write_text(f'step-{attempt + 1:08d}')\n"
+        "sys.exit(1 if attempt < 2 else 0)\n"
+    )
+    done = steadytrain("run", "--run-dir", str(given), "--max-restarts", "0",
+                       "--backoff-initial", "0.01", "--", sys.executable, "-c", child)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    told = f"the child writes its run to {run_dir}, not to the run dir given ({given})"
+    assert done.stderr.count(told) == 1, done.stderr
+    restarts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "restart"]
+    assert [e["progressed"] for e in restarts] == [True, True], restarts
+
+
+def test_the_announcement_goes_only_to_the_supervisor_s_own_pipe(tmp_path):
+    """A process that did not inherit the supervisor's pipe but has its variable (a torchrun
+    rank) may hold a file of its own at that number: nothing is written to it, whether the
+    variable names the number alone, another inode, or the file's own inode; the pipe it names
+    gets the run dir."""
+    from steadytrain.run_files import ENV_ANNOUNCE_FD
+    from steadytrain.safety.supervised import announce_run_dir
+
+    with open(tmp_path / "own-file", "wb") as own:
+        fd, inode = own.fileno(), os.fstat(own.fileno()).st_ino
+        for value in (str(fd), f"{fd}:{inode + 1}", f"{fd}:{inode}"):
+            announce_run_dir(tmp_path / "run", {ENV_ANNOUNCE_FD: value})
+    assert (tmp_path / "own-file").read_bytes() == b""
+    read_end, write_end = os.pipe()
+    try:
+        value = f"{write_end}:{os.fstat(write_end).st_ino}"
+        announce_run_dir(tmp_path / "run", {ENV_ANNOUNCE_FD: value})
+        assert os.read(read_end, 4096).decode() == f"{tmp_path / 'run'}\n"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_resume_goes_on_when_the_effective_batch_is_kept_and_names_the_field_when_not(workspace):
     config = seed_config(workspace, "refit")
     run_dir = workspace / "refit"

@@ -135,8 +135,9 @@ ENV_MEMORY_SAVERS = "STEADYTRAIN_MEMORY_SAVERS"  # rungs of the saver ladder to 
 # JSON {"run_dir": ..., "limit_s": ...} when the run directory is known: a process that imports
 # steadytrain with it set watches itself for a hang from then on (safety.start_watch).
 ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
-# A pipe's write end, open in the child while the supervisor does not know the run directory:
-# a Trainer writes its run_dir there, one line, when fit() starts
+# "FD:INODE", a pipe's write end open in the child until the supervisor learns where the run
+# writes (also beside a given --run-dir: a script's own run_dir may differ): a Trainer writes its
+# run_dir there, one line, when fit() starts, if the file at FD is that pipe
 # (safety.supervised.announce_run_dir).
 ENV_ANNOUNCE_FD = "STEADYTRAIN_ANNOUNCE_FD"
 

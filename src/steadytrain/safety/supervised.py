@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,9 +68,13 @@ def _count(text: str | None) -> int | None:
 
 def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:
     """Tell a supervising `steadytrain run` where this run writes (the child's side of
-    ENV_ANNOUNCE_FD); nothing happens when no supervisor asked."""
-    text = environ.get(run_files.ENV_ANNOUNCE_FD, "")
-    if not text.isdigit():
+    ENV_ANNOUNCE_FD, "FD:INODE"); nothing happens when no supervisor asked, or where the file
+    at that number is not the supervisor's pipe: a process that did not inherit it (a torchrun
+    rank: torchrun closes it, the variable stays) may hold a file of its own there."""
+    fd, _, inode = environ.get(run_files.ENV_ANNOUNCE_FD, "").partition(":")
+    if not (fd.isdigit() and inode.isdigit()):
         return
-    with contextlib.suppress(OSError):  # the supervisor went away: nobody to tell
-        os.write(int(text), f"{os.path.abspath(run_dir)}\n".encode())
+    with contextlib.suppress(OSError):  # closed, or the supervisor went away: nobody to tell
+        found = os.fstat(int(fd))
+        if stat.S_ISFIFO(found.st_mode) and found.st_ino == int(inode):
+            os.write(int(fd), f"{os.path.abspath(run_dir)}\n".encode())

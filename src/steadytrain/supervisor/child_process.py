@@ -57,6 +57,7 @@ class ChildProcess:
         self._forwarded = 0
         self._announced: int | None = None  # read end of the ENV_ANNOUNCE_FD pipe
         self._said_unlocated = False
+        self._given_run_dir = options.run_dir  # --run-dir, $STEADYTRAIN_RUN_DIR, output_dir
 
     def run(self, attempt: int, max_micro: int | None, savers: int | None) -> int:
         """Start attempt `attempt` (0 first) and wait for its end: its `Popen.returncode`."""
@@ -83,10 +84,14 @@ class ChildProcess:
         if self._announced is not None:  # a grandchild of the last attempt kept it open
             os.close(self._announced)
             self._announced = None
-        if self.options.run_dir is None:  # ask the child's Trainer where it writes
+        if self.options.run_dir == self._given_run_dir:  # nothing learned yet
+            # Ask the child's Trainer where it writes, also where a run dir was given: a
+            # script's own run_dir beside a different --run-dir is where its checkpoints are.
+            # The pipe's inode goes with its number, so that only a process that inherited this
+            # pipe writes to it (a torchrun rank has another file at that number, if any).
             self._announced, write_end = os.pipe()
             os.set_blocking(self._announced, False)
-            env[ENV_ANNOUNCE_FD] = str(write_end)
+            env[ENV_ANNOUNCE_FD] = f"{write_end}:{os.fstat(write_end).st_ino}"
         try:
             # Own session: a terminal's Ctrl-C reaches only us, and we forward it once.
             return subprocess.Popen(
@@ -115,9 +120,19 @@ class ChildProcess:
         self._announced = None
         if text:
             line = text.splitlines()[0]
+            given = self._given_run_dir
+            if given is not None and Path(line).resolve() == Path(given).resolve():
+                return
             self.options = dataclasses.replace(self.options, run_dir=Path(line))
-            self.say(f"run dir {line} (announced by the child); counting progress there")
-        elif not self._said_unlocated:
+            if given is None:
+                self.say(f"run dir {line} (announced by the child); counting progress there")
+            else:
+                self.say(
+                    f"the child writes its run to {line}, not to the run dir given ({given}): "
+                    "counting progress there (pass that as --run-dir, or give the script the "
+                    "same run_dir)"
+                )
+        elif self._given_run_dir is None and not self._said_unlocated:
             self._said_unlocated = True
             self.say(
                 "the child announced no run dir (it trains through neither steadytrain's "

@@ -38,7 +38,7 @@ def test_second_holder_in_this_process_is_refused_with_the_pid(tmp_path):
     message = str(info.value)
     assert f"run directory {tmp_path} is in use by PID {os.getpid()}" in message
     assert socket.gethostname() in message and "(started " in message
-    assert "wait for it, stop it, or use another run_dir" in message
+    assert "wait for it, stop it, or use another run_dir (a fine-tune's output_dir)" in message
     assert info.value.exit_code == 2
     assert holder_of(tmp_path) == {}  # released: no stale holder on file
     with RunLock(tmp_path):  # and free again

@@ -137,7 +137,7 @@ class RunLock:
         started = f" (started {holder['started']})" if holder.get("started") else ""
         return BadInputError(
             f"run directory {self.run_dir} is in use by PID {pid}{host}{started}; wait for it, "
-            "stop it, or use another run_dir"
+            "stop it, or use another run_dir (a fine-tune's output_dir)"
         )
 
 

@@ -330,6 +330,20 @@ def test_a_loop_s_autocast_kept_in_loss_fn_or_given_as_precision_trains_as_the_l
         assert all(torch.equal(ported[k], v) for k, v in loop.items()), name
 
 
+def exit_as_script(capsys, trainer) -> tuple[int, str]:
+    """`trainer()`'s fit in an `@steadytrain.entrypoint` main, as a ported script runs it: the
+    exit code and what it printed on stderr."""
+    import steadytrain
+
+    @steadytrain.entrypoint
+    def main():
+        return trainer().fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    return stopped.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("field", "given", "called"),
     [
@@ -345,13 +359,10 @@ def test_a_function_that_cannot_take_what_the_trainer_passes_exits_5_naming_it(
     the model: the call failed inside steadytrain's frame, so @entrypoint printed a traceback
     and exited 1 (an internal error). It exits 5 before training, naming the function, what it
     takes and the call steadytrain makes."""
-    import steadytrain
-
     parts = {"loss_fn": lambda model, batch: F.mse_loss(model(batch[0]), batch[1]), **given}
     data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
 
-    @steadytrain.entrypoint
-    def main():
+    def trainer():
         config = TrainConfig(run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu")
         return Trainer(
             mlp(),
@@ -361,12 +372,10 @@ def test_a_function_that_cannot_take_what_the_trainer_passes_exits_5_naming_it(
             config,
             eval_data=data,
             eval_fn=parts.get("eval_fn"),
-        ).fit()
+        )
 
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 5, err
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 5, err
     assert "Traceback" not in err
     assert f"{field} <lambda> (test_ported_programs.py:" in err
     assert "takes (batch" in err and f"steadytrain calls {called}" in err
@@ -380,15 +389,12 @@ def test_a_loop_s_own_scheduler_beside_an_optimizer_function_is_refused_naming_b
     Trainer `lambda params: Adadelta(params, ...)` and that StepLR stepped the loop's optimizer,
     not the run's: the run trained at its first learning rate throughout, silently. It exits 2
     before training, naming the scheduler and both ways to fix it."""
-    import steadytrain
-
     model = mlp()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)  # the loop's, kept
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
 
-    @steadytrain.entrypoint
-    def main():
+    def trainer():
         config = TrainConfig(
             run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu", progress="off"
         )
@@ -399,12 +405,10 @@ def test_a_loop_s_own_scheduler_beside_an_optimizer_function_is_refused_naming_b
             data,
             config,
             scheduler=scheduler,
-        ).fit()
+        )
 
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2, err
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
     assert "Traceback" not in err
     assert (
         "scheduler: this StepLR was built on an optimizer (Adadelta) that is not the run's" in err
@@ -417,24 +421,19 @@ def test_an_optimizer_built_on_another_instance_of_the_model_is_refused(tmp_path
     """A port that builds the model again (to reseed it) and passes the loop's optimizer, built on
     the first instance: every step updated that one and the model given to the Trainer never
     trained, silently. It exits 2 before training, naming the optimizer and the fix."""
-    import steadytrain
-
     optimizer = torch.optim.Adadelta(mlp().parameters(), lr=1.0)  # the loop's, on its model
     model = mlp()  # built again for the port
     data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
 
-    @steadytrain.entrypoint
-    def main():
+    def trainer():
         config = TrainConfig(
             run_dir=str(tmp_path / "run"), effective_batch_size=4, device="cpu", progress="off"
         )
         loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
-        return Trainer(model, optimizer, loss_fn, data, config).fit()
+        return Trainer(model, optimizer, loss_fn, data, config)
 
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2, err
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
     assert "Traceback" not in err
     assert "optimizer: this Adadelta holds 4 parameter tensor(s), none of them the model's" in err
     assert "optimizer=lambda params: Adadelta(params, ...)" in err
@@ -456,12 +455,9 @@ def test_a_stream_ported_as_a_dataset_then_shuffled_is_refused_naming_the_order(
     shuffle of the config or a DataLoader's shuffle=True: drawing the epoch's permutation
     failed in the first step with the allocator's error, a traceback and exit 1. It exits 2
     before training, naming the order, its size against the budget and the fix."""
-    import steadytrain
-
     data = Indexed() if shuffled_by == "config" else DataLoader(Indexed(), BATCH, shuffle=True)
 
-    @steadytrain.entrypoint
-    def main():
+    def trainer():
         config = TrainConfig(
             run_dir=str(tmp_path / "run"),
             effective_batch_size=BATCH,
@@ -471,14 +467,10 @@ def test_a_stream_ported_as_a_dataset_then_shuffled_is_refused_naming_the_order(
             progress="off",
         )
         loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
-        return Trainer(
-            mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config
-        ).fit()
+        return Trainer(mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config)
 
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 2, err
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
     assert "Traceback" not in err
     assert f"train_data: 1,000,000,000,000 samples shuffled by {named}" in err
     assert "more than the memory budget 1.00 GiB. Read them in order" in err
@@ -492,7 +484,6 @@ def test_a_loop_body_moved_into_loss_fn_with_its_backward_exits_5_naming_it(
     loss.backward(), the engine's own backward (in the plan's measured pass, or in the first
     step) met a freed graph: autograd's error from steadytrain's frame, a traceback and exit 1.
     It exits 5 naming loss_fn, the two causes and the fix."""
-    import steadytrain
 
     def loss_fn(model, batch):
         loss = F.mse_loss(model(batch[0]), batch[1])
@@ -501,8 +492,7 @@ def test_a_loop_body_moved_into_loss_fn_with_its_backward_exits_5_naming_it(
 
     data = [(torch.randn(8), torch.randn(1)) for _ in range(8)]
 
-    @steadytrain.entrypoint
-    def main():
+    def trainer():
         config = TrainConfig(
             run_dir=str(tmp_path / "run"),
             effective_batch_size=4,
@@ -510,14 +500,10 @@ def test_a_loop_body_moved_into_loss_fn_with_its_backward_exits_5_naming_it(
             device="cpu",
             progress="off",
         )
-        return Trainer(
-            mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config
-        ).fit()
+        return Trainer(mlp(), lambda params: torch.optim.SGD(params, lr=0.1), loss_fn, data, config)
 
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    err = capsys.readouterr().err
-    assert stopped.value.code == 5, err
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 5, err
     assert "Traceback (most recent call last)" not in err
     assert "error in your code (loss_fn)" in err
     assert "loss_fn called loss.backward() itself (return the loss and nothing more" in err

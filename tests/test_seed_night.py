@@ -193,9 +193,10 @@ def test_a_mid_run_checkpoint_exports_to_a_peft_adapter_that_generate_takes(work
         assert torch.equal(step6[name], tensor), name
 
 
-def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
-    run_dir = tmp_path / "announced"
-    child = (
+def announcing_child(run_dir: Path) -> str:
+    """A child that announces `run_dir` as a Trainer does, writes a newer checkpoint each attempt
+    and fails its first two attempts."""
+    return (
         "import os, pathlib, sys\n"
         "from steadytrain.safety.supervised import announce_run_dir\n"
         f"run = pathlib.Path({str(run_dir)!r})\n"
@@ -205,6 +206,11 @@ def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
         "(run / 'checkpoints' / 'latest').write_text(f'step-{attempt + 1:08d}')\n"
         "sys.exit(1 if attempt < 2 else 0)\n"
     )
+
+
+def test_a_trainer_child_announces_its_run_dir_to_the_supervisor(tmp_path):
+    run_dir = tmp_path / "announced"
+    child = announcing_child(run_dir)
     done = steadytrain("run", "--max-restarts", "0", "--backoff-initial", "0.01", "--",
                        sys.executable, "-c", child)  # fmt: skip
     # Two failures, each after a new checkpoint: progress, so --max-restarts 0 does not give up.
@@ -225,16 +231,7 @@ def test_a_trainer_child_writing_elsewhere_than_the_given_run_dir_is_followed_th
     after new checkpoints do not exhaust --max-restarts 0 (before: A never changed, and the
     supervisor gave up on a run that was making progress)."""
     given, run_dir = tmp_path / "given", tmp_path / "own"
-    child = (
-        "import os, pathlib, sys\n"
-        "from steadytrain.safety.supervised import announce_run_dir\n"
-        f"run = pathlib.Path({str(run_dir)!r})\n"
-        "announce_run_dir(run)\n"
-        "(run / 'checkpoints').mkdir(parents=True, exist_ok=True)\n"
-        "attempt = int(os.environ['STEADYTRAIN_RESTART'])\n"
-        "(run / 'checkpoints' / 'latest').write_text(f'step-{attempt + 1:08d}')\n"
-        "sys.exit(1 if attempt < 2 else 0)\n"
-    )
+    child = announcing_child(run_dir)
     done = steadytrain("run", "--run-dir", str(given), "--max-restarts", "0",
                        "--backoff-initial", "0.01", "--", sys.executable, "-c", child)  # fmt: skip
     assert done.returncode == 0, done.stderr

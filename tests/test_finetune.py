@@ -251,7 +251,7 @@ def test_every_config_problem_is_reported_at_once_with_the_field_named():
     problems = caught.value.problems
     text = "\n".join(problems)
     assert "learning_rat: unknown field; did you mean 'learning_rate'?" in text
-    assert "lora.rank: unknown field; the fields are: r, lora_alpha, lora_dropout" in text
+    assert "lora.rank: unknown field; did you mean 'r'? (peft's LoraConfig names it so)" in text
     assert "save_steps, save_every_steps: the same setting given twice" in text
     assert "optim: must be 'adamw_torch'" in text
     assert text.count("hang_timeout:") == 1

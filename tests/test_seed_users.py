@@ -437,3 +437,17 @@ def test_a_budget_size_below_what_the_process_holds_is_said_at_the_start(tmp_pat
     assert len(told) == 1, notes
     assert "of resident memory" in told[0] and "leave it out (auto" in told[0]
     assert "memory_budget: 47.68 MiB is less than this" in capsys.readouterr().err
+
+
+def test_a_config_file_given_without_config_is_told_where_it_goes(capsys, tmp_path):
+    """`steadytrain finetune my.json --dry-run`, the file where `--config FILE` belongs: exit 2
+    with typer's "Missing option" and the command as it should be typed."""
+    config = tmp_path / "my.json"
+    config.write_text("{}")
+    code, _, err = cli(capsys, "finetune", str(config), "--dry-run")
+    assert code == 2
+    assert "Missing option '--config'" in err
+    assert (
+        f"The config file goes after --config: steadytrain finetune --config {config} --dry-run"
+        in err
+    )

@@ -340,9 +340,27 @@ def main(argv: list[str] | None = None) -> None:
         # carry their own message and exit code 2. Anything else is a bug and keeps its traceback.
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
+            hint = _config_file_hint(args, exc.format_message())
+            if hint:
+                err_console.print(escape(hint), markup=False, highlight=False)
             sys.exit(exc.exit_code)
         raise
     sys.exit(code or 0)
+
+
+CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def _config_file_hint(args: list[str], message: str) -> str | None:
+    """For `steadytrain finetune my.json` (the file where `--config FILE` belongs): the command
+    as it should be typed."""
+    if "--config" not in message or "Missing option" not in message:
+        return None
+    given = [a for a in args[1:] if not a.startswith("-") and a.endswith(CONFIG_SUFFIXES)]
+    if not given:
+        return None
+    rest = " ".join(a for a in args[1:] if a != given[0])
+    return f"The config file goes after --config: steadytrain {args[0]} --config {given[0]} {rest}".rstrip()
 
 
 if __name__ == "__main__":

@@ -604,6 +604,15 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 # -- explaining problems -------------------------------------------------------------------
 
 _BLOCKS: dict[str, type[BaseModel]] = {"lora": LoraSettings, "quantization": QuantizationSettings}
+_PEFT_NAMES = "peft's LoraConfig names it so"
+_BLOCK_HINTS: dict[str, dict] = {
+    "lora": {
+        "rank": (["r"], _PEFT_NAMES),
+        "alpha": (["lora_alpha"], _PEFT_NAMES),
+        "dropout": (["lora_dropout"], _PEFT_NAMES),
+    }
+}
+"""The names a LoRA section is written with in guides -> peft's, for an unknown `lora` key."""
 
 
 def _explain(exc: ValidationError) -> list[str]:
@@ -627,7 +636,8 @@ def _explain(exc: ValidationError) -> list[str]:
             known = list(model.model_fields)
             if model is FinetuneConfig:
                 known += ENGINE_FIELDS + list(ENGINE_NAMES) + list(DATA_ALIASES)
-            lines.append(f"{where}: unknown field; {suggestion(name, known)}")
+            hints = _BLOCK_HINTS.get(loc[0]) if len(loc) > 1 else None
+            lines.append(f"{where}: unknown field; {suggestion(name, known, hints)}")
         elif err["type"] == "missing":
             description = model.model_fields[name].description or ""
             lines.append(f"{where}: missing, and it has no default ({description.split('. ')[0]})")

@@ -81,7 +81,7 @@ FUSED_PROJECTIONS = True
 """Whether a CUDA run's LoRA projections that read the same input (q, k, v; gate, up) compute
 their A products as one product per group, set up before their layers are compiled
 (engine/fused_projections.py), each LoRA term added inside its frozen product: on an H200 the
-1B LoRA's kernels took 3-5 % less time a step for the stacked A matrices and 4-5 % less again for
+1B LoRA's kernels took 3-5 % less time a step for the stacked A matrices and 3-5 % less again for
 the products (docs/benchmarks.md, "Fused LoRA projections", "The LoRA term inside the frozen
 product")."""
 

@@ -48,7 +48,7 @@ Gemma, OLMo and their like); models that fuse them themselves (Phi-3, GPT-NeoX) 
 Every other fusable LoRA linear is a group of its own."""
 EPILOGUE_ADD = True
 """Whether each member's LoRA term is added inside its frozen product (engine/lora_product.py)
-instead of after it: on an H200 the 1B LoRA's kernels took 4-5 % less time a step and its peak
+instead of after it: on an H200 the 1B LoRA's kernels took 3-5 % less time a step and its peak
 fell by 0.25 GiB (docs/benchmarks.md, "The LoRA term inside the frozen product")."""
 
 
@@ -92,7 +92,8 @@ class Group:
         else:
             lora_x = x
         ranks = [a.shape[0] for a in a_weights]
-        lows = F.linear(lora_x, torch.cat(a_weights)).split(ranks, dim=-1)
+        stacked = a_weights[0] if len(a_weights) == 1 else torch.cat(a_weights)
+        lows = F.linear(lora_x, stacked).split(ranks, dim=-1)
         outs = []
         for m, low in zip(self.members, lows, strict=True):
             b, scale = m.lora_B[adapter], m.scaling[adapter]

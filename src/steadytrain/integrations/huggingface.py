@@ -40,7 +40,7 @@ from steadytrain.integrations.guard import (
     max_micro_batch,
     module_sizes,
 )
-from steadytrain.integrations.manifest import newest_verified, problems
+from steadytrain.integrations.manifest import newest_verified
 from steadytrain.safety.signals import stop_exit
 
 try:
@@ -270,12 +270,9 @@ def _verified_instead(given: Any, output_dir: Path, record) -> Any:
     match = _CHECKPOINT.match(path.name)
     if match is None or not path.is_dir() or not _same_folder(path.parent, output_dir):
         return given
-    if not problems(path):
-        return given
-    step = int(match.group(1))
-    older = [(s, p) for s, p in _checkpoints(output_dir) if s <= step]
-    found = newest_verified(older, record)
-    return str(found[1]) if found else given
+    step = int(match.group(1))  # the given one first: verified once, whichever is taken
+    found = newest_verified([(s, p) for s, p in _checkpoints(output_dir) if s <= step], record)
+    return str(found[1]) if found and found[1].name != path.name else given
 
 
 def _same_folder(a: Path, b: Path) -> bool:

@@ -12,8 +12,7 @@ TensorFlow or JAX) import without torch; `Device`, `resolve_device` and the RNG 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from steadytrain._lazy import lazy_names
 
 _WHERE = {
     "AutocastResult": "autocast",
@@ -59,19 +58,5 @@ _MODULES = frozenset(
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MODULES:  # `steadytrain.device.core` as an attribute, as before
-        return importlib.import_module(f"steadytrain.device.{name}")
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'steadytrain.device' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"steadytrain.device.{module}"), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, _MODULES)
 __all__ = sorted(_WHERE)

@@ -11,8 +11,7 @@ the command line reads it without loading the checks; `diagnose` and `run_doctor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from steadytrain._lazy import lazy_names
 
 _WHERE = {
     "DoctorOptions": "options",
@@ -21,19 +20,5 @@ _WHERE = {
     "exit_code": "diagnosis",
     "run_doctor": "diagnosis",
 }
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'steadytrain.doctor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"steadytrain.doctor.{module}"), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 __all__ = sorted(_WHERE)

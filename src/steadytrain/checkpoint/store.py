@@ -349,6 +349,11 @@ class CheckpointStore:
                 return list(entries)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise CheckpointError(
+                f"{self.root} is not a folder; steadytrain keeps a run's checkpoints in a folder "
+                "there; move it away (the run then starts from scratch) or restore the folder"
+            ) from None
 
     def latest(self, refused: Mapping[str, list[str]] | None = None) -> tuple[int, Path] | None:
         """The newest committed checkpoint that verifies; None when there is none at all.

@@ -161,7 +161,16 @@ def _other_ranks(path: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    return run_jsonl.read(path)
+    """The records of one of the run's JSON-lines files ([] when it is missing); one that
+    cannot be read (a folder in its place, no permission) is BadInputError naming it."""
+    try:
+        return run_jsonl.read(path)
+    except OSError as exc:
+        what = "is a folder" if path.is_dir() else f"cannot be read ({exc.strerror})"
+        raise BadInputError(
+            f"{path} {what}; the report reads it as the run's JSON-lines file; move it away "
+            "(the report then shows the rest of the run) or restore the file"
+        ) from None
 
 
 # Written by the next attempt before its own fit_start (it restores, then starts): when an attempt

@@ -205,6 +205,27 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
 
 
+def host_time(prof, count: int) -> dict[str, Any]:
+    """Where the host's time went in the profiled steps: the CPU-side events (ops, autograd
+    nodes, compiled regions) with the most time of their own and the most in all, a step."""
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CPU and not e.key.startswith("ProfilerStep")
+    ]
+
+    def row(e, us: float) -> dict[str, Any]:
+        return {"name": e.key[:120], "calls": e.count // count, "ms_per_step": us / 1e3 / count}
+
+    own = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
+    total = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:30]
+    return {
+        "self_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / count,
+        "top_self": [row(e, e.self_cpu_time_total) for e in own],
+        "top_total": [row(e, e.cpu_time_total) for e in total],
+    }
+
+
 def gaps(prof, on_device: bool) -> dict[str, Any] | None:
     """Where the device sat idle between kernels in the profiled steps: the idle time, and the
     longest gaps with the kernels on either side."""
@@ -297,6 +318,7 @@ class StepProfile:
                 for e in top
             ],
             "gaps": gaps(prof, on_device),
+            "host": host_time(prof, self.count),
         }
         if self.trace is not None:
             prof.export_chrome_trace(str(self.trace))
@@ -796,6 +818,8 @@ def run_arms(args) -> dict[str, Any]:
         results[key] = json.loads(text) if text else {"arm": name, "error": f"exit {code}"}
         Path(path).unlink(missing_ok=True)
         print(json.dumps(row_of(results[key])), file=sys.stderr, flush=True)
+        if args.out:  # what ran so far, kept should a later arm outrun the command's limit
+            C.write_json(args.out, {"benchmark": "fast_lora", "partial": True, "results": results})
     return results
 
 

@@ -30,6 +30,7 @@ from steadytrain.checkpoint.run_state import RunState
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device
 from steadytrain.engine import OptimizerBatchSampler, Precision, StepRunner
+from steadytrain.engine.batching import SampleFirst
 from steadytrain.engine.collate import collate
 from steadytrain.engine.distributed import Group
 from steadytrain.engine.evaluation import EvalFn, Evaluation, takes_metric
@@ -80,7 +81,8 @@ def data_source(
     if size == 0:
         raise BadInputError(f"{field}: the dataset is empty")
     order = LoaderOrder(loader) if loader is not None else None
-    return DataSource(train_data, collate_fn or collate, workers, worker_init_fn, loader, order)
+    collate_fn = SampleFirst(collate_fn, field) if collate_fn is not None else collate
+    return DataSource(train_data, collate_fn, workers, worker_init_fn, loader, order)
 
 
 def _check_loader(loader: DataLoader, cfg: TrainConfig, field: str) -> None:

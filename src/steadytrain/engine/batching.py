@@ -2,18 +2,24 @@
 
 A batch is what `engine.collate.collate` (or the user's collate_fn) made of one optimizer batch:
 tensors whose first dimension is the sample, `PerSample` lists (one item per sample), lists of
-per-sample strings as `default_collate` leaves them, and containers of these. Other leaves
+per-sample strings as `default_collate` leaves them, and containers of these (dicts and other
+mappings, lists, tuples, namedtuples, dataclass instances: each keeps its type). Other leaves
 (a scalar a custom collate_fn adds, None) belong to the whole batch and go to every micro-batch.
+`SampleFirst` wraps a user's collate_fn and refuses a batch that would be split along another
+dimension than the sample's (a sequence-first layout) before it is trained on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 from steadytrain.engine.collate import PerSample
+from steadytrain.errors import BadInputError
 
 
 def batch_len(batch: Any) -> int:
@@ -32,6 +38,8 @@ def _find_len(batch: Any) -> int | None:
         return len(batch)
     if isinstance(batch, Mapping):
         values: Sequence = list(batch.values())
+    elif _is_dataclass(batch):
+        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         if batch and not any(_is_container(v) for v in batch):
             return len(batch)  # a list of per-sample leaves (strings, ids)
@@ -46,7 +54,36 @@ def _find_len(batch: Any) -> int | None:
 
 
 def _is_container(value: Any) -> bool:
-    return isinstance(value, torch.Tensor | Mapping | tuple | list)
+    return isinstance(value, torch.Tensor | Mapping | tuple | list) or _is_dataclass(value)
+
+
+def _is_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _like(batch: Any, items: dict[str, Any]) -> Any:
+    """A mapping or dataclass of `batch`'s type holding `items` (a collate_fn's own batch class,
+    Hugging Face's BatchEncoding, an OrderedDict): a copy with its entries replaced; a plain
+    dict where the type cannot be copied."""
+    if type(batch) is dict:
+        return items
+    try:
+        made = copy.copy(batch)
+    except (TypeError, copy.Error):  # a type copy cannot make: rebuilt, or its entries as a dict
+        return dict(items) if isinstance(batch, Mapping) else dataclasses.replace(batch, **items)
+    if _is_dataclass(batch):
+        for name, value in items.items():
+            object.__setattr__(made, name, value)  # frozen dataclasses too
+        return made
+    if not isinstance(made, MutableMapping):
+        return dict(items)
+    for key, value in items.items():
+        made[key] = value
+    return made
+
+
+def _fields(batch: Any) -> dict[str, Any]:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
@@ -56,7 +93,9 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, PerSample):
         return batch.like(batch[start:stop])
     if isinstance(batch, Mapping):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
+        return _like(batch, {k: slice_batch(v, start, stop) for k, v in batch.items()})
+    if _is_dataclass(batch):
+        return _like(batch, {k: slice_batch(v, start, stop) for k, v in _fields(batch).items()})
     if isinstance(batch, tuple | list):
         if batch and any(_is_container(v) for v in batch):
             items = [slice_batch(v, start, stop) for v in batch]
@@ -75,7 +114,10 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+        return _like(batch, {k: to_device(v, device, non_blocking) for k, v in batch.items()})
+    if _is_dataclass(batch):
+        moved = {k: to_device(v, device, non_blocking) for k, v in _fields(batch).items()}
+        return _like(batch, moved)
     if isinstance(batch, PerSample):
         return batch.like(to_device(v, device, non_blocking) for v in batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
@@ -83,3 +125,70 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if isinstance(batch, list | tuple):
         return type(batch)(to_device(v, device, non_blocking) for v in batch)
     return batch
+
+
+class SampleFirst:
+    """A user's collate_fn whose batches are checked before they are trained on: everything a
+    split slices (tensors by their first dimension, lists of per-sample items) must hold one
+    entry per sample given to it. A batch laid out sequence-first, `(seq, batch)` as
+    pytorch/examples' word_language_model batchifies, or holding a value of the whole batch
+    in such a place (class weights as a tensor), would be split along the wrong dimension once
+    the micro-batch is smaller than the batch: it is refused at the first batch (exit 2),
+    naming the place, its size against the sample count and the fix."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], field: str):
+        self.collate_fn, self.field = collate_fn, field
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self.collate_fn(samples)
+        count = len(samples)
+        for where, size, what in _sliced(batch, None):
+            if size != count:
+                raise BadInputError(_not_sample_first(self, where, size, what, count))
+        return batch
+
+
+def _not_sample_first(collate: SampleFirst, where: str | None, size: int, what: str, n: int) -> str:
+    name = getattr(collate.collate_fn, "__name__", type(collate.collate_fn).__name__)
+    place = f"whose {where} is" if where is not None else "that is"
+    return (
+        f"{collate.field}: collate_fn {name} made a batch of {n} samples {place} {what}: "
+        f"{size} along its first dimension, where steadytrain splits a batch into micro-batches "
+        f"and expects the {n} samples. Return every tensor and list sample-first (a "
+        "sequence-first (seq, batch) layout as (batch, seq), transposed back in loss_fn with "
+        "x.t()), and keep values of the whole batch (class weights, a vocabulary) out of the "
+        "batch, in loss_fn or the model; see docs/porting.md, 'Data'"
+    )
+
+
+def _sliced(batch: Any, where: str | None) -> Iterator[tuple[str | None, int, str]]:
+    """(place, length, description) of each part of `batch` that `slice_batch` slices."""
+
+    if isinstance(batch, torch.Tensor):
+        if batch.dim():
+            yield where, batch.shape[0], f"a tensor of shape {tuple(batch.shape)}"
+    elif isinstance(batch, PerSample):
+        yield where, len(batch), f"a list of {len(batch)} items"
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _sliced(value, _place(where, repr(key)))
+    elif _is_dataclass(batch):
+        for key, value in _fields(batch).items():
+            yield from _sliced(value, _place(where, key, attribute=True))
+    elif isinstance(batch, tuple | list):
+        if batch and any(_is_container(v) for v in batch):
+            fields = getattr(batch, "_fields", None)
+            for i, value in enumerate(batch):
+                part = fields[i] if fields else f"[{i}]"
+                yield from _sliced(value, _place(where, part, attribute=bool(fields)))
+        elif batch:
+            yield where, len(batch), f"a {type(batch).__name__} of {len(batch)} items"
+
+
+def _place(where: str | None, part: str, attribute: bool = False) -> str:
+    """Where a part sits in the batch: 'input_ids', item 0, 'image'[1], .x (an attribute)."""
+    if attribute:
+        return f".{part}" if where is None else f"{where}.{part}"
+    if where is None:
+        return f"item {part[1:-1]}" if part.startswith("[") else part
+    return f"{where}{part}" if part.startswith("[") else f"{where}[{part}]"

@@ -170,7 +170,11 @@ class StepRunner:
         """One optimizer step on `batch`, redone at smaller micro sizes until it fits.
 
         `timed`: also measure the forward+backward and optimizer phases on the device's clock
-        (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`."""
+        (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`. The step trains
+        in training mode with autograd on, as fit() starts and a resume starts: a callback's
+        `model.eval()` or `torch.set_grad_enabled(False)` left on does not carry into it."""
+        if not all(m.training for m in self.model.modules()):
+            self.model.train()
         saved = Saved(rng=True, buffers=self.norm_statistics, user_state=self.user_state)
         self._shrinks_before_step = self.state.shrink_count
 
@@ -178,7 +182,8 @@ class StepRunner:
             self._recover(oom)
             saved.put_back()  # the redo draws and starts from what the failed attempt did
 
-        return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
+        with torch.enable_grad():
+            return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
     def _attempt(self, batch: Any, timed: bool) -> dict[str, Any]:
         n = self.group.total(batch_len(batch))  # the global batch: each rank holds a share

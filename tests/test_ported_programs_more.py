@@ -1,0 +1,266 @@
+"""More programs ported from their docs alone (README.md, docs/porting.md), fed data shaped as
+real programs shape it: batches a collate_fn makes as dataclasses or Hugging Face
+BatchEncodings, a recurrent model's sequence-first layout, and callbacks that leave the model in
+evaluation mode or autograd off. Each trains, splits into micro-batches as the whole batch, and
+resumes to the uninterrupted run's numbers, or is refused with the documented exit code."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from steadytrain import Callback, TrainConfig, Trainer
+
+
+def config(run_dir: Path, **given) -> TrainConfig:
+    return TrainConfig(
+        **{
+            "run_dir": str(run_dir),
+            "effective_batch_size": 8,
+            "micro_batch_size": 8,
+            "max_steps": 4,
+            "seed": 0,
+            "device": "cpu",
+            "progress": "off",
+            "memory_watch": False,
+            **given,
+        }
+    )
+
+
+def exit_as_script(capsys, trainer) -> tuple[int, str]:
+    """`trainer()`'s fit in an `@steadytrain.entrypoint` main, as a ported script runs it: the
+    exit code and what it printed on stderr."""
+    import steadytrain
+
+    @steadytrain.entrypoint
+    def main():
+        return trainer().fit()
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    return stopped.value.code, capsys.readouterr().err
+
+
+def regression() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return TensorDataset(x, x @ torch.linspace(-1, 1, 4).reshape(4, 1))
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+# -- batches a collate_fn makes as its own class ------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+    """A collate_fn's batch as a dataclass (torchtune, many vision codebases)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+    ids: list[str]
+
+
+def batch_encoding(x, y, ids):
+    """What transformers' tokenizers and DataCollatorWithPadding return: a BatchEncoding, read
+    by attribute (`batch.input_ids`) as well as by key."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.BatchEncoding({"x": x, "y": y, "ids": ids})
+
+
+@pytest.mark.parametrize("kind", [Batch, FrozenBatch, batch_encoding], ids=lambda k: k.__name__)
+def test_a_collate_fn_s_own_batch_class_is_split_into_micro_batches_of_that_class(tmp_path, kind):
+    """A collate_fn returning a dataclass failed in the first step with 'cannot tell the batch
+    size of a Batch' (a traceback, exit 1); one returning a BatchEncoding was split into plain
+    dicts, so loss_fn's `batch.x` failed (exit 5) where the program's own loop worked. Each
+    micro-batch is now of the batch's class with its fields sliced (the strings with the
+    tensors), and the split gives the whole batch's parameters up to rounding."""
+
+    def collate(samples):
+        x = torch.stack([s[0] for s in samples])
+        return kind(x, torch.stack([s[1] for s in samples]), [f"{float(v):.4f}" for v in x[:, 0]])
+
+    expected = type(collate([regression()[0]]))
+
+    def train(run_dir: Path, micro: int) -> tuple[torch.nn.Module, list]:
+        seen = []
+
+        def loss_fn(model, batch):
+            assert type(batch) is expected
+            seen.append((len(batch.x), [f"{float(v):.4f}" for v in batch.x[:, 0]] == batch.ids))
+            return F.mse_loss(model(batch.x), batch.y)
+
+        model = mlp()
+        loader = DataLoader(regression(), batch_size=8, collate_fn=collate)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        Trainer(model, optimizer, loss_fn, loader, config(run_dir, micro_batch_size=micro)).fit()
+        return model, seen
+
+    whole, seen_whole = train(tmp_path / "whole", 8)
+    split, seen_split = train(tmp_path / "split", 2)
+    assert seen_whole == [(8, True)] * 4
+    assert seen_split == [(2, True)] * 16  # each micro-batch's ids are its own samples'
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+# -- a recurrent model's sequence-first batches (pytorch/examples word_language_model) ----------
+
+SEQ, VOCAB = 6, 12
+
+
+def token_windows() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (SEQ + 1,), generator=g) for _ in range(32)]
+
+
+class Rnn(torch.nn.Module):
+    """word_language_model's RNNModel, small: its forward takes (seq, batch) tokens."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = torch.nn.Embedding(VOCAB, 8)
+        self.rnn = torch.nn.GRU(8, 8)  # batch_first=False, as the example
+        self.decoder = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, tokens):
+        output, _ = self.rnn(self.encoder(tokens))
+        return self.decoder(output)
+
+
+def sequence_first(samples):
+    """batchify's layout: the sequence first, then the batch."""
+    windows = torch.stack(samples).t()  # (seq + 1, batch)
+    return windows[:-1], windows[1:]
+
+
+def own_loop() -> torch.nn.Module:
+    model = Rnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for data, targets in DataLoader(token_windows(), batch_size=8, collate_fn=sequence_first):
+        loss = F.cross_entropy(model(data).reshape(-1, VOCAB), targets.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def test_a_sequence_first_batch_is_refused_naming_its_layout_and_the_port_that_trains(
+    tmp_path, capsys
+):
+    """The example's (seq, batch) layout given as it is: steadytrain splits a batch along its
+    first dimension, so a micro-batch of 4 took 4 time steps of all 8 sequences, counted them as
+    4 samples and trained on, silently. The batch is refused at once (exit 2, naming the
+    collate_fn, the place, its shape against the sample count and the fix); the port the message
+    gives (batch first, transposed back in loss_fn) trains as the loop, bit for bit at the whole
+    batch and up to rounding when split."""
+
+    def trainer():
+        loss_fn = lambda model, batch: F.cross_entropy(  # noqa: E731
+            model(batch[0]).reshape(-1, VOCAB), batch[1].reshape(-1)
+        )
+        loader = DataLoader(token_windows(), batch_size=8, collate_fn=sequence_first)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+        return Trainer(
+            Rnn(), optimizer, loss_fn, loader, config(tmp_path / "as-is", micro_batch_size=4)
+        )
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert (
+        "train_data: collate_fn sequence_first made a batch of 8 samples whose item 0 is a "
+        "tensor of shape (6, 8): 6 along its first dimension" in err
+    )
+    assert "a sequence-first (seq, batch) layout as (batch, seq), transposed back in loss_fn" in err
+
+    def batch_first(samples):  # the port: the samples first, as steadytrain splits them
+        windows = torch.stack(samples)
+        return windows[:, :-1], windows[:, 1:]
+
+    def loss_fn(model, batch):
+        data, targets = (t.t() for t in batch)  # back to the example's (seq, batch)
+        return F.cross_entropy(model(data).reshape(-1, VOCAB), targets.reshape(-1))
+
+    loop = own_loop()
+    for micro in (8, 4):
+        port = Rnn()
+        loader = DataLoader(token_windows(), batch_size=8, collate_fn=batch_first)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
+        run_config = config(tmp_path / f"port-{micro}", micro_batch_size=micro, seed=None)
+        Trainer(port, optimizer, loss_fn, loader, run_config).fit()
+        for a, b in zip(loop.parameters(), port.parameters(), strict=True):
+            if micro == 8:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b)
+
+
+# -- callbacks that evaluate and forget to switch back ------------------------------------------
+
+
+class EvaluatesAndForgets(Callback):
+    """A program's own evaluation after step 2, written in a callback that does not switch back:
+    `model.eval()` left on, or `torch.set_grad_enabled(False)` left off."""
+
+    def __init__(self, model: torch.nn.Module, left: str):
+        self.model, self.left = model, left
+
+    def on_step_end(self, state, control, info):
+        if state.step != 2:
+            return
+        if self.left == "eval":
+            self.model.eval()
+        else:
+            torch.set_grad_enabled(False)
+        self.model(regression().tensors[0])  # the evaluation itself
+
+
+@pytest.mark.parametrize("left", ["eval", "no_grad"])
+def test_a_callback_that_leaves_eval_mode_or_autograd_off_trains_and_resumes_exactly(
+    tmp_path, left
+):
+    """Left in eval mode, the steps after the callback trained without dropout and on BatchNorm's
+    running statistics, while a run resumed after them started in training mode: the resumed
+    run ended elsewhere than the uninterrupted one. With autograd left off, the next step failed
+    inside steadytrain (a traceback, exit 1). Each step now trains in training mode with
+    autograd on, as fit() starts and as a resume starts, so both end at the same parameters."""
+
+    def run(run_dir: Path, steps: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
+            torch.nn.Linear(16, 1),
+        )  # fmt: skip
+        loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+        run_config = config(run_dir, max_steps=steps, save_every_steps=2)
+        callbacks = [EvaluatesAndForgets(model, left)]
+        optimizer = lambda params: torch.optim.AdamW(params, lr=0.01)  # noqa: E731
+        try:
+            Trainer(model, optimizer, loss_fn, regression(), run_config, callbacks=callbacks).fit()
+        finally:
+            torch.set_grad_enabled(True)  # what the callback left off, for the tests after
+        return model
+
+    through = run(tmp_path / "through", 6)
+    run(tmp_path / "stopped", 4)
+    resumed = run(tmp_path / "stopped", 6)
+    for name, value in through.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name

@@ -13,9 +13,21 @@ import time
 import pytest
 import torch
 from conftest import MALLOC_ENV, WORKLOADS
-from torch.utils.data import DataLoader, TensorDataset
+from safetensors.torch import load_file
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 from steadytrain import BadInputError, Callback, CarriedState, TrainConfig, Trainer
+from steadytrain.checkpoint.file_io import safetensors_parts
+from steadytrain.checkpoint.payload import Payload
+from steadytrain.checkpoint.state import DATA_ORDER_FILE, DataOrderState, Host
+from steadytrain.engine.sampler import LoaderOrder, OptimizerBatchSampler, RandomDraws
 from steadytrain.telemetry.files import read_jsonl
 
 N, FEATURES = 36, 5  # batches of 8: four full ones and a short one of 4
@@ -128,6 +140,103 @@ def test_a_shuffling_loader_keeps_its_order_and_the_programs_random_stream(tmp_p
     Trainer(port, sgd, classify, loader, config(tmp_path, seed=None, epochs=3)).fit()
     assert step_losses(tmp_path) == want
     assert_same_parameters(mine, port)
+
+
+class Indexed(torch.utils.data.Dataset):
+    """A million samples, sample i made from i: nothing held but the order."""
+
+    def __len__(self):
+        return 1_000_000
+
+    def __getitem__(self, i):
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(int(i)))
+        return x, int(i) % 3
+
+
+def test_a_shuffled_loader_over_a_million_samples_holds_its_order_in_8_mb_and_resumes_on_it(
+    tmp_path,
+):
+    """The order a DataLoader's shuffle=True draws for an epoch is held as an int64 tensor, 8
+    bytes a sample (a list of Python ints took 36); the checkpoint holds it as it is, and a run
+    stopped mid-epoch at its step-3 checkpoint resumes on it to the uninterrupted run's bits."""
+    torch.manual_seed(0)
+    order = LoaderOrder(DataLoader(Indexed(), batch_size=8, shuffle=True))(0)
+    assert isinstance(order, torch.Tensor) and order.dtype == torch.int64
+    assert order.nbytes == 8_000_000
+    assert torch.equal(order.sort().values, torch.arange(1_000_000))
+
+    def trained(run_dir, *stops):
+        torch.manual_seed(0)
+        model = Net(dropout=0.3)
+        loader = DataLoader(Indexed(), batch_size=8, shuffle=True)
+        for max_steps in stops:
+            cfg = config(tmp_path, run_dir=str(run_dir), max_steps=max_steps, seed=None)
+            Trainer(model, sgd, classify, loader, cfg).fit()
+        return model, [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+    whole, whole_losses = trained(tmp_path / "whole", 6)
+    resumed, resumed_losses = trained(tmp_path / "resumed", 3, 6)
+    assert_same_parameters(whole, resumed)
+    assert resumed_losses == whole_losses
+    saved = load_file(
+        tmp_path / "resumed" / "checkpoints" / "step-00000003" / "data_order.safetensors"
+    )
+    assert list(saved) == ["0"] and saved["0"].dtype == torch.int64
+    assert saved["0"].nbytes == 8_000_000
+
+
+SAMPLERS = {
+    "random": lambda: RandomSampler(range(40)),
+    "random-generator": lambda: RandomSampler(
+        range(40), generator=torch.Generator().manual_seed(5)
+    ),
+    "subset": lambda: SubsetRandomSampler(list(range(0, 40, 3))),
+    "weighted": lambda: WeightedRandomSampler(torch.arange(1.0, 41.0), 30),
+    "distributed": lambda: DistributedSampler(range(40), num_replicas=2, rank=1, seed=4),
+    "random-draws": lambda: RandomDraws(40, 4, 5),
+}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLERS))
+def test_each_sampler_s_order_is_held_as_int64_and_a_checkpoint_gives_the_same_batches(
+    tmp_path, kind
+):
+    """Each epoch's order as `for batch in loader` draws it, held as an int64 tensor; the
+    checkpoint's part is that tensor itself (no copy), written to the bytes an order held as a
+    list wrote, and a sampler given the file back makes the same batches, of Python ints."""
+
+    def loader():
+        return DataLoader(list(range(40)), batch_size=4, sampler=SAMPLERS[kind]())
+
+    torch.manual_seed(2)
+    mine, want = loader(), []
+    for epoch in (0, 1):
+        if hasattr(mine.sampler, "set_epoch"):
+            mine.sampler.set_epoch(epoch)
+        want.append(torch.cat(list(mine)).tolist())
+    torch.manual_seed(2)
+    order = LoaderOrder(loader())
+    for epoch in (0, 1):
+        held = order(epoch)
+        assert isinstance(held, torch.Tensor) and held.dtype == torch.int64
+        assert held.tolist() == want[epoch]
+
+    sampler = OptimizerBatchSampler(len(order), 4, 0, True, False, order)
+    out = Payload()
+    DataOrderState(sampler).save(out, {}, Host())
+    assert out.tensors[DATA_ORDER_FILE]["1"] is order.drawn[1]
+    file = tmp_path / DATA_ORDER_FILE
+    file.write_bytes(b"".join(safetensors_parts(out.tensors[DATA_ORDER_FILE])[0]))
+    as_a_list = {"1": torch.tensor(want[1], dtype=torch.int64)}  # what a list was saved as
+    assert file.read_bytes() == b"".join(safetensors_parts(as_a_list)[0])
+
+    again = LoaderOrder(loader())
+    resumed = OptimizerBatchSampler(len(again), 4, 0, True, False, again)
+    DataOrderState(resumed).load(Payload(tensors={DATA_ORDER_FILE: load_file(file)}), {})
+    assert resumed.has_order(1)
+    batches = [resumed.batch_at(1, step) for step in range(resumed.steps_per_epoch)]
+    assert batches == [want[1][i : i + 4] for i in range(0, len(want[1]), 4)]
+    assert all(type(i) is int for batch in batches for i in batch)
 
 
 @pytest.mark.parametrize(

@@ -444,7 +444,7 @@ def test_an_optimizer_built_on_another_instance_of_the_model_is_refused(tmp_path
     ("shuffled_by", "named"),
     [
         ("config", "the config's shuffle: an epoch's order is held in memory, 8 bytes a sample"),
-        ("loader", "the DataLoader's RandomSampler: an epoch's order is held in memory, 36 bytes"),
+        ("loader", "the DataLoader's RandomSampler: an epoch's order is held in memory, 8 bytes"),
     ],
     ids=["config", "loader"],
 )

@@ -121,10 +121,11 @@ def make_sampler(source: DataSource, cfg: TrainConfig) -> OptimizerBatchSampler:
     )
 
 
-HELD_ORDER_BYTES = {"tensor": 8, "list": 36}
+HELD_ORDER_BYTES = 8
 """Bytes a sample of an epoch's order held in memory: the config's shuffle keeps a permutation
-tensor (int64); a DataLoader's sampler is drawn as its iterator yields, into a list of Python
-ints (an 8-byte pointer and a 28-byte int each)."""
+tensor (int64); a DataLoader's sampler is drawn as its iterator yields, a chunk at a time, into
+an int64 tensor too (engine/sampler.py `held_order`; a list of Python ints, an 8-byte pointer
+and a 28-byte int each, only for a custom sampler's key past int64)."""
 
 
 def check_order_fits(
@@ -138,8 +139,7 @@ def check_order_fits(
         return
     if loader is not None and type(loader.sampler) is SequentialSampler:
         return
-    kind = "tensor" if loader is None else "list"
-    need = sampler.num_samples * HELD_ORDER_BYTES[kind]
+    need = sampler.num_samples * HELD_ORDER_BYTES
     if budget is None or need <= budget:
         return
     what, fix = (
@@ -149,7 +149,7 @@ def check_order_fits(
     )
     raise BadInputError(
         f"train_data: {sampler.num_samples:,} samples shuffled by {what}: an epoch's order is "
-        f"held in memory, {HELD_ORDER_BYTES[kind]} bytes a sample, {format_bytes(need)}, more "
+        f"held in memory, {HELD_ORDER_BYTES} bytes a sample, {format_bytes(need)}, more "
         f"than the memory budget {format_bytes(budget)}. Read them in order ({fix}), or give "
         "the dataset a __len__ of the samples the run reads (max_steps x effective_batch_size)"
     )
@@ -252,6 +252,7 @@ def eval_batches(source: DataSource, batch_size: int, index: int) -> Iterator[An
     order = source.order(index) if source.order is not None else range(len(source.dataset))
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
+        chunk = chunk.tolist() if isinstance(chunk, torch.Tensor) else chunk  # ints, not 0-d
         if source.loader is not None and source.loader.drop_last and len(chunk) < batch_size:
             return
         yield source.collate_fn([source.dataset[i] for i in chunk])

@@ -12,7 +12,7 @@ loading it back (torchtitan's `Stateful` idea: one `save` / `load` pair per obje
     train_state  "state"             the loop's TrainState
     rng          rng.safetensors     torch CPU, CUDA and MPS generators; python's and numpy's
                  "rng"               streams as JSON (no pickle); each rank's: ranks.py
-    data_order   data_order.safetensors   a DataLoader's drawn epoch orders
+    data_order   data_order.safetensors   a DataLoader's drawn epoch orders (int64)
     user_state   user_state.pt       state_dict() of each object the program carries
                                      (user_state: CarriedState, a stateful callback)
     callbacks    callbacks.pt        state_dict() of each Trainer(callbacks=...) callback that
@@ -227,31 +227,39 @@ def rng_from_files(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> d
 @dataclasses.dataclass
 class DataOrderState:
     """The drawn epoch orders of a DataLoader's sampler (nothing for a dataset: its order is
-    the seed's)."""
+    the seed's): key "e" the indices of epoch e, an int64 tensor; "range-e" [its length] for a
+    sequential epoch."""
 
     sampler: Any
     what: str = "the data order"
 
     def save(self, out: Payload, doc: dict[str, Any], host: Host) -> None:
+        """An order held as a tensor is written from where it is, without a copy: a new epoch
+        replaces it (`LoaderOrder`) rather than changing it, so a background write reads it
+        while training goes on."""
         order = self.sampler.loader_order
         if order is None or not order.drawn:
             return
         out.tensors[DATA_ORDER_FILE] = {
-            f"range-{e}" if isinstance(o, range) else str(e): torch.tensor(
-                [len(o)] if isinstance(o, range) else o, dtype=torch.int64
-            )
+            f"range-{e}" if isinstance(o, range) else str(e): _order_tensor(o)
             for e, o in order.drawn.items()
         }
 
     def load(self, saved: Payload, doc: dict[str, Any]) -> None:
-        """A sequential epoch was saved as its length, others as indices."""
+        """A sequential epoch was saved as its length, others as indices (a tensor back)."""
         if self.sampler.loader_order is not None:
             self.sampler.loader_order.drawn = {
-                int(e.removeprefix("range-")): range(int(t[0]))
-                if e.startswith("range-")
-                else t.tolist()
+                int(e.removeprefix("range-")): range(int(t[0])) if e.startswith("range-") else t
                 for e, t in saved.tensors.get(DATA_ORDER_FILE, {}).items()
             }
+
+
+def _order_tensor(order: Any) -> torch.Tensor:
+    if isinstance(order, range):
+        return torch.tensor([len(order)], dtype=torch.int64)
+    if isinstance(order, torch.Tensor) and order.dtype == torch.int64:
+        return order
+    return torch.tensor(order, dtype=torch.int64)  # a list (a key past int64 fails, as it did)
 
 
 @dataclasses.dataclass

@@ -12,8 +12,9 @@ many workers there are, or where the run was resumed.
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ class OptimizerBatchSampler:
 
     def order(self, epoch: int) -> Sequence[int]:
         """Epoch `epoch`'s indices: a range in order; a permutation tensor (8 bytes a sample,
-        drawn once per epoch and kept) when shuffled; a DataLoader's drawn list."""
+        drawn once per epoch and kept) when shuffled; a DataLoader's drawn order (`LoaderOrder`)."""
         if self.loader_order is not None:
             return self.loader_order(epoch)
         if not self.shuffle:
@@ -84,7 +85,7 @@ class OptimizerBatchSampler:
         """The batch the sampler yields at (epoch, step), without moving it."""
         return self._batch(self.order(epoch), epoch, step)
 
-    def _batch(self, order: list[int], epoch: int, step: int) -> SeededBatch:
+    def _batch(self, order: Sequence[int], epoch: int, step: int) -> SeededBatch:
         indices = order[step * self.batch_size : (step + 1) * self.batch_size]
         batch = SeededBatch(indices.tolist() if isinstance(indices, torch.Tensor) else indices)
         batch.seed = batch_seed(self.seed, epoch, step) % 2**63
@@ -100,27 +101,54 @@ class LoaderOrder:
     (a RandomSampler without a generator takes its seed from torch's global stream). A program
     whose loop is `for batch in loader` therefore sees the same order and the same random
     stream afterwards. The drawn order is saved in checkpoints (`drawn`): a resume mid-epoch
-    cannot draw it again."""
+    cannot draw it again. It is held as an int64 tensor (`held_order`)."""
 
     def __init__(self, loader: torch.utils.data.DataLoader):
         self.sampler, self.generator = loader.sampler, loader.generator
-        self.drawn: dict[int, Sequence[int]] = {}
+        self.drawn: dict[int, torch.Tensor | Sequence[int]] = {}
 
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __call__(self, epoch: int) -> Sequence[int]:
+    def __call__(self, epoch: int) -> torch.Tensor | Sequence[int]:
         if epoch not in self.drawn:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
             self.drawn = {epoch: self._draw(epoch)}
         return self.drawn[epoch]
 
-    def _draw(self, epoch: int) -> Sequence[int]:
+    def _draw(self, epoch: int) -> torch.Tensor | Sequence[int]:
         if type(self.sampler) is SequentialSampler:  # 0..n-1: nothing to hold, whatever n is
             return range(len(self.sampler))
         if callable(getattr(self.sampler, "set_epoch", None)):  # as a loop calls it each epoch
             self.sampler.set_epoch(epoch)
-        return [int(i) for i in self.sampler]
+        return held_order(self.sampler, len(self.sampler))
+
+
+DRAW_CHUNK = 65_536
+"""Indices a drawn order is converted at a time (a 512 KiB list of Python ints at most)."""
+
+
+def held_order(keys: Iterable[Any], size: int) -> torch.Tensor | list[int]:
+    """The indices `keys` yields, each as ``int(key)`` makes it, in an int64 tensor of `size`
+    (8 bytes a sample), filled `DRAW_CHUNK` at a time: a list of Python ints held instead took
+    36 bytes a sample (an 8-byte pointer and a 28-byte int), a checkpoint copied it into a
+    tensor at each save and a resume made the list again. A 10,000,000-index RandomSampler
+    (bench/loader_order.py, 2 shared CPU cores): 83 MB resident instead of 404 MB, the save's
+    part 0.03 ms instead of 0.6 s, the load 1 ms instead of 0.44 s; the draw 2.4 s instead of
+    1.9 s once an epoch, a batch taken from it 3.5 us instead of 1.3 us once a step. A sampler
+    that yields more or fewer than its len() gets what it yields; a key past int64 (a custom
+    sampler's 64-bit hash) keeps the whole order a list of ints, as it was."""
+    out, filled, stream = torch.empty(size, dtype=torch.int64), 0, iter(keys)
+    while chunk := list(map(int, itertools.islice(stream, DRAW_CHUNK))):
+        if filled + len(chunk) > len(out):  # more than len(): grow by half at least
+            grown = max(filled + len(chunk), len(out) + len(out) // 2)
+            out = torch.cat([out, torch.empty(grown - len(out), dtype=torch.int64)])
+        try:
+            out.numpy()[filled : filled + len(chunk)] = chunk
+        except OverflowError:  # past int64
+            return out[:filled].tolist() + chunk + [int(i) for i in stream]
+        filled += len(chunk)
+    return out if filled == len(out) else out[:filled].clone()
 
 
 class RandomDraws(torch.utils.data.Sampler[int]):

@@ -95,6 +95,9 @@ def test_a_step_blocked_in_c_is_caught_in_time_and_exits_75(tmp_path):
     assert '"event": "checkpoint", "step": 2' in text  # the last events
     assert '"rss":' in text  # the memory reading
     assert "hang: no progress" in result.stderr
+    # the console's line for the event, printed aside from the watchdog's thread, is whole
+    assert "hang: step 2, phase step, collective" not in result.stderr
+    assert "hang: step 2, phase step, stalled_s" in result.stderr.replace("\n", "")
     assert not (
         tmp_path / "hangs" / f"backstop-{json.loads(marker.read_text())['pid']}.txt"
     ).exists()

@@ -2,7 +2,8 @@
 read back (the watchdog writes it, `safety.hang_files`; the supervisor watches it), a new
 ``hangs/<time>.txt`` made by the run's one writer, and the stack dumps the GIL backstop or a
 supervisor's SIGUSR1 left in ``hangs/backstop-<pid>.txt`` turned into hang reports (by the
-watchdog of the next attempt, or by the supervisor that killed a frozen child). Standard library
+watchdog of the next attempt, or by the supervisor that killed a frozen child), and the console lines a watching thread prints aside
+(`print_aside`), which a hung process gives a moment before it ends. Standard library
 and the run's safe writer only: the supervisor imports it, and nothing of torch; below the
 watchdog and the supervisor, so neither imports the other for it."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,3 +106,26 @@ def adopt_backstop_dumps(
         with contextlib.suppress(Exception):
             record("hang", info)
     return made
+
+
+_ASIDE: list[threading.Thread] = []
+"""The lines being printed aside (`print_aside`) that may not have been printed yet."""
+
+
+def print_aside(print_line: Callable[[], Any]) -> None:
+    """Run `print_line` on a daemon thread of its own: a watching thread's line for the console,
+    where the loop's thread may hold the console (a blocked stderr) and the watcher must not
+    wait for it. `wait_for_aside` gives such lines their moment before a process ends."""
+    _ASIDE[:] = [t for t in _ASIDE if t.is_alive()]
+    thread = threading.Thread(target=print_line, name="steadytrain-aside", daemon=True)
+    _ASIDE.append(thread)
+    thread.start()
+
+
+def wait_for_aside(timeout: float) -> None:
+    """Wait up to `timeout` seconds in all for the lines `print_aside` is printing (a hung
+    process ends right after the watchdog records its hang, whose console line would otherwise
+    be lost or cut off)."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_ASIDE):
+        thread.join(max(0.0, deadline - time.monotonic()))

@@ -21,9 +21,13 @@ from typing import NoReturn, TextIO
 
 from steadytrain._durable import open_in_run
 from steadytrain.errors import RESTARTABLE_EXIT
+from steadytrain.run_hangs import wait_for_aside
 from steadytrain.safety.hang_limits import small_stacks
 
 HANG_EXIT = RESTARTABLE_EXIT
+ASIDE_WAIT_S = 1.0
+"""How long a hung process about to end waits for the console's line of its hang (a console
+blocked on a full pipe gets no longer: the exit must come)."""
 DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 """What the supervisor sends for a stack dump before it kills a frozen child (no Windows)."""
 
@@ -72,10 +76,12 @@ class Backstop:
 
 def end_process(message: str, backstop: Backstop | None) -> NoReturn:
     """End this hung process with HANG_EXIT: its data workers first (a stuck worker must not
-    outlive it), then `message` on stderr, then the backstop's file."""
+    outlive it), then the console's line for the hang (printed aside, given up to
+    `ASIDE_WAIT_S`), then `message` on stderr, then the backstop's file."""
     for child in multiprocessing.active_children():
         with contextlib.suppress(Exception):
             child.kill()
+    wait_for_aside(ASIDE_WAIT_S)
     with contextlib.suppress(Exception):
         sys.stderr.write(message)
         sys.stderr.flush()

@@ -9,6 +9,7 @@ second, and the fields are handed over at most that often.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from rich.text import Text
 
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState
+from steadytrain.run_hangs import print_aside
 
 BAR_REFRESH_PER_SECOND = 4
 LOSS_SMOOTHING = 0.9  # EMA weight of the past: about the last ten steps' losses
@@ -101,9 +103,7 @@ class ConsoleLog(Callback):
         if threading.current_thread() is self._loop_thread:
             self.console.print(line, markup=False)
         else:
-            threading.Thread(
-                target=self.console.print, args=(line,), kwargs={"markup": False}, daemon=True
-            ).start()
+            print_aside(functools.partial(self.console.print, line, markup=False))
 
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
         self._print_pending(only_resolved=True)

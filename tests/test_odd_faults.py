@@ -7,9 +7,12 @@ already written (its checkpoints) kept.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -17,6 +20,7 @@ from steadytrain import TrainConfig, Trainer, run_files
 from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError
+from steadytrain.telemetry.files import read_jsonl
 
 BAD_INPUT = 2
 
@@ -113,3 +117,38 @@ def test_a_file_where_the_checkpoints_folder_belongs_is_exit_2_naming_it(finishe
     assert f"{checkpoints} is not a folder" in str(info.value)
     assert "move it away" in str(info.value)
     assert checkpoints.read_bytes() == b"not a folder"
+
+
+def announcing_child(run_dir: Path) -> str:
+    """A child that announces `run_dir` as a Trainer's fit() does, writes a newer checkpoint
+    pointer each attempt and fails its first two attempts."""
+    return (
+        "import os, pathlib, sys\n"
+        "from steadytrain.safety.supervised import announce_run_dir\n"
+        f"run = pathlib.Path(os.fsdecode({os.fsencode(run_dir)!r}))\n"
+        "announce_run_dir(run)\n"
+        "(run / 'checkpoints').mkdir(parents=True, exist_ok=True)\n"
+        "attempt = int(os.environ['STEADYTRAIN_RESTART'])\n"
+        "(run / 'checkpoints' / 'latest').write_text(f'step-{attempt + 1:08d}')\n"
+        "sys.exit(1 if attempt < 2 else 0)\n"
+    )
+
+
+@pytest.mark.parametrize("name", [b"run ", b"run \xff"], ids=["trailing-space", "not-utf-8"])
+def test_a_run_dir_announced_with_an_odd_name_is_where_the_supervisor_counts(tmp_path, name):
+    """`steadytrain run` without --run-dir learns the run directory from the child. A name that
+    ends in a space, or is not UTF-8, is the folder it counts progress in and appends its
+    events to: two failures after new checkpoints do not exhaust --max-restarts 0, and no
+    folder of a neighbouring name is made (before: 'run ' was counted as 'run', made there,
+    and a name not in UTF-8 made fit()'s announcement raise)."""
+    run_dir = Path(os.fsdecode(os.fsencode(tmp_path) + b"/" + name))
+    done = forkserver.run(
+        [sys.executable, "-m", "steadytrain.cli", "run", "--max-restarts", "0",
+         "--backoff-initial", "0.01", "--", sys.executable, "-c", announcing_child(run_dir)],
+        env=os.environ.copy(),
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(os.fsencode(tmp_path)) == [name]
+    restarts = [e for e in read_jsonl(run_dir / run_files.EVENTS) if e["event"] == "restart"]
+    assert [e["progressed"] for e in restarts] == [True, True], restarts

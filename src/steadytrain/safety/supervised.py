@@ -70,11 +70,18 @@ def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> N
     """Tell a supervising `steadytrain run` where this run writes (the child's side of
     ENV_ANNOUNCE_FD, "FD:INODE"); nothing happens when no supervisor asked, or where the file
     at that number is not the supervisor's pipe: a process that did not inherit it (a torchrun
-    rank: torchrun closes it, the variable stays) may hold a file of its own there."""
+    rank: torchrun closes it, the variable stays) may hold a file of its own there.
+
+    The path goes as the file system's own bytes (a name that is not UTF-8 too), one line; a
+    path holding a newline cannot be one line, so it is not announced (the supervisor then says
+    so and asks for --run-dir) rather than announced cut short."""
     fd, _, inode = environ.get(run_files.ENV_ANNOUNCE_FD, "").partition(":")
     if not (fd.isdigit() and inode.isdigit()):
+        return
+    path = os.fsencode(os.path.abspath(run_dir))
+    if b"\n" in path:
         return
     with contextlib.suppress(OSError):  # closed, or the supervisor went away: nobody to tell
         found = os.fstat(int(fd))
         if stat.S_ISFIFO(found.st_mode) and found.st_ino == int(inode):
-            os.write(int(fd), f"{os.path.abspath(run_dir)}\n".encode())
+            os.write(int(fd), path + b"\n")

@@ -110,16 +110,15 @@ class ChildProcess:
         """Take the run directory the child announced (ENV_ANNOUNCE_FD), once it did or ended."""
         if self._announced is None:
             return
-        try:
-            text = os.read(self._announced, 65536).decode(errors="replace").strip()
+        try:  # the path's own bytes, one line: a space at its end or a name not in UTF-8 kept
+            line = os.fsdecode(os.read(self._announced, 65536).partition(b"\n")[0])
         except BlockingIOError:
             return  # nothing yet, and the child is still there
         except OSError:
-            text = ""
+            line = ""
         os.close(self._announced)
         self._announced = None
-        if text:
-            line = text.splitlines()[0]
+        if line:
             given = self._given_run_dir
             if given is not None and Path(line).resolve() == Path(given).resolve():
                 return

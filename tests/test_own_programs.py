@@ -143,14 +143,20 @@ def test_a_shuffling_loader_keeps_its_order_and_the_programs_random_stream(tmp_p
 
 
 class Indexed(torch.utils.data.Dataset):
-    """A million samples, sample i made from i: nothing held but the order."""
+    """`size` samples, sample i made from i: nothing held but the order. Its index is a Python
+    int, as a loader gives it (not a 0-d tensor taken from a held order)."""
+
+    def __init__(self, size: int = 1_000_000):
+        self.size = size
 
     def __len__(self):
-        return 1_000_000
+        return self.size
 
     def __getitem__(self, i):
-        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(int(i)))
-        return x, int(i) % 3
+        if type(i) is not int:
+            raise TypeError(f"index {i!r}: not an int")
+        x = torch.randn(FEATURES, generator=torch.Generator().manual_seed(i))
+        return x, i % 3
 
 
 def test_a_shuffled_loader_over_a_million_samples_holds_its_order_in_8_mb_and_resumes_on_it(
@@ -158,7 +164,8 @@ def test_a_shuffled_loader_over_a_million_samples_holds_its_order_in_8_mb_and_re
 ):
     """The order a DataLoader's shuffle=True draws for an epoch is held as an int64 tensor, 8
     bytes a sample (a list of Python ints took 36); the checkpoint holds it as it is, and a run
-    stopped mid-epoch at its step-3 checkpoint resumes on it to the uninterrupted run's bits."""
+    stopped mid-epoch at its step-3 checkpoint resumes on it to the uninterrupted run's bits.
+    A shuffled evaluation loader's samples are read by int indices from its held order."""
     torch.manual_seed(0)
     order = LoaderOrder(DataLoader(Indexed(), batch_size=8, shuffle=True))(0)
     assert isinstance(order, torch.Tensor) and order.dtype == torch.int64
@@ -169,15 +176,24 @@ def test_a_shuffled_loader_over_a_million_samples_holds_its_order_in_8_mb_and_re
         torch.manual_seed(0)
         model = Net(dropout=0.3)
         loader = DataLoader(Indexed(), batch_size=8, shuffle=True)
+        evaluation = DataLoader(Indexed(20), batch_size=8, shuffle=True)
         for max_steps in stops:
-            cfg = config(tmp_path, run_dir=str(run_dir), max_steps=max_steps, seed=None)
-            Trainer(model, sgd, classify, loader, cfg).fit()
-        return model, [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+            cfg = config(
+                tmp_path,
+                run_dir=str(run_dir),
+                max_steps=max_steps,
+                seed=None,
+                evaluate_every_steps=2,
+            )
+            Trainer(model, sgd, classify, loader, cfg, eval_data=evaluation).fit()
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        return model, [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows]
 
-    whole, whole_losses = trained(tmp_path / "whole", 6)
-    resumed, resumed_losses = trained(tmp_path / "resumed", 3, 6)
+    whole, whole_rows = trained(tmp_path / "whole", 6)
+    resumed, resumed_rows = trained(tmp_path / "resumed", 3, 6)
     assert_same_parameters(whole, resumed)
-    assert resumed_losses == whole_losses
+    assert resumed_rows == whole_rows
+    assert [step for step, _, scored in whole_rows if scored is not None] == [2, 4, 6]
     saved = load_file(
         tmp_path / "resumed" / "checkpoints" / "step-00000003" / "data_order.safetensors"
     )

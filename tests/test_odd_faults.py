@@ -7,6 +7,7 @@ already written (its checkpoints) kept.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -152,3 +153,42 @@ def test_a_run_dir_announced_with_an_odd_name_is_where_the_supervisor_counts(tmp
     assert os.listdir(os.fsencode(tmp_path)) == [name]
     restarts = [e for e in read_jsonl(run_dir / run_files.EVENTS) if e["event"] == "restart"]
     assert [e["progressed"] for e in restarts] == [True, True], restarts
+
+
+def not_utf8(folder: Path, name: bytes) -> Path:
+    """`folder`/`name`, where `name` holds a byte that is not UTF-8 (Linux allows any byte)."""
+    return Path(os.fsdecode(os.fsencode(folder) + b"/" + name))
+
+
+def test_the_report_of_a_run_dir_whose_name_is_not_utf_8_is_written(finished_run, tmp_path):
+    """A run directory named with a byte that is not UTF-8: `steadytrain report` writes its page
+    (the byte shown as '?'), not a UnicodeEncodeError traceback."""
+    pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+    run_dir = not_utf8(tmp_path, b"run-\xff")
+    shutil.copytree(finished_run, run_dir)
+    done = forkserver.run(
+        [sys.executable, "-m", "steadytrain.cli", "report", str(run_dir)],
+        env=os.environ.copy(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    page = (run_dir / run_files.REPORT_HTML).read_bytes()
+    assert b"run-?" in page and "Traceback" not in done.stderr
+
+
+def test_a_fine_tune_output_dir_not_in_utf_8_is_refused_before_anything_is_written(
+    tmp_path, capsys
+):
+    """The tokenizer's files cannot be saved under a name that is not UTF-8 (the tokenizers
+    library takes UTF-8 paths only): the fine-tune is refused at the start, exit 2 naming
+    output_dir, instead of training and then failing in the final export with a traceback."""
+    out = not_utf8(tmp_path, b"out-\xff")  # as a program that writes the config gets it
+    config = tmp_path / "c.json"
+    config.write_text(
+        json.dumps({"model_name_or_path": "tiny", "train_file": "t.jsonl", "output_dir": str(out)})
+    )
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    said = " ".join(err.split())
+    assert code == BAD_INPUT, err
+    assert "output_dir:" in said and "not UTF-8" in said and "Traceback" not in said
+    assert sorted(os.listdir(tmp_path)) == ["c.json"]

@@ -483,6 +483,14 @@ class FinetuneConfig(BaseModel):
                 "eval_file, eval_split: give one; eval_split takes a share of the training file "
                 "when there is no separate eval file"
             )
+        try:
+            self.output_dir.encode()
+        except UnicodeEncodeError:
+            problems.append(
+                f"output_dir: {self.output_dir!r} holds a byte that is not UTF-8, and the "
+                "tokenizer's files cannot be saved under such a name (the tokenizers library "
+                "takes UTF-8 paths only); choose a name in UTF-8"
+            )
         return problems
 
     # -- loading -----------------------------------------------------------------------------

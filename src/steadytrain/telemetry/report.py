@@ -128,7 +128,8 @@ def _write(run: Run, html_path: Path, png_dir: Path, root: Path) -> Report:
         images[name] = png_bytes(drawn[name])
         pngs.append(png_dir / f"{name}.png")
         write_atomic(pngs[-1], images[name], root=root)
-    write_atomic(html_path, render_html(run, images).encode(), root=root)
+    page = render_html(run, images)  # a path not in UTF-8 shows its stray byte as ?
+    write_atomic(html_path, page.encode(errors="replace"), root=root)
     return Report(html=html_path, pngs=pngs, summary=summary_line(run))
 
 

@@ -255,6 +255,86 @@ def test_each_sampler_s_order_is_held_as_int64_and_a_checkpoint_gives_the_same_b
     assert all(type(i) is int for batch in batches for i in batch)
 
 
+class KeySampler(torch.utils.data.Sampler):
+    """A sampler of a dataset's own keys (file names), as some programs write one."""
+
+    def __init__(self, keys):
+        self.keys = keys
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self):
+        return len(self.keys)
+
+
+@pytest.mark.parametrize("key", ["sample-00003.pt", "3", 3.0, (0, 3)])
+def test_a_sampler_of_keys_that_are_not_integers_is_refused_naming_the_key(tmp_path, key):
+    """A sampler that yields strings, floats or tuples: exit 2 naming the sampler, the key and
+    the fix, before any step (a digit string is not turned into another key silently)."""
+    samples = {key: (torch.zeros(FEATURES), torch.tensor(0))}
+
+    class Keyed(torch.utils.data.Dataset):
+        def __getitem__(self, k):
+            return samples[k]
+
+        def __len__(self):
+            return 1
+
+    loader = DataLoader(Keyed(), batch_size=1, sampler=KeySampler([key]))
+    trainer = Trainer(
+        Net(),
+        sgd,
+        classify,
+        loader,
+        config=config(tmp_path, effective_batch_size=1, micro_batch_size=1),
+    )
+    with pytest.raises(BadInputError) as raised:
+        trainer.fit()
+    message = str(raised.value)
+    assert f"KeySampler yielded {key!r} ({type(key).__name__})" in message
+    assert "sampler of integer indices" in message
+    assert raised.value.exit_code == 2
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+def test_a_dataset_keyed_by_integers_of_its_own_trains_from_its_sampler(tmp_path):
+    """Samples under integer keys that are not 0…n-1 (ids), drawn by a sampler of those keys:
+    the run trains on them and resumes; the data fingerprint, which cannot read sample 0,
+    checks the length only and says so (before, it read sample 0: KeyError, exit 5)."""
+    g = torch.Generator().manual_seed(0)
+    samples = {
+        1000 + 7 * i: (torch.randn(FEATURES, generator=g), torch.tensor(i % 3)) for i in range(8)
+    }
+
+    class ById(torch.utils.data.Dataset):
+        def __getitem__(self, key):
+            return samples[key]
+
+        def __len__(self):
+            return len(samples)
+
+    def fit(steps):
+        torch.manual_seed(0)
+        loader = DataLoader(ById(), batch_size=4, sampler=KeySampler(list(samples)))
+        cfg = config(
+            tmp_path,
+            effective_batch_size=4,
+            micro_batch_size=4,
+            max_steps=steps,
+            save_every_steps=2,
+        )
+        return Trainer(Net(), sgd, classify, loader, config=cfg).fit()
+
+    assert fit(2).steps == 2
+    assert fit(4).steps == 4  # resumed from step 2's checkpoint
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert any("checked by length only" in json.dumps(e) for e in events)
+    assert any(e["event"] == "resume" for e in events)
+
+
 @pytest.mark.parametrize(
     ("setting", "field"), [({"shuffle": True}, "shuffle"), ({"drop_last": True}, "drop_last")]
 )

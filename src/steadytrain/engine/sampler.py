@@ -13,6 +13,7 @@ many workers there are, or where the run was resumed.
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import SequentialSampler, get_worker_info
+
+from steadytrain.errors import BadInputError
 
 
 class SeededBatch(list):
@@ -121,14 +124,16 @@ class LoaderOrder:
             return range(len(self.sampler))
         if callable(getattr(self.sampler, "set_epoch", None)):  # as a loop calls it each epoch
             self.sampler.set_epoch(epoch)
-        return held_order(self.sampler, len(self.sampler))
+        return held_order(self.sampler, len(self.sampler), type(self.sampler).__name__)
 
 
 DRAW_CHUNK = 65_536
 """Indices a drawn order is converted at a time (a 512 KiB list of Python ints at most)."""
 
 
-def held_order(keys: Iterable[Any], size: int) -> torch.Tensor | list[int]:
+def held_order(
+    keys: Iterable[Any], size: int, sampler: str = "sampler"
+) -> torch.Tensor | list[int]:
     """The indices `keys` yields, each as ``int(key)`` makes it, in an int64 tensor of `size`
     (8 bytes a sample), filled `DRAW_CHUNK` at a time: a list of Python ints held instead took
     36 bytes a sample (an 8-byte pointer and a 28-byte int), a checkpoint copied it into a
@@ -137,18 +142,44 @@ def held_order(keys: Iterable[Any], size: int) -> torch.Tensor | list[int]:
     part 0.03 ms instead of 0.6 s, the load 1 ms instead of 0.44 s; the draw 2.4 s instead of
     1.9 s once an epoch, a batch taken from it 3.5 us instead of 1.3 us once a step. A sampler
     that yields more or fewer than its len() gets what it yields; a key past int64 (a custom
-    sampler's 64-bit hash) keeps the whole order a list of ints, as it was."""
+    sampler's 64-bit hash) keeps the whole order a list of ints, as it was. A key that is not
+    an integer (a string, a float, a tuple) is refused (`index_keys`)."""
     out, filled, stream = torch.empty(size, dtype=torch.int64), 0, iter(keys)
-    while chunk := list(map(int, itertools.islice(stream, DRAW_CHUNK))):
+    while chunk := index_keys(list(itertools.islice(stream, DRAW_CHUNK)), sampler):
         if filled + len(chunk) > len(out):  # more than len(): grow by half at least
             grown = max(filled + len(chunk), len(out) + len(out) // 2)
             out = torch.cat([out, torch.empty(grown - len(out), dtype=torch.int64)])
         try:
             out.numpy()[filled : filled + len(chunk)] = chunk
         except OverflowError:  # past int64
-            return out[:filled].tolist() + chunk + [int(i) for i in stream]
+            return out[:filled].tolist() + chunk + index_keys(list(stream), sampler)
         filled += len(chunk)
     return out if filled == len(out) else out[:filled].clone()
+
+
+def index_keys(keys: list[Any], sampler: str) -> list[int]:
+    """`keys` as Python ints (`operator.index`: ints, NumPy integers, 0-d integer tensors);
+    BadInputError (exit 2) naming the first other key: the order is kept in checkpoints as
+    integers, and turning "12" or 12.0 into 12 would hand the dataset another key than the
+    program's own loop gives it."""
+    try:
+        return list(map(operator.index, keys))
+    except TypeError:
+        bad = next(k for k in keys if not _is_index(k))
+        raise BadInputError(
+            f"the DataLoader's {sampler} yielded {bad!r} ({type(bad).__name__}) where a dataset "
+            "index belongs: the Trainer keeps a sampler's order in its checkpoints as integers. "
+            "Give the DataLoader a sampler of integer indices (a dataset whose samples have "
+            "other keys can map index i to its i-th key in __getitem__)"
+        ) from None
+
+
+def _is_index(key: Any) -> bool:
+    try:
+        operator.index(key)
+    except TypeError:
+        return False
+    return True
 
 
 class RandomDraws(torch.utils.data.Sampler[int]):

@@ -7,14 +7,18 @@ resumes to the uninterrupted run's numbers, or is refused with the documented ex
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import WORKLOADS, run_workload
 from torch.utils.data import DataLoader, TensorDataset
 
 from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.telemetry.files import read_jsonl
 
 
 def config(run_dir: Path, **given) -> TrainConfig:
@@ -264,3 +268,73 @@ def test_a_callback_that_leaves_eval_mode_or_autograd_off_trains_and_resumes_exa
     resumed = run(tmp_path / "stopped", 6)
     for name, value in through.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], value), name
+
+
+# -- an EMA of the weights ----------------------------------------------------------------------
+
+
+def test_an_ema_updated_in_a_callback_after_the_save_is_refused_naming_it(tmp_path, capsys):
+    """An EMA given as user_state and updated after each step in a plain callback, the first
+    way a port writes timm's `model_ema.update(model)`: plain callbacks run after the step's
+    checkpoint took the state, so every checkpoint held the EMA one update behind and a resumed
+    run ended at another EMA than the run that went on, silently. The run stops at its first
+    step (exit 2), naming the state, the callback and the fix."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    def trainer():
+        model = mlp()
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+        class UpdateEma(Callback):
+            def on_step_end(self, state, control, info):
+                ema.update_parameters(model)
+
+        loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+        optimizer = lambda params: torch.optim.AdamW(params, lr=0.01)  # noqa: E731
+        run_config = config(tmp_path / "run", save_every_steps=2)
+        return Trainer(
+            model, optimizer, loss_fn, regression(), run_config,
+            user_state={"ema": ema}, callbacks=[UpdateEma()],
+        )  # fmt: skip
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert (
+        "user_state: 'ema' changed at the end of step 1 after the checkpoint took it, in a "
+        "callback that runs after the save (UpdateEma)" in err
+    )
+    assert "give that callback state_dict() and load_state_dict()" in err
+
+
+def test_a_vision_loop_with_an_ema_killed_under_steadytrain_run_ends_as_the_uninterrupted_run(
+    tmp_path,
+):
+    """A conv net with BatchNorm and Dropout, AdamW with two param groups (no weight decay for
+    norms and biases), OneCycleLR as the PyTorch docs build it, clipping, an EMA kept as
+    docs/porting.md says, and the program's own evaluation every 5 steps in a callback that
+    forgets model.train(): SIGKILLed after step 11 under `steadytrain run`, it resumes from
+    step 8 and ends with the uninterrupted run's weights, running statistics and EMA, bit for
+    bit. (Before, the steps after an evaluation trained in eval mode while the resumed ones
+    did not.)"""
+    script = WORKLOADS / "ported_vision.py"
+    through, killed, marker = tmp_path / "through", tmp_path / "killed", tmp_path / "marker"
+    proc = run_workload("ported_vision.py", str(through))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    supervised = forkserver.run(
+        [
+            *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(killed)),
+            *("--backoff-initial", "0.01", "--backoff-max", "0.05", "--"),
+            *(sys.executable, str(script), str(killed), "11", str(marker)),
+        ],
+        timeout=300,
+    )
+    assert supervised.returncode == 0, supervised.stderr[-3000:]
+    assert marker.exists()  # it was killed
+    events = read_jsonl(killed / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [8]
+    want = torch.load(through / "final.pt", weights_only=True)
+    got = torch.load(killed / "final.pt", weights_only=True)
+    for part in ("model", "ema"):
+        for name, value in want[part].items():
+            assert torch.equal(got[part][name], value), f"{part}.{name}"

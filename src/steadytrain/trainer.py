@@ -57,7 +57,7 @@ from steadytrain.safety.watchdog import startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
 from steadytrain.telemetry.tensorboard import TensorBoardLog
-from steadytrain.trainer_checkpoint import TrainerCheckpoint
+from steadytrain.trainer_checkpoint import ChangedAfterSave, TrainerCheckpoint
 from steadytrain.trainer_passes import TrainerPasses
 from steadytrain.trainer_program import BatchDependentModelWarning as BatchDependentModelWarning
 from steadytrain.trainer_program import (
@@ -376,15 +376,17 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
             )
         carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
         stateful = [*carried, *stateful_callbacks(self.user_callbacks).values()]
+        user = [c for c in self.user_callbacks if all(c is not s for s in stateful)]
+        watch = ChangedAfterSave(self.user_state, user, cfg.save_every_steps)
         defaults.watch_memory(run.device)
         return defaults.in_order(
             cpu=CpuContention.from_config(cfg, run.device, record),
-            before_save=stateful,
+            before_save=[*stateful, *watch.before],
             writer=self._writer(run, store, record),
             continuity=continuity,
             display=display,
             at_start=planned,
-            user=[c for c in self.user_callbacks if all(c is not s for s in stateful)],
+            user=[*user, *watch.after],
         )
 
     def _loop(self, run: RunParts) -> Loop:

@@ -5,6 +5,7 @@ writer."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from steadytrain import run_files
+from steadytrain.checkpoint.fingerprint import digest_value
 from steadytrain.checkpoint.host import HostBuffers
 from steadytrain.checkpoint.identity import run_identity
 from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
@@ -33,7 +35,8 @@ from steadytrain.checkpoint.state import (
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.events import TrainState
+from steadytrain.errors import BadInputError
+from steadytrain.events import Callback, TrainState
 from steadytrain.safety.supervised import (
     micro_cap_from_supervisor,
 )
@@ -166,3 +169,63 @@ def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
         tensors += [v for v in slot.values() if isinstance(v, torch.Tensor)]
     tensors += [p for p in model.parameters() if p.requires_grad]  # the gradients
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ChangedAfterSave:
+    """Finds state of `user_state` that one of the program's plain callbacks changes at a step's
+    end: those run after the step's checkpoint has taken the state (default_callbacks.py), so a
+    resume would start from the state before that change. An EMA of the weights updated in
+    such a callback's `on_step_end` is the common case: the run went on while every resume lost
+    an update. Checked at the first step and at each `save_every_steps`: `before` digests the
+    state where the checkpoint takes it, `after` (the last callback) compares; a change stops
+    the run (exit 2), naming the state, the callbacks and the fix."""
+
+    def __init__(self, states: dict[str, Any], callbacks: list[Any], save_every: int):
+        self.states, self.save_every = states, save_every
+        self.callbacks = [
+            type(c).__name__
+            for c in callbacks
+            if getattr(type(c), "on_step_end", None) is not Callback.on_step_end
+        ]
+        self.taken: dict[str, bytes] | None = None
+        watched = bool(states and self.callbacks)  # else nothing after the save can change it
+        self.before = [_Hook(self._take)] if watched else []  # the last before the writer
+        self.after = [_Hook(self._compare)] if watched else []  # the last of all
+
+    def _digests(self) -> dict[str, bytes]:
+        digests = {}
+        for name, obj in self.states.items():
+            digest = hashlib.sha256()
+            digest_value(digest, obj.state_dict(), set())
+            digests[name] = digest.digest()
+        return digests
+
+    def _take(self, state: TrainState) -> None:
+        due = state.step == 1 or state.step % self.save_every == 0
+        self.taken = self._digests() if due else None
+
+    def _compare(self, state: TrainState) -> None:
+        if self.taken is None:
+            return
+        now = self._digests()
+        changed = [name for name, digest in self.taken.items() if now[name] != digest]
+        if changed:
+            names = ", ".join(repr(name) for name in changed)
+            which = ", ".join(self.callbacks) or "your callbacks"
+            raise BadInputError(
+                f"user_state: {names} changed at the end of step {state.step} after the "
+                f"checkpoint took it, in a callback that runs after the save ({which}): a "
+                "resume would start from the state before that change and train otherwise than "
+                "the run that went on. Make the code that changes it run before the save: give "
+                "that callback state_dict() and load_state_dict() (its state, the EMA's) or pass "
+                "it in user_state instead of callbacks; see docs/porting.md, 'State your model "
+                "or loss carries across steps'"
+            )
+
+
+class _Hook(Callback):
+    def __init__(self, call):
+        self.call = call
+
+    def on_step_end(self, state: TrainState, control: Any, info: dict[str, Any]) -> None:
+        self.call(state)

@@ -217,6 +217,31 @@ def test_a_sequence_first_batch_is_refused_naming_its_layout_and_the_port_that_t
                 torch.testing.assert_close(a, b)
 
 
+def test_a_value_of_the_whole_batch_is_refused_by_name_also_from_loader_workers(tmp_path, capsys):
+    """Class weights put in the batch by a collate_fn were sliced with the samples, each
+    micro-batch weighting by a part of them. Refused naming the key; from a DataLoader worker
+    the refusal came back as torch's "Caught BadInputError in DataLoader worker process 0" with
+    the worker's traceback: it is the one line now."""
+
+    def with_weights(samples):
+        x, y = (torch.stack(column) for column in zip(*samples, strict=True))
+        return {"x": x, "y": y, "class_weights": torch.ones(3)}
+
+    def trainer():
+        loss_fn = lambda model, batch: F.mse_loss(model(batch["x"]), batch["y"])  # noqa: E731
+        loader = DataLoader(regression(), batch_size=8, collate_fn=with_weights, num_workers=2)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        return Trainer(mlp(), optimizer, loss_fn, loader, config(tmp_path, micro_batch_size=4))
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
+    assert "Traceback" not in err and "Caught" not in err
+    assert (
+        "error: train_data: collate_fn with_weights made a batch of 8 samples whose "
+        "'class_weights' is a tensor of shape (3,): 3 along its first dimension" in err
+    )
+
+
 # -- callbacks that evaluate and forget to switch back ------------------------------------------
 
 

@@ -144,8 +144,20 @@ class SampleFirst:
         count = len(samples)
         for where, size, what in _sliced(batch, None):
             if size != count:
-                raise BadInputError(_not_sample_first(self, where, size, what, count))
+                raise NotSampleFirstError(_not_sample_first(self, where, size, what, count))
         return batch
+
+
+class NotSampleFirstError(BadInputError):
+    """`SampleFirst`'s refusal. Raised in a DataLoader worker, it comes back to the training
+    process built again from torch's "Caught ... in DataLoader worker process N. Original
+    Traceback ..." text: the message is the one line it had."""
+
+    def __init__(self, message: str):
+        own = f"{type(self).__module__}.{type(self).__qualname__}: "
+        if message.startswith("Caught ") and own in message:
+            message = message.rsplit(own, 1)[1].strip()
+        super().__init__(message)
 
 
 def _not_sample_first(collate: SampleFirst, where: str | None, size: int, what: str, n: int) -> str:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import forkserver
 import pytest
 import torch
+from conftest import WORKLOADS
+from disks import fill, mount
 
 from steadytrain import TrainConfig, Trainer, run_files
 from steadytrain.checkpoint.store import CheckpointStore
@@ -192,3 +196,41 @@ def test_a_fine_tune_output_dir_not_in_utf_8_is_refused_before_anything_is_writt
     assert code == BAD_INPUT, err
     assert "output_dir:" in said and "not UTF-8" in said and "Traceback" not in said
     assert sorted(os.listdir(tmp_path)) == ["c.json"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 2 MiB tmpfs (skipped where mounting is not permitted)."""
+    point = tmp_path / "tiny"
+    point.mkdir()
+    mount(point, "size=2m")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
+
+
+def test_a_hang_on_a_disk_that_filled_meanwhile_exits_75_and_says_no_report(tiny_disk, tmp_path):
+    """The disk fills while step 3 hangs: the watchdog still ends the run with exit 75, names the
+    report it could not write, leaves no cut-short report in hangs/, and its last line says
+    there is none (before: an empty hangs/<time>.txt, and 'stacks in None')."""
+    run_dir, marker = tiny_disk / "run", tmp_path / "marker"
+    child = forkserver.start(
+        [sys.executable, str(WORKLOADS / "hang.py"), str(run_dir), "--block", "sleep",
+         "--at", "3", "--once", str(marker), "--timeout", "2"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for the block to begin
+    assert marker.exists(), "the step never blocked"
+    fill(tiny_disk / "filler")
+    child.wait(timeout=120)
+    _, err = child.output()
+
+    assert child.returncode == 75, err
+    assert f"could not write the hang report {run_dir / 'hangs'}" in err, err
+    assert "No space left on device" in err
+    assert "no hang report (it could not be written); exiting 75" in err
+    assert "stacks in None" not in err and "Traceback" not in err
+    assert [p.name for p in (run_dir / "hangs").iterdir()] == []

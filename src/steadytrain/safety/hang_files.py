@@ -82,6 +82,7 @@ def write_report(run_dir: Path, header: str, device: Any, budget: float) -> tupl
     last and bounded by `budget`). Returns (the file or None when it could not be written, the
     reading or None)."""
     memory = None
+    path = None
     try:
         path, fd = new_hang_file(run_dir / run_files.HANGS, run_files.top(run_dir))
         with os.fdopen(fd, "w") as out:
@@ -100,10 +101,21 @@ def write_report(run_dir: Path, header: str, device: Any, budget: float) -> tupl
             out.write(json.dumps(memory.to_dict(), indent=1) if memory is not None else note)
             out.write("\n")
     except (OSError, SteadytrainError) as exc:  # a full disk, a planted link (refused)
+        if path is not None:  # cut short: no report, rather than one that lacks its end
+            with contextlib.suppress(OSError):
+                path.unlink()
         with contextlib.suppress(Exception):
-            sys.stderr.write(f"steadytrain: could not write the hang report: {exc}\n")
+            sys.stderr.write(
+                f"steadytrain: could not write the hang report {path or run_dir / run_files.HANGS}"
+                f" ({exc}); the stacks are lost, the event and this line remain\n"
+            )
         return None, memory
     return path, memory
+
+
+def stacks_in(path: Path | None) -> str:
+    """Where the console's last line of a hang says the stacks are."""
+    return f"stacks in {path}" if path is not None else "no hang report (it could not be written)"
 
 
 def tail_lines(path: Path, count: int) -> list[str]:

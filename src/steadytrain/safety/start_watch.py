@@ -25,7 +25,7 @@ from steadytrain.errors import SteadytrainError
 from steadytrain.run_files import ENV_START_WATCH  # set by `steadytrain run` for its child
 from steadytrain.run_hangs import adopt_backstop_dumps, new_hang_file, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
-from steadytrain.safety.hang_files import write_heartbeat
+from steadytrain.safety.hang_files import stacks_in, write_heartbeat
 from steadytrain.safety.hang_limits import MAX_POLL_S, margin_s, report_budget_s, small_stacks
 
 BEFORE_FIT = "before fit() (imports, model and data set-up)"
@@ -137,7 +137,7 @@ class StartWatch:
         end_process(
             f"steadytrain: hang {BEFORE_FIT}: no progress for {stalled:.0f} s since the "
             f"process imported steadytrain (limit {self.limit:.0f} s, steadytrain run "
-            f"--first-heartbeat-timeout); stacks in {path}; exiting {HANG_EXIT} "
+            f"--first-heartbeat-timeout); {stacks_in(path)}; exiting {HANG_EXIT} "
             "(steadytrain run restarts it)\n",
             self._backstop,
         )

@@ -58,7 +58,7 @@ from steadytrain._durable import make_folder
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
-from steadytrain.safety.hang_files import write_heartbeat, write_report
+from steadytrain.safety.hang_files import stacks_in, write_heartbeat, write_report
 from steadytrain.safety.hang_limits import (
     STEP_WINDOW,
     HangLimits,
@@ -426,7 +426,7 @@ class HangWatchdog(HangLimits, Callback):
         end_process(
             f"steadytrain: hang{f' ({self.rank_text})' if self.rank_text else ''}: no "
             f"progress for {stalled:.0f} s in {phase} after step "
-            f"{step}; stacks in {path}; exiting {HANG_EXIT} (steadytrain run restarts it)\n",
+            f"{step}; {stacks_in(path)}; exiting {HANG_EXIT} (steadytrain run restarts it)\n",
             self._backstop,
         )
 

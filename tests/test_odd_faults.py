@@ -234,3 +234,41 @@ def test_a_hang_on_a_disk_that_filled_meanwhile_exits_75_and_says_no_report(tiny
     assert "no hang report (it could not be written); exiting 75" in err
     assert "stacks in None" not in err and "Traceback" not in err
     assert [p.name for p in (run_dir / "hangs").iterdir()] == []
+
+
+class Saves:
+    """Stands for the adapter model and the tokenizer: `save_pretrained` writes one file."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def save_pretrained(self, folder, **_):
+        (Path(folder) / self.name).write_bytes(b"new")
+
+
+def test_an_export_killed_mid_way_leaves_nothing_the_next_export_keeps(tmp_path):
+    """A fine-tune killed inside its final export leaves final/'s staging folder, or the earlier
+    final/ set aside (killed between the two renames). The next export removes what a process
+    that no longer runs left, puts nothing of it in final/, and keeps a live process's."""
+    from steadytrain.recipes.finetune import export_final
+    from steadytrain.recipes.finetune_config import FinetuneConfig
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    run_dir = tmp_path / "run"
+    for name in (
+        f".final.staging-{gone.pid}",
+        f".final.old-{gone.pid}",
+        f".final.staging-{os.getppid()}",
+    ):
+        (run_dir / name).mkdir(parents=True)
+        (run_dir / name / "adapter_model.safetensors").write_bytes(b"left")
+    config = FinetuneConfig.from_dict(
+        {"model_name_or_path": "tiny", "train_file": "t.jsonl", "output_dir": str(run_dir)}
+    )
+
+    export_final(Saves("adapter_model.safetensors"), Saves("tokenizer.json"), config, run_dir)
+
+    final = run_dir / run_files.FINAL
+    assert (final / "adapter_model.safetensors").read_bytes() == b"new"
+    assert sorted(os.listdir(run_dir)) == [f".final.staging-{os.getppid()}", "final"]

@@ -80,13 +80,16 @@ def copy_of(finished_run: Path, tmp_path: Path) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("name", [run_files.EVENTS, run_files.METRICS, run_files.HEARTBEAT])
+@pytest.mark.parametrize(
+    "name", [run_files.EVENTS, run_files.METRICS, run_files.HEARTBEAT, run_files.LOCK]
+)
 def test_a_folder_where_a_run_file_belongs_is_exit_2_naming_it(
     finished_run, tmp_path, capsys, name
 ):
-    """events.jsonl, metrics.jsonl or the heartbeat replaced by a folder between two starts: the
-    next fit() stops with exit 2 naming that path and the fix (not an IsADirectoryError, exit 1
-    as a bug), and the checkpoint is kept; `steadytrain report` says the same without a
+    """events.jsonl, metrics.jsonl, the heartbeat or the lock replaced by a folder between two
+    starts: the next fit() stops with exit 2 naming that path and the fix (not an
+    IsADirectoryError, exit 1 as a bug; for the lock, not 'choose a folder this user can
+    write'), and the checkpoint is kept; `steadytrain report` says the same without a
     traceback."""
     run_dir = copy_of(finished_run, tmp_path)
     target = run_dir / name
@@ -102,7 +105,7 @@ def test_a_folder_where_a_run_file_belongs_is_exit_2_naming_it(
     found = CheckpointStore(run_dir).latest()
     assert found is not None and found[0] >= 2  # metrics.jsonl is first written at the end
 
-    if name != run_files.HEARTBEAT:  # the report reads the two JSON-lines files
+    if name in (run_files.EVENTS, run_files.METRICS):  # the report reads the JSON-lines files
         code, err = cli(capsys, "report", str(run_dir))
         assert code == BAD_INPUT, err
         assert f"{target} is a folder" in err and "Traceback" not in err

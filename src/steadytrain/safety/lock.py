@@ -125,6 +125,11 @@ class RunLock:
             )
         if is_disk_full(exc):
             return RunDiskFullError(self.path, exc, kept="nothing: the run had not started")
+        if exc.errno == errno.EISDIR:
+            return BadInputError(
+                f"{self.path} is a folder; steadytrain writes a file of the run there; move the "
+                "folder away and run again"
+            )
         return BadInputError(
             f"run_dir {self.run_dir}: cannot write {self.path.name} there ({exc.strerror}); "
             "choose a folder this user can create and write"

@@ -242,6 +242,42 @@ def test_a_value_of_the_whole_batch_is_refused_by_name_also_from_loader_workers(
     )
 
 
+# -- a dataset one sample longer than a multiple of the batch ----------------------------------
+
+
+def test_a_last_batch_of_one_sample_for_batch_norm_exits_2_naming_drop_last(tmp_path, capsys):
+    """33 samples in a DataLoader of batch 8 without drop_last: the epoch's fifth batch holds one
+    sample, which BatchNorm1d refuses in training. It stopped with torch's words as an error in
+    loss_fn (exit 5), after the checkpoint's look-ahead had already failed on that batch at
+    step 4 and lost step 4's checkpoint. Step 4's checkpoint is kept, and step 5 exits 2 naming
+    the batch, its one sample and the fix, with which the run resumes and finishes."""
+    g = torch.Generator().manual_seed(0)
+    samples = TensorDataset(torch.randn(33, 4, generator=g), torch.randn(33, 1, generator=g))
+
+    def trainer(drop_last: bool, **given):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+        )
+        loss_fn = lambda model, batch: F.mse_loss(model(batch[0]), batch[1])  # noqa: E731
+        loader = DataLoader(samples, batch_size=8, drop_last=drop_last)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        run_config = config(tmp_path, max_steps=None, epochs=2, save_every_steps=2, **given)
+        return Trainer(model, optimizer, loss_fn, loader, run_config)
+
+    code, err = exit_as_script(capsys, lambda: trainer(False))
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert "train_data: the batch of step 5 holds 1 sample, and the model's BatchNorm" in err
+    assert "drop_last=True on the DataLoader" in err and "resume_overrides: ['drop_last']" in err
+    assert (tmp_path / "checkpoints" / "step-00000004").is_dir()
+
+    result = trainer(True, resume_overrides=["drop_last"]).fit()
+    assert result.steps == 8
+    resumes = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [4]
+
+
 # -- callbacks that evaluate and forget to switch back ------------------------------------------
 
 

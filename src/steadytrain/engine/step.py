@@ -35,10 +35,16 @@ from steadytrain.engine.accumulation import BatchLoss, TokenCount, backward, div
 from steadytrain.engine.accumulation import check_loss_output as check_loss_output  # re-export
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.distributed import Group, RanksOutOfMemory
+from steadytrain.engine.one_sample import (
+    ONE_SAMPLE_NORM,
+    one_sample_batch,
+    one_sample_norm_does_not_fit,
+)
 from steadytrain.engine.precision import Precision
 from steadytrain.engine.sharding import set_gradient_sync
 from steadytrain.engine.side_pass import Saved, side_pass
 from steadytrain.errors import (
+    BadInputError,
     DoesNotFitError,
     FreshProcessOutOfMemory,
     OptimizerStateTouched,
@@ -59,22 +65,6 @@ class SaverLadder(Protocol):
 
     def next_rung(self, reason: str) -> dict[str, Any] | None: ...
     def describe(self) -> str: ...
-
-
-ONE_SAMPLE_NORM = "Expected more than 1 value per channel when training"
-"""torch's BatchNorm refusing a training batch of one value per channel (BatchNorm1d on one
-sample of features): the out-of-memory ladder's last halving cannot help such a model."""
-
-
-def _one_sample_norm_does_not_fit(exc: ValueError) -> str:
-    return (
-        "does not fit: micro-batch 2 ran out of memory, and micro-batch 1 cannot train this "
-        "model: its BatchNorm layers need more than one value per channel in training "
-        f"({exc}).\n"
-        "  what helps: a step that needs less memory (shorter inputs, a smaller model), more "
-        "memory for the run (memory_budget, closing other programs), or GroupNorm/LayerNorm in "
-        "place of BatchNorm1d, which train on one sample."
-    )
 
 
 class _PhaseMarks:
@@ -198,7 +188,9 @@ class StepRunner:
             loss = self._accumulate(pieces, n)
         except ValueError as exc:
             if micro == 1 and self.state.shrink_count and ONE_SAMPLE_NORM in str(exc):
-                raise DoesNotFitError(_one_sample_norm_does_not_fit(exc)) from exc
+                raise DoesNotFitError(one_sample_norm_does_not_fit(exc)) from exc
+            if n == 1 and ONE_SAMPLE_NORM in str(exc):
+                raise BadInputError(one_sample_batch(exc, self.state.step + 1)) from exc
             raise
         if marks is not None:
             marks.mark()
@@ -363,7 +355,12 @@ class StepRunner:
                 return loss
 
         with side_pass(user_state=self.user_state):  # the probe never advances the state
-            loss, oom = call_or_oom(forward_only, self.device.empty_cache)
+            try:
+                loss, oom = call_or_oom(forward_only, self.device.empty_cache)
+            except ValueError as exc:  # the step itself says why (`one_sample_batch`)
+                if n == 1 and ONE_SAMPLE_NORM in str(exc):
+                    return None
+                raise
         if not self.group.active:
             return None if loss is None else float(loss.mean())
         count = None if loss is None or not loss.token_mode else loss.count.sum()

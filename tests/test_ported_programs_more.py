@@ -124,6 +124,71 @@ def test_a_collate_fn_s_own_batch_class_is_split_into_micro_batches_of_that_clas
         torch.testing.assert_close(a, b)
 
 
+# -- torchvision's detection references: tuple(zip(*batch)) ----------------------------------
+
+
+class Detector(torch.nn.Module):
+    """A torchvision detection model's interface, small: a list of images and a list of target
+    dicts (boxes and labels, a different count per image) in, a dict of losses out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.box = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 4)
+        self.cls = torch.nn.Linear(4, 3)
+
+    def forward(self, images, targets):
+        box_losses, class_losses = [], []
+        for image, target in zip(images, targets, strict=True):
+            feature = self.conv(image[None]).mean((2, 3))
+            n = len(target["boxes"])
+            box_losses.append(F.l1_loss(self.box(feature).expand(n, 4), target["boxes"]))
+            class_losses.append(F.cross_entropy(self.cls(feature).expand(n, 3), target["labels"]))
+        return {
+            "loss_box": torch.stack(box_losses).mean(),
+            "loss_classifier": torch.stack(class_losses).mean(),
+        }
+
+
+def test_torchvision_s_detection_collate_of_tuples_per_sample_splits_by_image(tmp_path):
+    """The detection tutorial's `collate_fn = lambda batch: tuple(zip(*batch))`: a tuple of
+    images and a tuple of target dicts, one item per image. Read as fields, the first image's
+    channels were taken for the batch size and each image tensor was sliced. Each tuple is
+    read as one item per image: micro-batches of 2 get 2 images and their own targets, and
+    train as the whole batch up to rounding."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(32):
+        count = 1 + i % 3
+        target = {
+            "boxes": torch.rand(count, 4, generator=g),
+            "labels": torch.randint(0, 3, (count,), generator=g),
+        }
+        samples.append((torch.randn(3, 6, 6, generator=g), target))
+
+    def train(micro: int) -> tuple[torch.nn.Module, list]:
+        model, seen = Detector(), []
+
+        def loss_fn(model, batch):
+            images, targets = batch
+            seen.append([len(t["boxes"]) for t in targets])
+            return sum(model(list(images), list(targets)).values())
+
+        collate_fn = lambda batch: tuple(zip(*batch))  # noqa: B905, E731 (as the tutorial)
+        loader = DataLoader(samples, batch_size=8, collate_fn=collate_fn)
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        run_config = config(tmp_path / str(micro), micro_batch_size=micro)
+        Trainer(model, optimizer, loss_fn, loader, run_config).fit()
+        return model, seen
+
+    whole, seen_whole = train(8)
+    split, seen_split = train(2)
+    assert seen_whole[0] == [1, 2, 3, 1, 2, 3, 1, 2]  # each image's box count
+    assert seen_split[:4] == [[1, 2], [3, 1], [2, 3], [1, 2]]
+    for a, b in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 # -- a recurrent model's sequence-first batches (pytorch/examples word_language_model) ----------
 
 SEQ, VOCAB = 6, 12

@@ -134,18 +134,44 @@ class SampleFirst:
     pytorch/examples' word_language_model batchifies, or holding a value of the whole batch
     in such a place (class weights as a tensor), would be split along the wrong dimension once
     the micro-batch is smaller than the batch: it is refused at the first batch (exit 2),
-    naming the place, its size against the sample count and the fix."""
+    naming the place, its size against the sample count and the fix.
+
+    A tuple or list of one item per sample whose items are tensors or containers
+    (torchvision's detection references collate with `tuple(zip(*batch))`: a tuple of images
+    and a tuple of target dicts) is read as such, a `PerSample` list, where reading it as
+    fields would not hold one entry per sample."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], field: str):
         self.collate_fn, self.field = collate_fn, field
 
     def __call__(self, samples: list[Any]) -> Any:
-        batch = self.collate_fn(samples)
         count = len(samples)
+        batch = _per_sample_lists(self.collate_fn(samples), count)
         for where, size, what in _sliced(batch, None):
             if size != count:
                 raise NotSampleFirstError(_not_sample_first(self, where, size, what, count))
         return batch
+
+
+def _per_sample_lists(batch: Any, count: int) -> Any:
+    """`batch` with each tuple or list of `count` containers that does not split as fields
+    (some part of it is not `count` long, once its own parts are read so) made a `PerSample`
+    list of its items: from the leaves up, so an (images, targets) pair of such lists stays
+    a pair at any count."""
+    if isinstance(batch, Mapping):
+        return _like(batch, {k: _per_sample_lists(v, count) for k, v in batch.items()})
+    if _is_dataclass(batch):
+        return _like(batch, {k: _per_sample_lists(v, count) for k, v in _fields(batch).items()})
+    if not isinstance(batch, tuple | list) or isinstance(batch, PerSample):
+        return batch
+    if not batch or not any(_is_container(v) for v in batch):
+        return batch
+    items = [_per_sample_lists(v, count) for v in batch]
+    batch = type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    as_fields = all(size == count for _, size, _ in _sliced(batch, None))
+    if len(batch) == count and not hasattr(batch, "_fields") and not as_fields:
+        return PerSample(batch)
+    return batch
 
 
 class NotSampleFirstError(BadInputError):

@@ -275,3 +275,27 @@ def test_an_export_killed_mid_way_leaves_nothing_the_next_export_keeps(tmp_path)
     final = run_dir / run_files.FINAL
     assert (final / "adapter_model.safetensors").read_bytes() == b"new"
     assert sorted(os.listdir(run_dir)) == [f".final.staging-{os.getppid()}", "final"]
+
+
+def test_a_named_pipe_at_events_jsonl_is_exit_2_and_blocks_no_reader(finished_run, tmp_path):
+    """A named pipe planted at events.jsonl: fit() stops with exit 2 naming it (it wrote into the
+    pipe, where the records were lost); `steadytrain report` and `steadytrain run` stop with
+    exit 2 naming it instead of blocking for good in opening it for reading."""
+    run_dir = copy_of(finished_run, tmp_path)
+    events = run_dir / run_files.EVENTS
+    events.unlink()
+    os.mkfifo(events)
+
+    with pytest.raises(BadInputError) as info:
+        fit(run_dir, max_steps=4)
+    assert f"{events} is not a regular file" in str(info.value)
+    for command in (
+        ["report", str(run_dir)],
+        ["run", "--run-dir", str(run_dir), "--max-restarts", "0", "--", sys.executable, "-c", ""],
+    ):
+        done = forkserver.run(
+            [sys.executable, "-m", "steadytrain.cli", *command], env=os.environ.copy(), timeout=60
+        )
+        assert done.returncode == BAD_INPUT, done.stderr
+        assert str(events) in done.stderr and "not a regular file" in done.stderr
+        assert "Traceback" not in done.stderr

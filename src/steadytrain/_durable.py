@@ -187,7 +187,14 @@ def open_in_run(path: str | os.PathLike, how: str = "append", *, root: str | os.
     finally:
         if folder >= 0:
             os.close(folder)
-    if how == "append" and os.fstat(fd).st_nlink > 1:
+    found = os.fstat(fd)
+    if how == "append" and not stat.S_ISREG(found.st_mode):
+        os.close(fd)
+        raise BadInputError(
+            f"{path} is not a regular file (a named pipe, a device or a socket); steadytrain "
+            "appends the run's records to a file there; remove it and run again"
+        )
+    if how == "append" and found.st_nlink > 1:
         os.close(fd)
         raise BadInputError(
             f"{path} has another name (a hard link); steadytrain never appends to a file "

@@ -24,8 +24,10 @@ tail's partial first line, are skipped; every other line is kept.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +93,25 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+def _open(path: str | os.PathLike):
+    """`path` opened for reading, when it is a regular file: a named pipe planted there would
+    block the reader (the report, the supervisor) for good, so it is opened without waiting and
+    refused (OSError, as any file that cannot be read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a named pipe, a device or a socket)")
+    return os.fdopen(fd, "rb")
+
+
 def read(path: str | os.PathLike, containing: bytes | None = None) -> list[dict[str, Any]]:
     """Every record of a JSON-lines file, oldest first ([] when there is no file); a line that is
     not a JSON object (torn by a kill) is skipped. With `containing`, only lines holding those
-    bytes are parsed (the supervisor's look for one event in a long file)."""
+    bytes are parsed (the supervisor's look for one event in a long file). A path that is not a
+    regular file is OSError."""
     records = []
     try:
-        with open(path, "rb") as handle:
+        with _open(path) as handle:
             for line in handle:
                 if containing is not None and containing not in line:
                     continue
@@ -113,7 +127,7 @@ def tail(path: str | os.PathLike, tail_bytes: int = TAIL_BYTES) -> list[dict[str
     """The complete records in the last `tail_bytes` of a JSON-lines file, oldest first; [] when
     it cannot be read. The partial line the tail starts in, and torn lines, are skipped."""
     try:
-        with open(path, "rb") as handle:
+        with _open(path) as handle:
             size = handle.seek(0, os.SEEK_END)
             start = max(0, size - tail_bytes)
             handle.seek(max(0, start - 1))

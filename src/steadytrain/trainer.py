@@ -377,16 +377,16 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
         carried = [s for s in self.user_state.values() if isinstance(s, Callback)]
         stateful = [*carried, *stateful_callbacks(self.user_callbacks).values()]
         user = [c for c in self.user_callbacks if all(c is not s for s in stateful)]
-        watch = ChangedAfterSave(self.user_state, user, cfg.save_every_steps)
+        watch = ChangedAfterSave(self.user_state, user)
         defaults.watch_memory(run.device)
         return defaults.in_order(
             cpu=CpuContention.from_config(cfg, run.device, record),
-            before_save=[*stateful, *watch.before],
+            before_save=stateful,
             writer=self._writer(run, store, record),
             continuity=continuity,
             display=display,
             at_start=planned,
-            user=[*user, *watch.after],
+            user=[*watch.before, *user, *watch.after],
         )
 
     def _loop(self, run: RunParts) -> Loop:

@@ -5,7 +5,6 @@ writer."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import torch
 
 from steadytrain import run_files
-from steadytrain.checkpoint.fingerprint import digest_value
 from steadytrain.checkpoint.host import HostBuffers
 from steadytrain.checkpoint.identity import run_identity
 from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
@@ -176,42 +174,35 @@ class ChangedAfterSave:
     end: those run after the step's checkpoint has taken the state (default_callbacks.py), so a
     resume would start from the state before that change. An EMA of the weights updated in
     such a callback's `on_step_end` is the common case: the run went on while every resume lost
-    an update. Checked at the first step and at each `save_every_steps`: `before` digests the
-    state where the checkpoint takes it, `after` (the last callback) compares; a change stops
-    the run (exit 2), naming the state, the callbacks and the fix."""
+    an update. `before` (the first of those callbacks) marks the state as the checkpoint took
+    it, `after` (the last) compares; a change stops the run (exit 2), naming the state, the
+    callbacks and the fix. The marks are the tensors' version counters (bumped by every
+    in-place change) and the other values themselves: a few numbers a tensor, each step."""
 
-    def __init__(self, states: dict[str, Any], callbacks: list[Any], save_every: int):
-        self.states, self.save_every = states, save_every
+    def __init__(self, states: dict[str, Any], callbacks: list[Any]):
+        self.states = states
         self.callbacks = [
             type(c).__name__
             for c in callbacks
             if getattr(type(c), "on_step_end", None) is not Callback.on_step_end
         ]
-        self.taken: dict[str, bytes] | None = None
+        self.taken: dict[str, Any] = {}
         watched = bool(states and self.callbacks)  # else nothing after the save can change it
-        self.before = [_Hook(self._take)] if watched else []  # the last before the writer
-        self.after = [_Hook(self._compare)] if watched else []  # the last of all
+        self.before = [_Hook(self._take)] if watched else []
+        self.after = [_Hook(self._compare)] if watched else []
 
-    def _digests(self) -> dict[str, bytes]:
-        digests = {}
-        for name, obj in self.states.items():
-            digest = hashlib.sha256()
-            digest_value(digest, obj.state_dict(), set())
-            digests[name] = digest.digest()
-        return digests
+    def _marks(self) -> dict[str, Any]:
+        return {name: _marks(obj.state_dict()) for name, obj in self.states.items()}
 
     def _take(self, state: TrainState) -> None:
-        due = state.step == 1 or state.step % self.save_every == 0
-        self.taken = self._digests() if due else None
+        self.taken = self._marks()
 
     def _compare(self, state: TrainState) -> None:
-        if self.taken is None:
-            return
-        now = self._digests()
-        changed = [name for name, digest in self.taken.items() if now[name] != digest]
+        now = self._marks()
+        changed = [name for name, marks in self.taken.items() if now[name] != marks]
         if changed:
             names = ", ".join(repr(name) for name in changed)
-            which = ", ".join(self.callbacks) or "your callbacks"
+            which = ", ".join(self.callbacks)
             raise BadInputError(
                 f"user_state: {names} changed at the end of step {state.step} after the "
                 f"checkpoint took it, in a callback that runs after the save ({which}): a "
@@ -221,6 +212,18 @@ class ChangedAfterSave:
                 "it in user_state instead of callbacks; see docs/porting.md, 'State your model "
                 "or loss carries across steps'"
             )
+
+
+def _marks(value: Any) -> Any:
+    """What changes when `value` (a state_dict) changes: a tensor's version, a container's
+    parts, any other value as it is."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value._version)
+    if isinstance(value, dict):
+        return {key: _marks(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_marks(item) for item in value]
+    return repr(value)
 
 
 class _Hook(Callback):

@@ -163,7 +163,7 @@ class StepRunner:
         (`device_compute_time`, `device_optimizer_time`); see `_PhaseMarks`. The step trains
         in training mode with autograd on, as fit() starts and a resume starts: a callback's
         `model.eval()` or `torch.set_grad_enabled(False)` left on does not carry into it."""
-        if not all(m.training for m in self.model.modules()):
+        if not self.model.training:  # one flag, not a walk of every module each step
             self.model.train()
         saved = Saved(rng=True, buffers=self.norm_statistics, user_state=self.user_state)
         self._shrinks_before_step = self.state.shrink_count

@@ -299,3 +299,29 @@ def test_a_named_pipe_at_events_jsonl_is_exit_2_and_blocks_no_reader(finished_ru
         assert done.returncode == BAD_INPUT, done.stderr
         assert str(events) in done.stderr and "not a regular file" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_named_pipes_at_the_files_the_supervisor_and_report_read_block_neither(
+    finished_run, tmp_path
+):
+    """A named pipe at checkpoints/latest, and one at estimate.json: `steadytrain run` counts
+    no progress from the pointer (it gives up on a child that fails, exit 4) and `steadytrain
+    report` writes the page without the estimate, instead of each blocking for good in opening
+    the pipe."""
+    pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+    run_dir = copy_of(finished_run, tmp_path)
+    latest = run_dir / run_files.CHECKPOINTS / run_files.LATEST
+    latest.unlink()
+    os.mkfifo(latest)
+    os.mkfifo(run_dir / run_files.ESTIMATE)
+    for command, code in (
+        (["run", "--run-dir", str(run_dir), "--max-restarts", "0", "--",
+          sys.executable, "-c", "raise SystemExit(1)"], 4),
+        (["report", str(run_dir)], 0),
+    ):  # fmt: skip
+        done = forkserver.run(
+            [sys.executable, "-m", "steadytrain.cli", *command], env=os.environ.copy(), timeout=60
+        )
+        assert done.returncode == code, done.stderr
+        assert "Traceback" not in done.stderr
+    assert (run_dir / run_files.REPORT_HTML).is_file()

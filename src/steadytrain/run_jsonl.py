@@ -93,10 +93,11 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def _open(path: str | os.PathLike):
-    """`path` opened for reading, when it is a regular file: a named pipe planted there would
-    block the reader (the report, the supervisor) for good, so it is opened without waiting and
-    refused (OSError, as any file that cannot be read)."""
+def open_regular(path: str | os.PathLike):
+    """`path` (a file of the run directory) opened for reading in binary, when it is a regular
+    file: a named pipe planted there would block the reader (the report, the supervisor) for
+    good, so it is opened without waiting and refused (OSError, as any file that cannot be
+    read)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -111,7 +112,7 @@ def read(path: str | os.PathLike, containing: bytes | None = None) -> list[dict[
     regular file is OSError."""
     records = []
     try:
-        with _open(path) as handle:
+        with open_regular(path) as handle:
             for line in handle:
                 if containing is not None and containing not in line:
                     continue
@@ -127,7 +128,7 @@ def tail(path: str | os.PathLike, tail_bytes: int = TAIL_BYTES) -> list[dict[str
     """The complete records in the last `tail_bytes` of a JSON-lines file, oldest first; [] when
     it cannot be read. The partial line the tail starts in, and torn lines, are skipped."""
     try:
-        with _open(path) as handle:
+        with open_regular(path) as handle:
             size = handle.seek(0, os.SEEK_END)
             start = max(0, size - tail_bytes)
             handle.seek(max(0, start - 1))

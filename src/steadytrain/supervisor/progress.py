@@ -22,7 +22,8 @@ def checkpoint_step(run_dir: Path | None) -> int | None:
     if run_dir is None:
         return None
     try:
-        name = (run_dir / run_files.CHECKPOINTS / run_files.LATEST).read_text().strip()
+        with run_jsonl.open_regular(run_dir / run_files.CHECKPOINTS / run_files.LATEST) as file:
+            name = file.read(64).decode().strip()  # a pipe planted there: OSError, not a wait
     except (OSError, UnicodeDecodeError):
         return None
     match = _STEP_NAME.fullmatch(name)

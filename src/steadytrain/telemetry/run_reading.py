@@ -273,7 +273,8 @@ def find_estimate(run_dir: Path, events: list[dict]) -> dict[str, Any] | None:
         if event["event"] == "estimate" and as_number(event.get("peak")) is not None:
             return event
     try:
-        doc = json.loads((run_dir / run_files.ESTIMATE).read_text())
+        with run_jsonl.open_regular(run_dir / run_files.ESTIMATE) as file:  # a pipe: OSError
+            doc = json.loads(file.read())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) and as_number(doc.get("peak")) is not None else None

@@ -357,7 +357,9 @@ def _export_leftovers(target: Path) -> None:
     import psutil
 
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(staging|old)-(\d+)")
-    for entry in os.scandir(target.parent):
+    with os.scandir(target.parent) as listing:
+        entries = list(listing)
+    for entry in entries:
         found = pattern.fullmatch(entry.name)
         if found is None or not entry.is_dir(follow_symlinks=False):
             continue

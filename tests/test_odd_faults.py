@@ -325,3 +325,17 @@ def test_named_pipes_at_the_files_the_supervisor_and_report_read_block_neither(
         assert done.returncode == code, done.stderr
         assert "Traceback" not in done.stderr
     assert (run_dir / run_files.REPORT_HTML).is_file()
+
+
+def test_an_event_line_with_a_time_no_clock_reads_does_not_stop_the_report(
+    finished_run, tmp_path, capsys
+):
+    """A damaged events.jsonl line that still parses, its time 1e300: `steadytrain report`
+    writes the page, that event's time shown as '?', instead of an OverflowError traceback."""
+    pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+    run_dir = copy_of(finished_run, tmp_path)
+    with open(run_dir / run_files.EVENTS, "ab") as events:
+        events.write(b'{"event": "oom", "time": 1e300, "step": 1}\n')
+    code, err = cli(capsys, "report", str(run_dir))
+    assert code == 0, err
+    assert '<td class="time">?</td>' in (run_dir / run_files.REPORT_HTML).read_text()

@@ -218,10 +218,18 @@ each rank's line.</li>
 """
 
 
+def _clock(stamp: float) -> str:
+    """The UTC time of `stamp`; a time no clock reads (a damaged line's 1e300) shows as '?'."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stamp))
+    except (OverflowError, ValueError, OSError):
+        return "?"
+
+
 def _event_row(event: dict, start: float | None) -> str:
     e = html.escape
     t = as_number(event.get("time"))
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)) if t is not None else ""
+    when = _clock(t) if t is not None else ""
     elapsed = duration_text(t - start) if t is not None and start is not None else ""
     step = event.get("step")
     details = _details(event)

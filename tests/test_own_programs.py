@@ -335,6 +335,49 @@ def test_a_dataset_keyed_by_integers_of_its_own_trains_from_its_sampler(tmp_path
     assert any(e["event"] == "resume" for e in events)
 
 
+class Normalized(Net):
+    """A net that scales its input by running statistics kept out of its state_dict
+    (persistent=False), updated in place in training, and a scale reassigned each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(FEATURES), persistent=False)
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+        self.register_buffer("fixed", torch.ones(FEATURES), persistent=False)  # never changed
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+                self.mean.lerp_(x.mean(0), 1 / float(self.seen))
+        return super().forward((x - self.mean) * self.fixed)
+
+
+def test_buffers_outside_the_state_dict_that_training_changes_resume_exactly(tmp_path):
+    """A run stopped at step 3 and resumed ends as the uninterrupted run, whose forward reads
+    buffers registered with persistent=False and changed by training; the checkpoint holds
+    those (not the one training never changes). Before, a resume restarted them from their
+    initial values and trained another run, without a word."""
+
+    def fit(run, steps):
+        torch.manual_seed(0)
+        model = Normalized()
+        cfg = config(tmp_path, run_dir=str(tmp_path / run), max_steps=steps, shuffle=True)
+        Trainer(model, sgd, classify, data(), config=cfg).fit()
+        return model
+
+    whole = fit("whole", 6)
+    fit("split", 3)
+    resumed = fit("split", 6)
+    assert_same_parameters(resumed, whole)
+    assert torch.equal(resumed.mean, whole.mean) and torch.equal(resumed.seen, whole.seen)
+    saved = load_file(tmp_path / "split" / "checkpoints" / "step-00000003" / "model.safetensors")
+    assert {k for k in saved if k.startswith("buffer-")} == {
+        "buffer-outside-state-dict/mean",
+        "buffer-outside-state-dict/seen",
+    }
+
+
 @pytest.mark.parametrize(
     ("setting", "field"), [({"shuffle": True}, "shuffle"), ({"drop_last": True}, "drop_last")]
 )

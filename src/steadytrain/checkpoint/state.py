@@ -2,10 +2,11 @@
 loading it back (torchtitan's `Stateful` idea: one `save` / `load` pair per object).
 
     name         file (or key of trainer_state.json)   what
-    model        model.safetensors   what training changes: the trainable parameters and the
-                                     persistent buffers; a frozen parameter (a LoRA base, the
-                                     output layer tied to frozen embeddings) is never saved, the
-                                     base is identified by its fingerprint (identity.py)
+    model        model.safetensors   what training changes: the trainable parameters, the
+                                     persistent buffers and the buffers outside the state_dict
+                                     (persistent=False) that the run changed; a frozen parameter
+                                     (a LoRA base, the output layer tied to frozen embeddings) is
+                                     never saved, the base is identified by its fingerprint
     optimizer    optimizer.pt        optimizer.state_dict()   (loaded with weights_only=True)
     scheduler    scheduler.pt        scheduler.state_dict()   (when there is a scheduler)
     scaler       scaler.pt           GradScaler.state_dict()  (fp16)
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,10 +110,61 @@ def model_tensors(
     }
 
 
+UNSAVED_BUFFER = "buffer-outside-state-dict/"
+"""The key prefix of a buffer registered with persistent=False that the run changed: the
+state_dict leaves it out, so a resume would start from its initial value (a step counter, a
+running statistic kept out of the model's files) and train another run."""
+
+
+def unsaved_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers the state_dict leaves out (registered with persistent=False), by name."""
+    kept = set(model.state_dict())
+    return {
+        n: b
+        for n, b in model.named_buffers(remove_duplicate=False)
+        if n not in kept and b is not None
+    }
+
+
+def load_unsaved_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Each saved buffer outside the state_dict back into `model`: in place where the model's
+    buffer has its shape and dtype, else in its place (on the model buffer's device)."""
+    present = unsaved_buffers(model)
+    unknown = sorted(set(saved) - set(present))
+    if unknown:
+        raise BadInputError(
+            f"{MODEL_FILE}: holds buffers this model does not have ({unknown[:5]}); resume "
+            "with the model that wrote it, or use a new run_dir"
+        )
+    for name, value in saved.items():
+        current = present[name]
+        if current.shape == value.shape and current.dtype == value.dtype:
+            with torch.no_grad():
+                current.copy_(value)
+        else:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = value.to(current.device)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """A digest of `tensor`'s dtype, shape and bytes."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
+    digest.update(data.tobytes())
+    return digest.hexdigest()
+
+
 def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """The saved trainable tensors into `model`. A frozen parameter a checkpoint of an older
-    version holds (the tied output layer) is left as the model has it: the base is the one
-    the frozen fingerprint identified."""
+    """The saved trainable tensors into `model`, and the buffers outside the state_dict that
+    the run changed (`UNSAVED_BUFFER`). A frozen parameter a checkpoint of an older version
+    holds (the tied output layer) is left as the model has it: the base is the one the frozen
+    fingerprint identified."""
+    unsaved = {
+        k.removeprefix(UNSAVED_BUFFER): v
+        for k, v in tensors.items()
+        if k.startswith(UNSAVED_BUFFER)
+    }
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(UNSAVED_BUFFER)}
     expected = set(model_tensors_names(model))
     frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     tensors = {k: v for k, v in tensors.items() if k not in frozen}
@@ -121,15 +175,45 @@ def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
             f"{sorted(unexpected)[:5]}); resume with the model that wrote it, or use a new run_dir"
         )
     model.load_state_dict(tensors, strict=not frozen_base(model))
+    load_unsaved_buffers(model, unsaved)
 
 
 @dataclasses.dataclass
 class ModelState:
+    """The model's part (`model_tensors`), and each buffer outside its state_dict that the run
+    has changed since this object was made (an in-place update, or a new tensor in its place),
+    under `UNSAVED_BUFFER`: one the run never changes (rotary frequencies, a causal mask) is not
+    saved again."""
+
     model: torch.nn.Module
     what: str = MODEL_FILE
 
+    def __post_init__(self) -> None:
+        self.start = {
+            n: (weakref.ref(b), b._version, _digest(b))
+            for n, b in unsaved_buffers(self.model).items()
+        }
+
+    def changed_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers outside the state_dict whose value is not the one they had when this
+        object was made: the same tensor at the same version is unchanged; another tensor, or
+        one written since (a restore after the plan's trial passes writes every buffer with
+        its own value), is compared by a digest of its bytes."""
+        changed = {}
+        for name, buffer in unsaved_buffers(self.model).items():
+            ref, version, digest = self.start.get(name, (None, None, None))
+            if ref is not None and ref() is buffer and buffer._version == version:
+                continue
+            if _digest(buffer) != digest:
+                changed[name] = buffer
+        return changed
+
     def save(self, out: Payload, doc: dict[str, Any], host: Host) -> None:
-        out.tensors[MODEL_FILE] = model_tensors(self.model, host.buffers, host.copy)
+        tensors = model_tensors(self.model, host.buffers, host.copy)
+        for name, buffer in self.changed_buffers().items():
+            key = f"{UNSAVED_BUFFER}{name}"
+            tensors[key] = to_host(buffer, host.buffers, f"model/{key}", host.copy)
+        out.tensors[MODEL_FILE] = tensors
 
     def load(self, saved: Payload, doc: dict[str, Any]) -> None:
         load_model_tensors(self.model, saved.tensors[MODEL_FILE])

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import WORKLOADS, run_workload
 from disks import fill, mount
+from script_helpers import Data, loss_fn
 
 from steadytrain import Callback, TrainConfig, Trainer
 from steadytrain.checkpoint import file_io
@@ -51,20 +52,6 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as info:
         cli_main(list(args))
     return info.value.code, capsys.readouterr().err
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = torch.full((4,), float(i))
-        return x, x.sum(0, keepdim=True)
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def fit(run_dir: Path, callbacks=(), **overrides):

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import WORKLOADS
 from disks import fill, mount
+from script_helpers import Data, loss_fn
 
 from steadytrain import TrainConfig, Trainer, run_files
 from steadytrain.checkpoint.store import CheckpointStore
@@ -28,20 +29,6 @@ from steadytrain.errors import BadInputError
 from steadytrain.telemetry.files import read_jsonl
 
 BAD_INPUT = 2
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = torch.full((4,), float(i))
-        return x, x.sum(0, keepdim=True)
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def fit(run_dir: Path, max_steps: int):

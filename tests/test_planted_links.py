@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKLOADS
+from script_helpers import Data
 
 from steadytrain import TrainConfig, Trainer, run_files
 from steadytrain._durable import make_folder, open_in_run, write_atomic
@@ -94,15 +95,6 @@ def test_a_link_planted_at_any_written_path_is_refused(tmp_path, relative, how, 
 
 
 # -- real runs through the Trainer -----------------------------------------------------------
-
-
-class Data(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = torch.full((4,), float(i))
-        return x, x.sum(0, keepdim=True)
 
 
 def fit(run_dir: Path, fail_at: int | None = None, **overrides):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from script_helpers import exit_as_script
 from tiny_models import llama_config
 from torch.utils.data import DataLoader
 
@@ -328,20 +329,6 @@ def test_a_loop_s_autocast_kept_in_loss_fn_or_given_as_precision_trains_as_the_l
     for name, (kept, precision) in {"kept": (True, "fp32"), "config": (False, "bf16")}.items():
         ported = port(tmp_path / name, kept, precision).state_dict()
         assert all(torch.equal(ported[k], v) for k, v in loop.items()), name
-
-
-def exit_as_script(capsys, trainer) -> tuple[int, str]:
-    """`trainer()`'s fit in an `@steadytrain.entrypoint` main, as a ported script runs it: the
-    exit code and what it printed on stderr."""
-    import steadytrain
-
-    @steadytrain.entrypoint
-    def main():
-        return trainer().fit()
-
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    return stopped.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import WORKLOADS, run_workload
+from script_helpers import exit_as_script
 from torch.utils.data import DataLoader, TensorDataset
 
 from steadytrain import Callback, TrainConfig, Trainer
@@ -35,20 +36,6 @@ def config(run_dir: Path, **given) -> TrainConfig:
             **given,
         }
     )
-
-
-def exit_as_script(capsys, trainer) -> tuple[int, str]:
-    """`trainer()`'s fit in an `@steadytrain.entrypoint` main, as a ported script runs it: the
-    exit code and what it printed on stderr."""
-    import steadytrain
-
-    @steadytrain.entrypoint
-    def main():
-        return trainer().fit()
-
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    return stopped.value.code, capsys.readouterr().err
 
 
 def regression() -> TensorDataset:

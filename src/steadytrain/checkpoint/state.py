@@ -117,12 +117,13 @@ running statistic kept out of the model's files) and train another run."""
 
 
 def unsaved_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers the state_dict leaves out (registered with persistent=False), by name."""
-    kept = set(model.state_dict())
+    """The buffers the state_dict leaves out (registered with persistent=False), by name; read
+    from each module's own list of them (a sharded model's state_dict is not called)."""
     return {
-        n: b
-        for n, b in model.named_buffers(remove_duplicate=False)
-        if n not in kept and b is not None
+        f"{prefix}.{name}" if prefix else name: module._buffers[name]
+        for prefix, module in model.named_modules()
+        for name in sorted(module._non_persistent_buffers_set)
+        if module._buffers.get(name) is not None
     }
 
 

@@ -39,7 +39,7 @@ def _find_len(batch: Any) -> int | None:
     if isinstance(batch, Mapping):
         values: Sequence = list(batch.values())
     elif _is_dataclass(batch):
-        values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+        values = list(_fields(batch).values())
     elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         if batch and not any(_is_container(v) for v in batch):
             return len(batch)  # a list of per-sample leaves (strings, ids)

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -295,13 +296,25 @@ def sync_tree(folder: Path) -> None:
 
 
 def replace_dir(staging: Path, target: Path) -> None:
-    """Put the complete folder `staging` at `target`. An old `target` is moved aside first and
-    deleted only after the new one is in place; if the rename fails the old one comes back."""
+    """Put the complete folder `staging` at `target`, so that a reader (or a kill) finds the old
+    `target` or the new one, never none. Where `target` is a folder already, the two are swapped
+    in one step (Linux `renameat2(RENAME_EXCHANGE)`, macOS `renamex_np(RENAME_SWAP)`) and the old
+    one, now at `staging`'s name, is deleted after. Where the system or file system cannot swap,
+    the old `target` is moved aside to `.NAME.old-PID` first and deleted only after the new one
+    is in place; if the rename fails it comes back, and a process killed between the two renames
+    leaves it for the next export to put back (`recipes.finetune`)."""
+    if _is_real_dir(target) and _swap(staging, target):
+        fault("replace-dir")
+        with contextlib.suppress(OSError):  # the folder is in place; the flush is best effort
+            sync_dir(target.parent)
+        shutil.rmtree(staging, ignore_errors=True)  # the old folder now
+        return
     old = None
     if target.exists():
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
         target.rename(old)
+        fault("replace-dir")
     try:
         staging.rename(target)
     except BaseException:
@@ -312,3 +325,55 @@ def replace_dir(staging: Path, target: Path) -> None:
         sync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_SWAP = 2  # macOS sys/stdio.h
+_CANNOT_SWAP = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+def _swap(a: Path, b: Path) -> bool:
+    """Exchange the entries `a` and `b` in one step; False where this system or file system
+    cannot (the caller then moves them one at a time). Any other failure is raised."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    paths = (os.fsencode(a), os.fsencode(b))
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        done = libc.renameat2(_AT_FDCWD, paths[0], _AT_FDCWD, paths[1], _RENAME_EXCHANGE)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        done = libc.renamex_np(paths[0], paths[1], _RENAME_SWAP)
+    else:
+        return False
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _CANNOT_SWAP:
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+
+
+# Fault injection (tests): STEADYTRAIN_FAULT_INJECT=replace-dir SIGKILLs the process inside
+# `replace_dir`, right after the old folder was swapped out or moved aside (as
+# `checkpoint.file_io.fault` does for a checkpoint's save phases).
+
+
+def fault(phase: str) -> None:
+    if os.environ.get("STEADYTRAIN_FAULT_INJECT") != phase:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if hasattr(signal, "SIGKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(137)

@@ -32,6 +32,7 @@ FAULT_PHASES = (
     "after-manifest",
     "after-publish",
     "during-retention",
+    "replace-dir",  # _durable.replace_dir: an export's or a merge's swap
 )
 _CHUNK = 8 * 1024 * 1024
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

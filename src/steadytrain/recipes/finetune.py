@@ -318,8 +318,8 @@ def export_adapter(
     model: Any, tokenizer: Any, config: FinetuneConfig, target: Path, root: Path | None = None
 ) -> Path:
     """Write the adapter, the tokenizer and the resolved config into a staging folder beside
-    `target`, fsync it, and rename it into place, so a kill during export leaves either the old
-    folder or the new one, never half of one. `root`, the run directory (default: the folder
+    `target`, fsync it, and swap it into place (`replace_dir`), so a kill during export leaves
+    either the old folder or the new one at `target`, never half of one nor none. `root`, the run directory (default: the folder
     of `target`): no link on the way from it is followed (exit 2). A full disk is exit 6 naming
     the file being written and the space left."""
     root = root if root is not None else target.parent
@@ -350,7 +350,8 @@ def export_adapter(
 def _export_leftovers(target: Path) -> None:
     """What an export killed mid-way left beside `target` (its process no longer runs): its
     staging folder (.NAME.staging-PID) is removed; the earlier export it had set aside
-    (.NAME.old-PID, where the kill came between the two renames) is put back at `target` when
+    (.NAME.old-PID, where a file system that cannot swap two folders in one step had it
+    renamed aside and the kill came before the second rename) is put back at `target` when
     nothing is there, else removed. A link under such a name is left alone."""
     import re
 

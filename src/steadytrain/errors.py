@@ -33,10 +33,68 @@ SHRINK_EXIT = 76
 restart me with half the micro-batch and twice the accumulation (`steadytrain run` does)."""
 
 
-class SteadytrainError(Exception):
+_CAUGHT = re.compile(r"Caught (\w+) (in .+?)\.\nOriginal Traceback", re.DOTALL)
+"""torch's text for an exception raised in a DataLoader worker (or its pin-memory thread), which
+it raises again in the training process as ``exc_type(text)``."""
+
+
+class _Rebuilt(type):
+    """Metaclass of `SteadytrainError`: torch raises a worker's exception again in the training
+    process by calling its class with one argument, "Caught ConfigError in DataLoader worker
+    process 0.\nOriginal Traceback ...". Called so, a steadytrain error is built as the one the
+    worker raised: its class and exit code, its own message (the traceback's last line), so
+    the CLI and `entrypoint` print it as they print it from the training process."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        text = kwargs.get("message") if len(kwargs) == 1 and not args else None
+        text = args[0] if len(args) == 1 and not kwargs else text
+        if isinstance(text, str) and text.startswith("Caught "):
+            found = _CAUGHT.match(text)
+            if found is not None and found.group(1) == cls.__name__:
+                return _from_worker(cls, text)
+        return super().__call__(*args, **kwargs)
+
+
+class SteadytrainError(Exception, metaclass=_Rebuilt):
     """Base of every error steadytrain raises on purpose."""
 
     exit_code: int = BAD_INPUT_EXIT
+
+
+_FROM_WORKER: dict[type, type] = {}
+
+
+def _from_worker(cls: type, text: str) -> SteadytrainError:
+    """`cls` raised in a DataLoader worker, from torch's `text` of it: an instance of `cls`
+    whose message is the worker's own (what follows "module.Class: " on the last line of the
+    traceback, and the lines after it)."""
+    name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    own = text.rsplit(f"\n{name}: ", 1)
+    message = own[1].strip() if len(own) == 2 else text.strip()
+    if cls not in _FROM_WORKER:
+        _FROM_WORKER[cls] = type(
+            cls.__name__,
+            (cls,),
+            {"__str__": _worker_message, "__reduce__": _reduce, "__module__": cls.__module__},
+        )
+    builtin = next(b for b in cls.__mro__ if b.__module__ == "builtins")  # OSError, ValueError
+    made = builtin.__new__(_FROM_WORKER[cls], message)
+    builtin.__init__(made, message)
+    made.worker_message = message
+    if isinstance(made, ConfigError):
+        made.problems, made.source = [message], None
+    if isinstance(made, UserCodeError):
+        made.problem, made.where, made.step, made.frames = message, None, None, ""
+        made.error = message.splitlines()[0] if message else message
+    return made
+
+
+def _worker_message(self: SteadytrainError) -> str:
+    return self.worker_message
+
+
+def _reduce(self: SteadytrainError) -> tuple:
+    return _from_worker, (type(self).__mro__[1], self.worker_message)
 
 
 class BadInputError(SteadytrainError):

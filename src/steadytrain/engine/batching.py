@@ -176,14 +176,7 @@ def _per_sample_lists(batch: Any, count: int) -> Any:
 
 class NotSampleFirstError(BadInputError):
     """`SampleFirst`'s refusal. Raised in a DataLoader worker, it comes back to the training
-    process built again from torch's "Caught ... in DataLoader worker process N. Original
-    Traceback ..." text: the message is the one line it had."""
-
-    def __init__(self, message: str):
-        own = f"{type(self).__module__}.{type(self).__qualname__}: "
-        if message.startswith("Caught ") and own in message:
-            message = message.rsplit(own, 1)[1].strip()
-        super().__init__(message)
+    process as the one line it had (as every steadytrain error does, errors.py)."""
 
 
 def _not_sample_first(collate: SampleFirst, where: str | None, size: int, what: str, n: int) -> str:

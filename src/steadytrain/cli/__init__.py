@@ -146,7 +146,8 @@ class RunCommand:
     )
     max_restarts: int = option(
         SupervisorOptions.max_restarts,
-        "Give up (exit 4) after this many restarts in a row without a new checkpoint.",
+        "Give up (exit 4) after this many restarts in a row without a new checkpoint (one "
+        "that starts smaller after a memory kill is not counted).",
     )
     run_dir: str | None = option(
         None,

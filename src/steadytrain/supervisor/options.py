@@ -16,7 +16,8 @@ from steadytrain.run_files import ENV_RUN_DIR
 @dataclass(frozen=True)
 class SupervisorOptions:
     max_restarts: int = 5
-    """Give up (exit 4) after this many restarts in a row without a new checkpoint. Five, as
+    """Give up (exit 4) after this many restarts in a row without a new checkpoint (a restart
+    that starts smaller after a memory kill or exit 76 is not counted). Five, as
     systemd's StartLimitBurst: enough for bad luck, few enough that a broken job stops soon."""
     backoff_initial: float = 1.0
     """Seconds before the first restart: quick, the usual crash is a one-off."""

@@ -148,8 +148,11 @@ class Supervisor:
             savers = saver_left(self.options.run_dir, death, max_micro, started_wall)
             if savers is not None and not savers["left"]:
                 return self._no_saver_left(death, step, savers, max_micro)
-            # a restart with one more saver on is not the same restart again: not counted
-            no_progress = 0 if progressed else no_progress + (savers is None)
+            smaller = self._smaller_start(death, max_micro)
+            # a restart with a smaller micro-batch or one more saver on is not the same restart
+            # again: not counted (each ladder has an end: micro-batch 1, the last saver)
+            same = savers is None and smaller is None
+            no_progress = 0 if progressed else no_progress + same
             if progressed or ran_s >= self.options.healthy_run_s:
                 delay = self.options.backoff_initial
             if no_progress > self.options.max_restarts:
@@ -162,7 +165,15 @@ class Supervisor:
 
             self.restarts += 1
             self._announce_restart(
-                death, returncode, step, delay, max_micro, savers_asked, progressed, no_progress
+                death,
+                returncode,
+                step,
+                delay,
+                max_micro,
+                savers_asked,
+                progressed,
+                no_progress,
+                counted=same,
             )
             if not self.child.sleep(delay):
                 return self._stopped_waiting(step)
@@ -185,6 +196,18 @@ class Supervisor:
             watch.caught = None
         return returncode, death, ran_s
 
+    def _smaller_start(self, death: ChildExit, cap: int | None) -> int | None:
+        """The smaller micro-batch cap the next attempt gets after a memory kill or exit 76,
+        when it is smaller than the micro-batch in force (the last metrics line's, no more than
+        the cap); None when the next attempt would start as large as this one did."""
+        if not death.memory_kill_suspected:
+            return None
+        smaller = smaller_micro_batch(self.options.run_dir, cap, death)
+        in_force = smallest_micro_batch(folder_of(self.options.run_dir, death), cap)
+        if smaller is None or (in_force is not None and smaller >= in_force):
+            return None
+        return smaller
+
     def _stopped_waiting(self, step: int | None) -> int:
         name = signal.Signals(self.child.stop_signal).name
         self._say(f"{name} while waiting to restart: stopping")
@@ -202,6 +225,7 @@ class Supervisor:
         savers_asked: int | None,
         progressed: bool,
         no_progress: int,
+        counted: bool = True,
     ) -> None:
         """The `restart` event and the two lines that say why and what the next attempt gets."""
         self._record(
@@ -222,7 +246,7 @@ class Supervisor:
         self._say(death.describe())
         self._say(
             f"starting attempt {self.restarts + 1} in {seconds(delay)} s after "
-            f"{short(death)}; {self._progress_note(progressed, step, no_progress)}"
+            f"{short(death)}; {self._progress_note(progressed, step, no_progress, counted)}"
             + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
             + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
         )
@@ -391,10 +415,17 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - a counter we cannot read is only a missing detail
             return None
 
-    def _progress_note(self, progressed: bool, step: int | None, no_progress: int) -> str:
+    def _progress_note(
+        self, progressed: bool, step: int | None, no_progress: int, counted: bool = True
+    ) -> str:
         limit = self.options.max_restarts
         if progressed:
             return f"new checkpoint at step {step}, so the count without progress starts again"
+        if not counted:
+            return (
+                f"it starts smaller, so it is not counted as the same failure again "
+                f"({no_progress} of {limit} restarts without a new checkpoint)"
+            )
         return f"restart {no_progress} of {limit} without a new checkpoint"
 
     def _say_start(self) -> None:

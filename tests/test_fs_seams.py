@@ -5,15 +5,23 @@ documented exit code with a message naming the path."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import forkserver
+import pytest
+import torch
+from script_helpers import Data, loss_fn
 
-from steadytrain import _durable, run_files
+from steadytrain import TrainConfig, Trainer, _durable, run_files
+from steadytrain.checkpoint.store import CheckpointStore
+from steadytrain.errors import BadInputError, RunNotWritableError
 from steadytrain.recipes.finetune import TRAINING_CONFIG, export_final
 from steadytrain.recipes.finetune_config import FinetuneConfig
 
@@ -94,3 +102,99 @@ def test_where_the_file_system_cannot_swap_the_export_moves_the_old_one_aside(
     export(run_dir, "second")
     assert export_tag(run_dir / run_files.FINAL) == "second"
     assert sorted(os.listdir(run_dir)) == [run_files.FINAL]
+
+
+# -- read-only places --------------------------------------------------------------------------
+
+
+def mounted(*argv: str) -> None:
+    """`mount ARGV`, or the test skipped with the reason where mounting is not allowed."""
+    try:
+        done = subprocess.run(["mount", *argv], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount here: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here: {done.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def read_only_later(folder: Path) -> Iterator[Callable[[], None]]:
+    """A function that makes `folder` read-only from then on (a read-only bind mount over
+    itself: new opens there fail with EROFS, as on a disk remounted read-only); unmounted after."""
+    done = []
+
+    def now() -> None:
+        mounted("--bind", str(folder), str(folder))
+        done.append(folder)
+        mounted("-o", "remount,bind,ro", str(folder))
+
+    try:
+        yield now
+    finally:
+        for point in done:
+            subprocess.run(["umount", str(point)], check=False, timeout=20)
+
+
+def fit(run_dir: Path, max_steps: int, hook=None):
+    """A short run; `hook(model)` is called in each loss until it returns True."""
+
+    def loss(model, batch):
+        model.calls += 1
+        if hook is not None and not model.hooked:
+            model.hooked = hook(model)
+        return loss_fn(model, batch)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    model.calls, model.hooked = 0, False
+    config = TrainConfig(
+        run_dir=str(run_dir),
+        effective_batch_size=4,
+        micro_batch_size=4,
+        max_steps=max_steps,
+        save_every_steps=2,
+        device="cpu",
+        log_every_steps=100,
+    )
+    return Trainer(model, lambda p: torch.optim.SGD(p, lr=1e-3), loss, Data(), config).fit()
+
+
+def test_a_run_directory_made_read_only_mid_run_is_exit_2_keeping_the_last_checkpoint(tmp_path):
+    """The disk under the run turns read-only once step 2 is committed (as after an I/O
+    error): the next save fails, and the run stops with exit 2 naming the folder and the
+    checkpoint kept (not an OSError, exit 1 as a bug); started again while read-only it is exit 2
+    at the lock, changing nothing; once writable again the same run resumes and finishes."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with read_only_later(run_dir) as make_read_only:
+
+        def once_a_checkpoint_is_committed(model) -> bool:
+            if model.calls >= 3 and CheckpointStore(run_dir).committed():  # step 2's, async
+                make_read_only()
+                return True
+            return False
+
+        with pytest.raises(RunNotWritableError) as info:
+            fit(run_dir, max_steps=8, hook=once_a_checkpoint_is_committed)
+        message = str(info.value)
+        before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+        with pytest.raises(BadInputError) as again:  # started again while still read-only
+            fit(run_dir, max_steps=8)
+        assert again.value.exit_code == 2
+        assert f"run_dir {run_dir}: cannot write .lock there (Read-only file system)" in str(
+            again.value
+        )
+        assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert info.value.exit_code == 2
+    assert f"cannot write {run_dir / 'checkpoints'} (Read-only file system)" in message
+    assert "step-00000002 (step 2), the last committed one, stays the latest" in message
+    assert "remount it read-write" in message
+    store = CheckpointStore(run_dir)
+    assert [step for step, _ in store.committed()] == [2]
+    assert leftovers(run_dir) == []
+
+    assert fit(run_dir, max_steps=8).steps == 8  # writable again: it resumes from step 2
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    return [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -15,7 +15,13 @@ import stat
 import sys
 from pathlib import Path
 
-from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
+from steadytrain.errors import (
+    NOT_WRITABLE_ERRNOS,
+    BadInputError,
+    RunDiskFullError,
+    RunNotWritableError,
+    is_disk_full,
+)
 
 
 def sync(fd: int) -> None:
@@ -206,11 +212,14 @@ def open_in_run(path: str | os.PathLike, how: str = "append", *, root: str | os.
 
 def write_error(path: str | os.PathLike, exc: OSError) -> Exception:
     """The error to raise for a failed write of `path`: a planted link or a folder where the
-    file belongs (exit 2), a full disk (exit 6), else `exc` itself."""
+    file belongs (exit 2), a full disk (exit 6), a read-only place (exit 2), else `exc`
+    itself."""
     if exc.errno == errno.ELOOP or os.path.islink(path):
         return _link_error(path)
     if is_disk_full(exc):
         return RunDiskFullError(path, exc)
+    if exc.errno in NOT_WRITABLE_ERRNOS:
+        return RunNotWritableError(path, exc)
     if exc.errno == errno.EISDIR:
         return BadInputError(
             f"{os.fspath(path)} is a folder; steadytrain writes a file of the run there; move the "

@@ -236,6 +236,37 @@ class RunDiskFullError(SteadytrainError, OSError):
         )
 
 
+class RunNotWritableError(BadInputError, OSError):
+    """A file of the run could not be written because its place is read-only (EROFS: a disk
+    mounted or remounted read-only, as after an I/O error) or, for a write steadytrain names, not
+    this user's (EACCES, EPERM). Exit 2; `steadytrain run` does not restart it, since a restart
+    fails the same way. Still an OSError with its errno to callers that catch one. The message
+    names the file and what was kept."""
+
+    def __init__(self, path: str | os.PathLike | None, error: OSError, kept: str = ""):
+        self.path = os.fspath(path) if path is not None else None
+        self.error, self.kept = error, kept
+        super().__init__(error.errno, error.strerror, self.path)
+
+    def __str__(self) -> str:
+        what = f"cannot write {self.path}" if self.path else "a write failed"
+        kept = f"\nKept: {self.kept}." if self.kept else ""
+        why, fix = (
+            ("the disk there is read-only (mounted so, or remounted so after an error)",
+             "remount it read-write")
+            if self.error.errno == errno.EROFS
+            else ("the folder is not this user's to write", "give this user the folder")
+        )  # fmt: skip
+        return (
+            f"{what} ({self.error.strerror}): {why}.{kept}\nMake it writable ({fix}), or copy "
+            "the run directory to a writable place and point run_dir there, then run the same "
+            "command again: the run resumes from its last committed checkpoint."
+        )
+
+
+NOT_WRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -61,7 +61,7 @@ from steadytrain.checkpoint.manifest import (
     verify,
 )
 from steadytrain.checkpoint.payload import Payload, all_tensors, check_payload, payload_bytes
-from steadytrain.errors import CheckpointError, DiskFullError
+from steadytrain.errors import CheckpointError, DiskFullError, RunNotWritableError
 
 _stores_with_saves: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
 
@@ -243,6 +243,8 @@ class CheckpointStore:
             forget(staging.name)
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._disk_full(name, payload, exc) from exc
+            if isinstance(exc, OSError) and exc.errno == errno.EROFS:  # remounted read-only
+                raise RunNotWritableError(self.root, exc) from exc
             raise
 
     @staticmethod

@@ -13,6 +13,7 @@ a background save that failed stops the run at the first step end after it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 from steadytrain._units import format_bytes
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.device.budget import cpu_headroom
-from steadytrain.errors import DiskFullError, RunDiskFullError, is_disk_full
+from steadytrain.errors import DiskFullError, RunDiskFullError, RunNotWritableError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
 
 STOP_CODES = (0, 130, 143)
@@ -40,13 +41,17 @@ def _disk_full_exits_6() -> Iterator[None]:
 @contextlib.contextmanager
 def full_disk_ends_the_run(run_dir: str | Path, keep_last: int) -> Iterator[None]:
     """A full disk anywhere in the block (metrics, events, lock, config, a checkpoint) ends the
-    run as RunDiskFullError (exit 6): the file, the space left, and the checkpoint kept."""
+    run as RunDiskFullError (exit 6): the file, the space left, and the checkpoint kept. A disk
+    made read-only meanwhile (EROFS: remounted so after an I/O error, or by hand) ends it as
+    RunNotWritableError (exit 2), naming the file and the checkpoint kept."""
     try:
         yield
-    except RunDiskFullError as exc:
+    except (RunDiskFullError, RunNotWritableError) as exc:
         exc.kept = exc.kept or _kept(run_dir, keep_last)
         raise
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise RunNotWritableError(exc.filename, exc, _kept(run_dir, keep_last)) from exc
         if not is_disk_full(exc):
             raise
         raise RunDiskFullError(exc.filename, exc, _kept(run_dir, keep_last)) from exc

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import forkserver
+
 from steadytrain.supervisor import Supervisor, SupervisorOptions
 from steadytrain.telemetry.files import read_jsonl
 
@@ -81,3 +83,56 @@ def test_memory_kills_at_micro_batch_1_still_give_up_after_max_restarts(tmp_path
     end = read_jsonl(tmp_path / "run" / "events.jsonl")[-1]
     assert (end["event"], end["exit_code"]) == ("supervisor_gave_up", 4)
     assert json.dumps(end)  # a complete record
+
+
+# -- Ctrl-C before the loop takes SIGINT over ------------------------------------------------
+
+# A user's script in the plain-PyTorch habit: Ctrl-C is caught, and the model saved as final.
+# The first loss call (the planner's probe of `micro_batch_size: auto`) gets a Ctrl-C.
+CATCHES_CTRL_C = r"""
+import os, signal, sys, torch
+from steadytrain import TrainConfig, Trainer
+
+run_dir, interrupt = sys.argv[1], sys.argv[2] == "1"
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+calls = []
+
+def loss_fn(m, b):
+    calls.append(1)
+    if interrupt and len(calls) == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+config = TrainConfig(run_dir=run_dir, effective_batch_size=8, micro_batch_size="auto", max_steps=3,
+                     device="cpu", progress="off", memory_watch=False)
+try:
+    Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn, data, config).fit()
+except KeyboardInterrupt:
+    print("interrupted: saving the model", file=sys.stderr)
+torch.save(model.state_dict(), run_dir + "/final.pt")
+"""
+
+
+def test_ctrl_c_while_auto_plans_ends_the_script_with_130_not_as_finished(tmp_path):
+    """Ctrl-C during `micro_batch_size: auto`'s probes (before the loop installs its handler)
+    ends `fit()` as a Ctrl-C in the loop does: `steadytrain.Stopped` (130), which a script's
+    `except KeyboardInterrupt` does not take for its own, so its final save does not run; one
+    line says so, no traceback; the next start trains to the end."""
+    script = tmp_path / "train.py"
+    script.write_text(CATCHES_CTRL_C)
+    run_dir = tmp_path / "run"
+    stopped = forkserver.run([sys.executable, str(script), str(run_dir), "1"], timeout=120)
+    assert stopped.returncode == 130, stopped.stderr
+    assert "interrupted: saving the model" not in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert (
+        "SIGINT before the first step: nothing new to save; the next start begins at step 0;"
+        in (stopped.stderr)
+    )
+    assert not (run_dir / "final.pt").exists()
+    again = forkserver.run([sys.executable, str(script), str(run_dir), "0"], timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert (run_dir / "final.pt").exists()

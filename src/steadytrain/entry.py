@@ -15,9 +15,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def entrypoint(fn: F) -> F:
     """Run `fn`; a `SteadytrainError` prints its message (no traceback) and exits with its code;
-    a returned `FitResult` exits with its `exit_code`; Ctrl-C outside the training steps (while
-    `fit()` starts, before it installs its handler) exits 130 with one line, as the CLI does.
-    A signal during training ends `fit()` with `steadytrain.Stopped` (130 / 143), which passes
+    a returned `FitResult` exits with its `exit_code`; Ctrl-C outside `fit()` (while the model
+    loads) exits 130 with one line, as the CLI does. A signal during training, or a Ctrl-C
+    while `fit()` starts, ends `fit()` with `steadytrain.Stopped` (130 / 143), which passes
     through: the process exits with it, with or without this wrapper. Anything else returns as
     usual."""
 

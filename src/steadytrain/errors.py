@@ -179,7 +179,8 @@ SIGNAL_EXITS = {"SIGINT": 130, "SIGTERM": 143}
 
 class Stopped(SystemExit):
     """`fit()` (or an integration's loop) was stopped by SIGINT or SIGTERM after committing a
-    checkpoint. A `SystemExit` carrying the code (`code`: 130 for SIGINT, 143 for SIGTERM):
+    checkpoint (or by a Ctrl-C before its first step: nothing new to save). A `SystemExit`
+    carrying the code (`code`: 130 for SIGINT, 143 for SIGTERM):
     uncaught, the process ends with it and without a traceback, so the lines after `fit()` (a
     final ``torch.save``) do not run as if training had finished, and `steadytrain run` or a
     cluster sees a stop, not a success. Catch it to do something first, then re-raise:

@@ -49,10 +49,7 @@ from steadytrain.events import Callback, Control, Dispatcher, TrainState, check_
 from steadytrain.memory.savers import MemorySavers
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
-from steadytrain.safety.supervised import (
-    announce_run_dir,
-    savers_from_supervisor,
-)
+from steadytrain.safety.supervised import announce_run_dir, savers_from_supervisor
 from steadytrain.safety.watchdog import startup_phase, waiting_in
 from steadytrain.telemetry.console import console_callback
 from steadytrain.telemetry.cpu import CpuContention
@@ -174,6 +171,8 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
             record_exit(own_dir, exc, group.describe())
             if isinstance(exc, RankOutOfMemory):
                 group.leave(exc)  # at once: the other ranks wait in a collective
+            if isinstance(exc, KeyboardInterrupt):  # before the loop took SIGINT over
+                raise self._stopped_before_the_loop(run_dir, FitResult) from None
             raise
         except Exception as exc:
             ran_out = group.out_of_memory_before_steps(exc)  # under torchrun: exit 76, named

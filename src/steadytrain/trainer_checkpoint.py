@@ -5,7 +5,10 @@ writer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from steadytrain.checkpoint.state import (
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
 from steadytrain.engine.sampler import SeededFetch
-from steadytrain.errors import BadInputError
+from steadytrain.errors import SIGNAL_EXITS, BadInputError, Stopped
 from steadytrain.events import Callback, TrainState
 from steadytrain.safety.supervised import (
     micro_cap_from_supervisor,
@@ -49,6 +52,29 @@ from steadytrain.trainer_program import (
 class TrainerCheckpoint:
     """These methods of `Trainer`, in their own module: they read its config, data,
     user_state, callbacks and after_identity_check (and the resume probe, `TrainerPasses`)."""
+
+    def _stopped_before_the_loop(self, run_dir: Path, fit_result: Callable[..., Any]) -> Stopped:
+        """Ctrl-C before the loop took SIGINT over (the set-up, the resume, the plan's probes,
+        compiling): no step of this start ran, so there is nothing new to save. It ends `fit()`
+        as a Ctrl-C in the loop does, with `steadytrain.Stopped` (130), so a program's own
+        `except KeyboardInterrupt` does not carry on as if training had finished; its result
+        names the checkpoint the next start resumes from, if any."""
+        committed: list[tuple[int, Path]] = []
+        with contextlib.suppress(OSError):  # a folder it cannot read: said as a new start
+            committed = CheckpointStore(run_dir).committed()
+        step, folder = committed[-1] if committed else (0, None)
+        print(
+            f"\nsteadytrain: SIGINT before the first step: nothing new to save; the next start "
+            f"begins at step {step}; exiting with {SIGNAL_EXITS['SIGINT']}",
+            file=sys.stderr,
+            flush=True,
+        )
+        size = self.config.micro_batch_size
+        result = fit_result(
+            step, None, size if isinstance(size, int) else 0, "stopped by SIGINT before the "
+            "first step", SIGNAL_EXITS["SIGINT"], str(run_dir), folder and str(folder),
+        )  # fmt: skip
+        return Stopped("SIGINT", result)
 
     def _run_state(self, run: RunParts) -> RunState:
         """What a checkpoint holds: the run's stateful objects by name (checkpoint/state.py),

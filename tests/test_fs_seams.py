@@ -198,3 +198,20 @@ def test_a_run_directory_made_read_only_mid_run_is_exit_2_keeping_the_last_check
 
 def leftovers(run_dir: Path) -> list[str]:
     return [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_an_export_into_a_read_only_output_dir_is_exit_2_keeping_the_earlier_one(tmp_path):
+    """output_dir turned read-only before the export (the fine-tune's own files were written):
+    exit 2 naming the folder that could not be made there, not an OSError with a traceback;
+    the earlier export stays whole in final/."""
+    run_dir = tmp_path / "run"
+    export(run_dir, "first")
+    with read_only_later(run_dir) as make_read_only:
+        make_read_only()
+        with pytest.raises(RunNotWritableError) as info:
+            export(run_dir, "second")
+        assert info.value.exit_code == 2
+        assert f"cannot write {run_dir}/.final.staging-" in str(info.value)
+        assert "(Read-only file system)" in str(info.value)
+        assert export_tag(run_dir / run_files.FINAL) == "first"
+        assert sorted(os.listdir(run_dir)) == [run_files.FINAL]

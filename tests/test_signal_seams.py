@@ -136,3 +136,60 @@ def test_ctrl_c_while_auto_plans_ends_the_script_with_130_not_as_finished(tmp_pa
     again = forkserver.run([sys.executable, str(script), str(run_dir), "0"], timeout=120)
     assert again.returncode == 0, again.stderr
     assert (run_dir / "final.pt").exists()
+
+
+# -- a program that ends with 0 after its run was stopped ------------------------------------
+
+# The README's pattern with its `raise` forgotten: the stop is caught and the program ends
+# normally. The SIGTERM comes from outside the supervisor (the OS shutting down, a `kill` of
+# the trainer's pid), here from the trainer's own callback at step 2.
+SWALLOWS_STOPPED = r"""
+import os, signal, sys, torch
+import steadytrain
+from steadytrain import Callback, TrainConfig, Trainer
+
+class TermAt2(Callback):
+    def on_step_end(self, state, control, info):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+config = TrainConfig(run_dir=sys.argv[1], effective_batch_size=8, micro_batch_size=8, max_steps=6,
+                     device="cpu", progress="off", memory_watch=False)
+loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+try:
+    Trainer(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), loss, data, config,
+            callbacks=[TermAt2()]).fit()
+except steadytrain.Stopped as stop:
+    print(f"notified: {stop.result.checkpoint}", file=sys.stderr)
+"""
+
+
+def test_a_child_that_ends_0_after_its_run_was_stopped_is_a_stop_not_a_finish(tmp_path):
+    """`steadytrain run -- python train.py && deploy`: the child caught `steadytrain.Stopped`
+    and exited 0 at step 2 of 6. The attempt's fit_end says the run was stopped: the supervisor
+    exits 143 (not 0, which would let what follows take it for finished) and does not restart
+    a run someone asked to stop."""
+    script = tmp_path / "train.py"
+    script.write_text(SWALLOWS_STOPPED)
+    run_dir = tmp_path / "run"
+    out = io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
+    supervisor = Supervisor(
+        [sys.executable, str(script), str(run_dir)],
+        SupervisorOptions(run_dir=run_dir, **FAST),
+        environ=environ,
+        out=out,
+        oom_kill_count=lambda: None,
+    )
+    assert supervisor.run() == 143, out.getvalue()
+    said = out.getvalue()
+    assert "starting attempt 2" not in said
+    assert (
+        "child exited 0, but its run was stopped by SIGTERM at step 2 (fit_end in events.jsonl)"
+        in said
+    )
+    end = read_jsonl(run_dir / "events.jsonl")[-1]
+    assert (end["event"], end["exit_code"], end["step"]) == ("supervisor_end", 143, 2)

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
+from steadytrain.errors import SIGNAL_EXITS
 from steadytrain.run_events import ERROR_EVENT
 
+FIT_END_EVENT = "fit_end"  # the Trainer's last record of a fit: its reason and exit code
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
 LOW_AVAILABLE = 0.20
 """Memory counts as high when less than this share of the machine's memory was available at the
@@ -102,6 +104,22 @@ def last_error(run_dir: Path | None, since: float) -> dict[str, Any] | None:
         if isinstance(stamp, (int, float)) and stamp >= since:
             return record
         return None
+    return None
+
+
+def stopped_run(run_dir: Path | None, since: float) -> dict[str, Any] | None:
+    """The "fit_end" event the attempt started at `since` wrote last, when it says its run was
+    stopped by a signal (exit 130 / 143): a child that then exited 0 caught
+    `steadytrain.Stopped` and ended as if finished. None when the last one finished, or there
+    is none of this attempt."""
+    if run_dir is None:
+        return None
+    for record in reversed(tail_lines(Path(run_dir) / run_files.EVENTS)):
+        if record.get("event") != FIT_END_EVENT:
+            continue
+        stamp = record.get("time")
+        fresh = isinstance(stamp, (int, float)) and stamp >= since
+        return record if fresh and record.get("exit_code") in SIGNAL_EXITS.values() else None
     return None
 
 

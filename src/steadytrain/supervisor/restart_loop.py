@@ -14,7 +14,8 @@ must outlive whatever kills the trainer. One pass of its loop::
       unchanged for longer than it allows: the child cannot run at all (a stuck Metal wait, a
       frozen process): SIGUSR1 for a stack dump, SIGKILL, a "hang" event, then as for exit 75
     child exit:
-      0                       -> exit 0
+      0                       -> exit 0; but 130 / 143 when the attempt's last fit_end says
+                                 its run was stopped by a signal (it caught Stopped)
       130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
       2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
                                  same way, so exit with that code
@@ -58,6 +59,7 @@ from steadytrain.supervisor.attempt_end import (
     memory_at_kill,
     rank_ends,
     same_failure,
+    stopped_run,
 )
 from steadytrain.supervisor.child_exit import ChildExit
 from steadytrain.supervisor.child_process import ChildProcess
@@ -139,7 +141,8 @@ class Supervisor:
             returncode, death, ran_s = self._attempt(max_micro, savers_asked, started_wall)
             step = progress_step(self.options.run_dir)
             error = self._recorded_error(death, started_wall)
-            final = self._final_code(death, step, error, error_before)
+            stopped = stopped_run(self.options.run_dir, started_wall) if returncode == 0 else None
+            final = self._final_code(death, step, error, error_before, stopped)
             if final is not None:
                 return final
             error_before = error
@@ -273,10 +276,14 @@ class Supervisor:
         step: int | None,
         error: dict[str, Any] | None = None,
         error_before: dict[str, Any] | None = None,
+        stopped: dict[str, Any] | None = None,
     ) -> int | None:
         """The exit code when this child's end ends the supervision (asked to stop, finished,
         stopped by a signal, bad input, the same error as the attempt before at the same step);
-        None when it is restarted."""
+        None when it is restarted. `stopped`: the attempt's fit_end of a run stopped by a
+        signal, when the child then exited 0."""
+        if stopped is not None:
+            return self._stopped_then_0(stopped, step)
         if self.child.stop_signal is not None:
             how = (
                 f"child killed by our SIGKILL (exit {death.returncode}): it did not stop within "
@@ -303,6 +310,25 @@ class Supervisor:
         if same_failure(error, error_before):
             return self._repeated(death, error, step)
         return None
+
+    def _stopped_then_0(self, stopped: dict[str, Any], step: int | None) -> int:
+        """The child exited 0 after its run was stopped by a signal (it caught
+        `steadytrain.Stopped`): a stop, not a finish. Not restarted (someone asked it to stop),
+        and the stop's code, so that what follows `steadytrain run` does not take it for a
+        finished run."""
+        code = int(stopped["exit_code"])
+        at = stopped.get("step")
+        reason = (
+            f"child exited 0, but its run was stopped by {signal.Signals(code - 128).name} at "
+            f"step {at} (fit_end in events.jsonl): the program caught steadytrain.Stopped and "
+            "ended as if training had finished"
+        )
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{reason}; not restarting: it was asked to stop; exiting {code}, not 0. Run it "
+            f"again to resume from {resume}"
+        )
+        return self._end(code, step, reason)
 
     def _repeated(self, death: ChildExit, error: dict[str, Any], step: int | None) -> int:
         """The same error at the same step twice in a row: stop at once with its exit code."""

@@ -17,10 +17,12 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
+from disks import fill, mount
 from script_helpers import Data, loss_fn
 
 from steadytrain import TrainConfig, Trainer, _durable, run_files
 from steadytrain.checkpoint.store import CheckpointStore
+from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError, RunNotWritableError
 from steadytrain.recipes.finetune import TRAINING_CONFIG, export_final
 from steadytrain.recipes.finetune_config import FinetuneConfig
@@ -215,3 +217,47 @@ def test_an_export_into_a_read_only_output_dir_is_exit_2_keeping_the_earlier_one
         assert "(Read-only file system)" in str(info.value)
         assert export_tag(run_dir / run_files.FINAL) == "first"
         assert sorted(os.listdir(run_dir)) == [run_files.FINAL]
+
+
+# -- full disks --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    point = tmp_path / "tiny"
+    point.mkdir()
+    mount(point, "size=2m")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
+
+
+def test_a_report_on_a_full_disk_is_exit_6_keeping_the_page_before_and_offering_out(
+    tiny_disk, capsys
+):
+    """The disk holding the run fills between two reports: `steadytrain report` exits 6 naming
+    the file and says how to write the page elsewhere (not that "the run resumes", which a
+    report has nothing to do with); the page and plots written before keep their bytes and no
+    temporary is left beside them."""
+    pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+    run_dir = tiny_disk / "run"
+    fit(run_dir, max_steps=2)
+    assert cli(capsys, "report", str(run_dir))[0] == 0
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    fill(tiny_disk / "filler")
+
+    code, err = cli(capsys, "report", str(run_dir))
+
+    assert code == 6, err
+    assert f"disk full: could not write {run_dir / 'report'}" in err
+    assert "steadytrain report RUN_DIR --out DIR" in err
+    assert "resumes" not in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """`steadytrain ARGS` in this process; (exit code, stderr)."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(list(args))
+    return info.value.code, capsys.readouterr().err

@@ -43,7 +43,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import write_atomic
 from steadytrain._units import format_bytes
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, RunDiskFullError, free_space, is_disk_full
 from steadytrain.telemetry.plots import (
     BUDGET_COLOR,
     EVENT_STYLES,
@@ -105,6 +105,18 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     try:
         return _write(run, html_path, png_dir, root)
     except OSError as exc:
+        if is_disk_full(exc):  # the run itself is untouched: a report needs no resume
+            path = getattr(exc, "path", None) or exc.filename
+            free = free_space(path or root)
+            raise RunDiskFullError(
+                path,
+                exc,
+                detail=f"disk full: could not write {path or root} ({exc.strerror})"
+                + (f"; {free} free on that filesystem" if free else "")
+                + ". A page or plot written before is kept as it was.\nThe report only reads "
+                "the run: free some space and run it again, or write it elsewhere: steadytrain "
+                "report RUN_DIR --out DIR (a folder on another disk, or DIR/name.html)",
+            ) from None
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         where = "--out" if out is not None else "the run directory"

@@ -4,14 +4,17 @@ the fix, with the exit code README's "Exit codes" gives, never a traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from script_helpers import exit_as_script
+from tiny_models import save_byte_llama
 from torch.utils.data import DataLoader, Dataset
 
 from steadytrain import TrainConfig, Trainer
+from steadytrain.cli import main as cli_main
 from steadytrain.errors import ConfigError, DiskFullError
 
 
@@ -87,3 +90,98 @@ def test_a_steadytrain_error_in_a_loader_worker_prints_its_own_message(tmp_path,
     assert "Traceback" not in err and "Caught" not in err and "worker process" not in err, err
     assert f"error: {error}" in err, err
     assert err.split("error: ", 1)[1] == said[0][1].split("error: ", 1)[1]
+
+
+# -- the fine-tune's own folders given where the base model belongs -----------------------------
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """Run `steadytrain ARGS` in this process; (exit code, stderr)."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(list(args))
+    return info.value.code, capsys.readouterr().err
+
+
+def finetune_config(tmp_path: Path, name: str, **changes) -> Path:
+    settings = {
+        "model_name_or_path": str(tmp_path / "tiny"),
+        "train_file": str(tmp_path / "train.jsonl"),
+        "output_dir": str(tmp_path / name),
+        "max_seq_length": 32,
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "lora": {"r": 2, "lora_alpha": 4},
+        **changes,
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A tiny model, its data, and a finished fine-tune of it in `first` (adapter in first/final)."""
+    root = tmp_path_factory.mktemp("newcomer")
+    save_byte_llama(root / "tiny")
+    records = [json.dumps({"text": f"{i} plus {i} is {2 * i}"}) for i in range(8)]
+    (root / "train.jsonl").write_text("\n".join(records) + "\n")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["finetune", "--config", str(finetune_config(root, "first"))])
+    assert info.value.code == 0
+    assert (root / "first" / "final" / "adapter_config.json").is_file()
+    return root
+
+
+def test_the_fine_tunes_output_dir_given_as_the_model_is_named_a_run_directory(
+    trained, tmp_path, capsys
+):
+    """ "Continue from my fine-tune": model_name_or_path set to the last run's output_dir, whose
+    config.json is the run's. The tokenizer load ended in transformers' ValueError and a
+    traceback (exit 1); estimate and plan said to 'check config.json'."""
+    given = str(trained / "first")
+    again = finetune_config(trained, "second", model_name_or_path=given)
+    code, err = cli(capsys, "finetune", "--config", str(again))
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert f"model_name_or_path: {given!r} is a steadytrain run directory" in err, err
+    assert f"give the base model ({str(trained / 'tiny')!r})" in err, err
+    assert f"its adapter is in {str(trained / 'first' / 'final')!r}" in err, err
+    assert not (trained / "second").exists()
+    for command in (["estimate", given], ["plan", given, "--effective-batch", "4"]):
+        code, err = cli(capsys, *command)
+        assert code == 2, err
+        assert f"model: {given!r} is a steadytrain run directory" in err, err
+
+
+def test_the_adapter_folder_given_as_the_model_names_its_base(trained, capsys):
+    """The adapter folder (final/) given as the model: 'has no config.json; give the folder
+    that save_pretrained wrote' sent the user looking for a config.json. It says it is an
+    adapter and names its base, from adapter_config.json."""
+    given = str(trained / "first" / "final")
+    again = finetune_config(trained, "third", model_name_or_path=given)
+    code, err = cli(capsys, "finetune", "--config", str(again))
+    assert code == 2, err
+    assert f"model_name_or_path: {given!r} holds a LoRA adapter (adapter_config.json)" in err, err
+    assert f"give its base model ({str(trained / 'tiny')!r}, its adapter_config" in err, err
+    code, err = cli(capsys, "estimate", given)
+    assert code == 2, err
+    assert f"model: {given!r} holds a LoRA adapter" in err, err
+
+
+# -- a memory cap written without its unit ------------------------------------------------------
+
+
+def test_a_memory_size_without_a_unit_is_refused_naming_the_unit(trained, capsys):
+    """memory_budget: "16" (text, no unit) was read as 16 bytes: the fine-tune stopped with
+    exit 3, 'over the budget of 16 B', as if the model did not fit; `estimate --memory 16`
+    likewise. Refused as bad input, showing the size with its unit."""
+    config = finetune_config(trained, "unitless", memory_budget="16")
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    assert "memory_budget: '16' has no unit" in err and "'16GiB'" in err, err
+    code, err = cli(capsys, "estimate", str(trained / "tiny"), "--memory", "16")
+    assert code == 2, err
+    assert "--memory: '16' has no unit" in err and "'16GiB'" in err, err
+    with pytest.raises(ConfigError, match="a fraction of usable memory is a number"):
+        TrainConfig(run_dir=str(trained / "r"), effective_batch_size=1, memory_budget="0.8")

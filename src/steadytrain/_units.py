@@ -10,7 +10,6 @@ DEFAULT_BUDGET_FRACTION = 0.9
 (allocator fragmentation, the CUDA context, other processes sharing unified memory)."""
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 1000,
     "kb": 1000,
@@ -29,8 +28,15 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str) -> int:
-    """'12GiB' -> 12884901888. Decimal units (GB) are powers of 1000, binary (GiB) of 1024."""
+    """'12GiB' -> 12884901888. Decimal units (GB) are powers of 1000, binary (GiB) of 1024. A
+    number without a unit ('16') is refused: it was meant as gigabytes, not as 16 bytes."""
     match = _SIZE.match(text)
+    if match is not None and not match.group(2):
+        n = match.group(1)
+        raise ValueError(
+            f"{text!r} has no unit; write it with one, like '{n}GiB' (GiB is 1024³ bytes) or "
+            f"'{n}GB' (1000³); bytes are '{n}B'"
+        )
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size; write it like '12GiB', '16GB' or '512MiB'")

@@ -426,7 +426,11 @@ class TrainConfig(BaseModel):
         if isinstance(value, str) and value != "auto":
             try:
                 size = parse_bytes(value)
-            except ValueError:
+            except ValueError as exc:
+                if "has no unit" in str(exc):  # '16': gigabytes meant; '0.8': a fraction
+                    raise ValueError(
+                        f"{exc}; a fraction of usable memory is a number, 0.8, not text"
+                    ) from None
                 raise ValueError(f"must be {RULES['memory_budget']}") from None
             if size <= 0:
                 raise ValueError(

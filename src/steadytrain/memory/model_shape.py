@@ -4,6 +4,7 @@ and the exact parameter counts of the causal LM built from it on the meta device
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -58,6 +59,48 @@ class ParamCounts:
     linears: list[Linear] = field(default_factory=list)
 
 
+def not_a_model(path: Path) -> str | None:
+    """What the folder `path`, given where a model belongs, is instead, with the fix: a
+    steadytrain run directory (a fine-tune's output_dir, whose config.json is the run's) or a
+    LoRA adapter (adapter_config.json, no config.json); None for any other folder."""
+    if _json_field(path / "config.json", "model_type") is not None:
+        return None  # a model, wherever it was saved
+    if (path / "metrics.jsonl").exists() or (path / "events.jsonl").exists():
+        base = _json_field(path / "training_config.json", "model_name_or_path")
+        adapter = path / "final"
+        return (
+            "is a steadytrain run directory (a fine-tune's output_dir; its config.json is the "
+            f"run's), not a model: give the base model ({base!r})"
+            if base
+            else "is a steadytrain run directory (its config.json is the run's), not a model: "
+            "give the model's own folder or hub id"
+        ) + (
+            f"; its adapter is in {str(adapter)!r}: steadytrain generate, evaluate and merge "
+            "take that folder; to train the run further, keep it as output_dir and raise "
+            "max_steps or num_train_epochs"
+            if (adapter / "adapter_config.json").is_file()
+            else ""
+        )
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").exists():
+        base = _json_field(path / "adapter_config.json", "base_model_name_or_path")
+        named = f" ({base!r}, its adapter_config.json's base_model_name_or_path)" if base else ""
+        return (
+            f"holds a LoRA adapter (adapter_config.json), not a model: give its base model{named}; "
+            "steadytrain generate, evaluate and merge take the adapter folder as it is, and "
+            f"`steadytrain merge {path} --out DIR` writes base and adapter as one model"
+        )
+    return None
+
+
+def _json_field(path: Path, key: str) -> object:
+    """`key` of the JSON object in the file `path`; None where there is none."""
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found.get(key) if isinstance(found, dict) else None
+
+
 def load_config(model: str):
     """A Hugging Face config from a local directory or a hub id (cache, or online when the
     network is there). Nothing but config.json is read."""
@@ -76,6 +119,9 @@ def load_config(model: str):
                 f"model: {model!r} is not a directory; pass a local model directory holding "
                 "config.json, or a Hugging Face model id"
             )
+        instead = not_a_model(path)
+        if instead is not None:
+            raise BadInputError(f"model: {model!r} {instead}")
         if not (path / "config.json").is_file():
             raise BadInputError(
                 f"model: {model!r} has no config.json; pass the directory the model was saved "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from steadytrain.errors import BadInputError
-from steadytrain.memory.model_shape import hub_unreachable
+from steadytrain.memory.model_shape import hub_unreachable, not_a_model
 from steadytrain.recipes.finetune_config import FinetuneConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,6 +78,9 @@ def resolve_model_path(name_or_path: str) -> str:
     does not exist is refused here, before transformers turns it into a confusing hub lookup."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
+        instead = not_a_model(path)
+        if instead is not None:
+            raise BadInputError(f"model_name_or_path: {name_or_path!r} {instead}")
         if not (path / "config.json").is_file():
             raise BadInputError(
                 f"model_name_or_path: {name_or_path} has no config.json; give the folder that "

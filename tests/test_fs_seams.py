@@ -106,6 +106,28 @@ def test_where_the_file_system_cannot_swap_the_export_moves_the_old_one_aside(
     assert sorted(os.listdir(run_dir)) == [run_files.FINAL]
 
 
+def test_a_link_planted_where_the_fallback_sets_the_old_export_aside_is_not_followed(
+    tmp_path, monkeypatch
+):
+    """Without the one-step swap, the old final/ goes to .final.old-PID first: a link planted
+    under that name (to a folder outside the run) is removed as a link, its folder untouched,
+    and the export goes on (not an OSError with a traceback)."""
+    monkeypatch.setattr(_durable, "_swap", lambda a, b: False)
+    run_dir = tmp_path / "run"
+    export(run_dir, "first")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep")
+    (run_dir / f".{run_files.FINAL}.old-{os.getpid()}").symlink_to(outside, True)
+
+    export(run_dir, "second")
+
+    assert export_tag(run_dir / run_files.FINAL) == "second"
+    assert sorted(os.listdir(run_dir)) == [run_files.FINAL]
+    assert os.listdir(outside) == ["precious"]
+    assert (outside / "precious").read_bytes() == b"keep"
+
+
 # -- read-only places --------------------------------------------------------------------------
 
 

@@ -319,9 +319,9 @@ def replace_dir(staging: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the old folder now
         return
     old = None
-    if target.exists():
+    if os.path.lexists(target):
         old = target.parent / f".{target.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_entry(old)  # a leftover of a killed export with this PID, or a planted link
         target.rename(old)
         fault("replace-dir")
     try:
@@ -333,7 +333,17 @@ def replace_dir(staging: Path, target: Path) -> None:
     with contextlib.suppress(OSError):  # the folder is in place; the flush is best effort
         sync_dir(target.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_entry(old)
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove what is at `path`, if anything: a folder with its files; a link or a file by its
+    name only (never what a link points to)."""
+    if _is_real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _is_real_dir(path: Path) -> bool:

@@ -283,3 +283,56 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as info:
         cli_main(list(args))
     return info.value.code, capsys.readouterr().err
+
+
+ADAPTER_CHILD = """
+import sys
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from steadytrain.recipes.data import byte_tokenizer
+
+root = Path(sys.argv[1])
+tokenizer = byte_tokenizer()
+torch.manual_seed(0)
+base = LlamaForCausalLM(LlamaConfig(
+    vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+))
+base.save_pretrained(root / "base")
+tokenizer.save_pretrained(root / "base")
+lora = LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")
+get_peft_model(base, lora).save_pretrained(root / "adapter")
+tokenizer.save_pretrained(root / "adapter")
+"""
+
+
+def test_a_merge_that_fills_the_disk_is_exit_6_keeping_the_merge_before(tiny_disk, tmp_path):
+    """`steadytrain merge --force` over an earlier merge, on a disk that fills while it writes
+    the weights (safetensors says so in its own error, not an OSError): exit 6 naming the file
+    and the space left, no traceback; the earlier merge keeps its bytes, no staging is left."""
+    script = tmp_path / "adapter.py"
+    script.write_text(ADAPTER_CHILD)
+    made = forkserver.run([sys.executable, str(script), str(tmp_path)], timeout=120)
+    assert made.returncode == 0, made.stderr
+    out = tiny_disk / "merged"
+    merge = [sys.executable, "-m", "steadytrain.cli", "merge", str(tmp_path / "adapter")]
+    merge += ["--base", str(tmp_path / "base"), "--out", str(out)]
+    assert forkserver.run(merge, timeout=120).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert before["model.safetensors"]
+    filler = tiny_disk / "filler"
+    fill(filler)
+    os.truncate(filler, filler.stat().st_size - 64 * 1024)  # room for a file, not the weights
+
+    done = forkserver.run([*merge, "--force"], timeout=120)
+
+    assert done.returncode == 6, done.stderr
+    assert f"disk full: could not write {out / 'model.safetensors'}" in done.stderr
+    assert "free on that filesystem" in done.stderr and "--out DIR" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tiny_disk)) == ["filler", "merged"]

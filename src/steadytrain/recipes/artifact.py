@@ -13,7 +13,9 @@ naming the file and the flag that fixes it, before any weights are read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ import torch
 
 from steadytrain import run_files
 from steadytrain.device import Device
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -414,3 +416,36 @@ __all__ = [
     "resolve_base",
     "saved_dtype",
 ]
+
+
+def disk_full_in_save(
+    exc: BaseException, model: Any, staging: Path, target: Path
+) -> tuple[OSError, Path] | None:
+    """When `exc` (raised while `model` was saved into `staging`, the folder that becomes
+    `target`) says the disk is full: the OS error and the file of `target` it was writing; else
+    None. The error is an OSError (ENOSPC, EDQUOT; a RunDiskFullError of steadytrain's own
+    writer comes back as it is), or the error safetensors raises, whose text carries the OS
+    error ("os error 28") but no file name: the weights file is named after the model, peft's
+    adapter or a whole model. An OSError without its file names the newest file in `staging`."""
+    seen, error, name = exc, None, None
+    while seen is not None and error is None:
+        text = str(seen)
+        if isinstance(seen, RunDiskFullError):
+            return seen, Path(seen.path) if seen.path else target
+        if is_disk_full(seen):
+            error = seen
+            name = getattr(seen, "filename", None)
+        elif type(seen).__name__ == "SafetensorError" and (
+            "os error 28" in text or "StorageFull" in text or "No space left" in text
+        ):
+            error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            name = "adapter_model" if hasattr(model, "peft_config") else "model"
+            name += ".safetensors"
+        seen = seen.__cause__ or seen.__context__
+    if error is None:
+        return None
+    if not name:
+        files = [p for p in staging.glob("*") if p.is_file()] if staging.is_dir() else []
+        newest = max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
+        name = newest.name if newest is not None else ""
+    return error, (target / Path(name).name if name else target)

@@ -13,7 +13,6 @@ on the same output_dir resumes it.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -37,8 +36,8 @@ from steadytrain.errors import (
     ConfigError,
     DoesNotFitError,
     RunDiskFullError,
-    is_disk_full,
 )
+from steadytrain.recipes.artifact import disk_full_in_save
 from steadytrain.recipes.data import (
     Collator,
     causal_lm_loss,
@@ -376,32 +375,14 @@ def _export_leftovers(target: Path) -> None:
 def _export_disk_full(
     exc: BaseException, model: Any, staging: Path, target: Path
 ) -> RunDiskFullError | None:
-    """RunDiskFullError (exit 6) when `exc` says the disk is full: an OSError, or the error
-    safetensors raises (its text carries the OS error, "os error 28", but no file name: the
-    weights file is named after the model, peft's adapter or a whole model). It names the file
-    and the space left while the partial export still takes its room."""
-    seen, error, name = exc, None, None
-    while seen is not None and error is None:
-        if isinstance(seen, RunDiskFullError):
-            return seen
-        text = str(seen)
-        if is_disk_full(seen):
-            error = seen
-            name = getattr(seen, "filename", None)
-        elif type(seen).__name__ == "SafetensorError" and (
-            "os error 28" in text or "StorageFull" in text or "No space left" in text
-        ):
-            error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            name = "adapter_model" if hasattr(model, "peft_config") else "model"
-            name += ".safetensors"
-        seen = seen.__cause__ or seen.__context__
-    if error is None:
+    """RunDiskFullError (exit 6) when `exc` says the disk is full (`disk_full_in_save`). It
+    names the file and the space left while the partial export still takes its room."""
+    found = disk_full_in_save(exc, model, staging, target)
+    if found is None:
         return None
-    if not name:  # an OSError without its file: the newest file of the export
-        files = [p for p in staging.glob("*") if p.is_file()] if staging.is_dir() else []
-        newest = max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
-        name = newest.name if newest is not None else ""
-    path = target / Path(name).name if name else target
+    error, path = found
+    if isinstance(error, RunDiskFullError):
+        return error
     full = RunDiskFullError(path, error, kept=f"the checkpoints (the export of {target} is not)")
     full.detail = str(full)  # the space left now, before the partial export is removed
     return full

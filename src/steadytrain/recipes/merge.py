@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from steadytrain._durable import make_folder, replace_dir, sync_tree
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, RunDiskFullError, free_space
 from steadytrain.recipes.artifact import (
+    disk_full_in_save,
     dtype_name,
     load_config,
     load_model,
@@ -96,9 +97,33 @@ def merge(
         files = tuple(sorted(p.name for p in staging.iterdir()))
         size = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
         replace_dir(staging, out)
+    except BaseException as exc:
+        full = _disk_full(exc, merged, staging, out)
+        if full is not None:
+            raise full from None
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return MergeResult(out, artifact.path, str(artifact.base), load_as, files, size)
+
+
+def _disk_full(exc: BaseException, model: Any, staging: Path, out: Path) -> Exception | None:
+    """Exit 6 naming the file being written and the space left (while the partial merge still
+    takes its room), when `exc` says the disk filled up; nothing is left at --out of it."""
+    found = disk_full_in_save(exc, model, staging, out)
+    if found is None:
+        return None
+    error, path = found
+    free = free_space(out.parent)
+    kept = " (the folder there before is kept)" if os.path.lexists(out) else ""
+    return RunDiskFullError(
+        path,
+        error,
+        detail=f"disk full: could not write {path} ({error.strerror})"
+        + (f"; {free} free on that filesystem" if free else "")
+        + f". Nothing of this merge is left at {out}{kept}.\nFree some space, or merge onto "
+        "another disk: steadytrain merge ADAPTER --out DIR",
+    )
 
 
 def _check_out_dir(out: Path, adapter: Path, base: str | None, force: bool) -> None:

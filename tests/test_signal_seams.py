@@ -1,5 +1,7 @@
 """Signals, the supervisor and the resume check where a user meets them, past the cases the
-other files test: restarts that each try something smaller are not "the same failure again".
+other files test: restarts that each start smaller are not "the same failure again"; a Ctrl-C
+before the first step and a program that ends with 0 after a stop are stops, not finishes; a
+learning rate or schedule that `resume_overrides` lets through is the one trained with.
 """
 
 from __future__ import annotations
@@ -7,12 +9,17 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
 import forkserver
+import pytest
+import torch
 
+from steadytrain import Callback, TrainConfig, Trainer
+from steadytrain.errors import BadInputError
 from steadytrain.supervisor import Supervisor, SupervisorOptions
 from steadytrain.telemetry.files import read_jsonl
 
@@ -193,3 +200,86 @@ def test_a_child_that_ends_0_after_its_run_was_stopped_is_a_stop_not_a_finish(tm
     )
     end = read_jsonl(run_dir / "events.jsonl")[-1]
     assert (end["event"], end["exit_code"], end["step"]) == ("supervisor_end", 143, 2)
+
+
+# -- a resume that resume_overrides lets through trains with the new values -------------------
+
+
+class _Lr(Callback):
+    """The learning rate each step trained with."""
+
+    def __init__(self):
+        self.seen: list[float] = []
+        self.optimizer = None
+
+    def on_step_start(self, state, control, info):
+        self.seen.append(self.optimizer.param_groups[0]["lr"])
+
+
+def _fit_at(run_dir: Path, max_steps: int, lr: float, scheduled, overrides=()):
+    """A tiny fit with SGD at `lr` (halved every 2 steps when `scheduled` is True; `scheduled`
+    the schedule's factory otherwise, when given); the rates it trained with."""
+    watch = _Lr()
+
+    def optimizer(params):
+        watch.optimizer = torch.optim.SGD(params, lr=lr, momentum=0.5)
+        return watch.optimizer
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
+    config = TrainConfig(
+        run_dir=str(run_dir), effective_batch_size=8, micro_batch_size=8, max_steps=max_steps,
+        save_every_steps=2, device="cpu", progress="off", memory_watch=False,
+        resume_overrides=list(overrides),
+    )  # fmt: skip
+    Trainer(
+        torch.nn.Linear(4, 2),
+        optimizer,
+        lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        data,
+        config,
+        scheduler=_halved if scheduled is True else (scheduled or None),
+        callbacks=[watch],
+    ).fit()
+    return watch.seen
+
+
+def _halved(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["constant", "step-schedule"])
+def test_a_learning_rate_changed_with_resume_overrides_is_the_one_trained_with(tmp_path, scheduled):
+    """The refusal of a changed lr names `resume_overrides: ['optimizer']`; given, the resumed
+    run must train at the new rate, not at the one the loaded optimizer state holds (the
+    schedule's steps kept: 0.1, 0.1, 0.05, 0.05 then 0.0025, 0.0025 at a tenth)."""
+    assert _fit_at(tmp_path, 4, 0.1, scheduled) == (
+        [0.1, 0.1, 0.05, 0.05] if scheduled else [0.1] * 4
+    )
+    with pytest.raises(BadInputError, match=r"optimizer: lr: 0.1 -> 0.01"):
+        _fit_at(tmp_path, 6, 0.01, scheduled)
+    overrides = ["optimizer", "schedule"] if scheduled else ["optimizer"]  # as the hint says
+    resumed = _fit_at(tmp_path, 6, 0.01, scheduled, overrides=overrides)
+    assert resumed == pytest.approx([0.0025, 0.0025] if scheduled else [0.01, 0.01])
+    change = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "resume_override"]
+    assert "optimizer: lr: 0.1 -> 0.01" in [e["change"] for e in change]
+
+
+def test_a_cosine_raised_to_train_longer_with_resume_overrides_goes_on_as_the_new_one(tmp_path):
+    """A cosine over max_steps (T_max 4) ended at 0; raising max_steps to 8 changes T_max, which
+    is refused naming it; allowed with `resume_overrides: ['schedule']`, steps 5 to 8 train at
+    the rates a cosine of T_max 8 has there (not at 0, where the old one ended, nor climbing
+    back up as the loaded T_max 4 would)."""
+
+    def cosine(steps):
+        return lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=steps)
+
+    _fit_at(tmp_path, 4, 0.1, cosine(4))
+    with pytest.raises(BadInputError, match=r"schedule: T_max: 4 -> 8"):
+        _fit_at(tmp_path, 8, 0.1, cosine(8))
+    resumed = _fit_at(tmp_path, 8, 0.1, cosine(8), overrides=["schedule"])
+    expected = [0.1 * (1 + math.cos(math.pi * step / 8)) / 2 for step in range(4, 8)]
+    assert resumed == pytest.approx(expected)

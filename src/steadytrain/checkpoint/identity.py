@@ -180,3 +180,73 @@ def check_identity(
             f"or allow these changes explicitly in the config: {override_hint(refused)}"
         )
     return overridden
+
+
+_PROGRESS = ("base_lrs", "_last_lr", "last_epoch", "_step_count", "_get_lr_called_within_step")
+"""A schedule's state that is where it is (or follows the learning rate), not a setting."""
+
+
+def reapply_overrides(
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    allowed: Collection[str],
+    optimizer: Any,
+    schedule: Any,
+) -> None:
+    """After a resume that `resume_overrides` let through with the optimizer's or the
+    schedule's hyperparameters changed: the states just loaded hold the saved values, so each
+    changed one is set again to this run's, where the run goes on from. A learning rate a
+    schedule drives keeps its place in the schedule: the current rate and the schedule's base
+    rates scaled by new / old (StepLR's 0.025 of 0.1 is 0.0025 of 0.01)."""
+    if "optimizer" in allowed and optimizer is not None:
+        _reapply_optimizer(saved.get("optimizer"), now.get("optimizer"), optimizer, schedule)
+    if "schedule" in allowed and schedule is not None:
+        before, after = _parsed(saved.get("schedule")), _parsed(now.get("schedule"))
+        if before is None or after is None or before[0] != after[0]:
+            return
+        old, new = _as_dict(before[1]) or {}, _as_dict(after[1]) or {}
+        changed = [k for k, v in new.items() if k not in _PROGRESS and old.get(k) != v]
+        for key in changed:
+            if hasattr(schedule, key):
+                setattr(schedule, key, new[key])
+        if changed and hasattr(schedule, "_get_closed_form_lr"):
+            _rate_at_this_step(schedule, optimizer)
+
+
+def _rate_at_this_step(schedule: Any, optimizer: Any) -> None:
+    """The learning rate the changed schedule gives at the step the run resumes from (a
+    cosine's T_max raised to train longer: its rate there, not the old one's end, which its
+    step-by-step form would carry on from)."""
+    try:
+        rates = list(schedule._get_closed_form_lr())
+    except Exception:  # noqa: BLE001 - a schedule without a closed form goes on as loaded
+        return
+    if optimizer is not None and len(rates) == len(optimizer.param_groups):
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        schedule._last_lr = rates
+
+
+def _reapply_optimizer(saved: Any, now: Any, optimizer: Any, schedule: Any) -> None:
+    before, after = _parsed(saved), _parsed(now)
+    if before is None or after is None or before[0] != after[0]:
+        return  # another class loads nothing of the old one's; a value without a literal form
+    groups = optimizer.param_groups
+    if not len(before[1]) == len(after[1]) == len(groups):
+        return
+    for i, (old, new, group) in enumerate(zip(before[1], after[1], groups, strict=True)):
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            return
+        scheduled = "initial_lr" in new and "initial_lr" in group
+        for key, value in new.items():
+            if key in ("size", "lr") or old.get(key) == value or key not in group:
+                continue
+            group[key] = value
+        if scheduled and old.get("initial_lr") != new["initial_lr"] and old.get("initial_lr"):
+            group["lr"] = group["lr"] * new["initial_lr"] / old["initial_lr"]
+            if len(getattr(schedule, "base_lrs", ())) == len(groups):
+                schedule.base_lrs[i] = new["initial_lr"]
+            if len(getattr(schedule, "_last_lr", ())) == len(groups):
+                schedule._last_lr[i] = group["lr"]
+        elif not scheduled and old.get("lr") != new.get("lr") and "lr" in new:
+            group["lr"] = new["lr"]

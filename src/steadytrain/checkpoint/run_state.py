@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from steadytrain.checkpoint.host import HostBuffers
-from steadytrain.checkpoint.identity import check_identity
+from steadytrain.checkpoint.identity import check_identity, reapply_overrides
 from steadytrain.checkpoint.ranks import SHARDED_STATES, Ranks, load_shards
 from steadytrain.checkpoint.state import (
     DCP_METADATA,
@@ -89,6 +89,9 @@ class RunState:
             if not (sharded and name in SHARDED_STATES):
                 with loading(source, lambda state=state: state.what):
                     state.load(payload, doc)
+        fields = {line.split(":", 1)[0] for line in overridden}  # "optimizer: lr: 0.1 -> 0.01"
+        schedule = getattr(self.states.get("scheduler"), "obj", None)
+        reapply_overrides(doc["identity"], self.identity, fields, self._held("optimizer"), schedule)
         return overridden, None if overridden else doc.get("next_loss")
 
     def _held(self, name: str) -> Any:

@@ -164,8 +164,8 @@ class TrainConfig(BaseModel):
     )
     memory_budget: Literal["auto"] | str | float = Field(
         "auto",
-        description="Memory the run may use: a size ('12GiB', '16GB'; GB is 1000³ bytes, GiB "
-        "1024³) or a fraction of the device's usable memory (0.8). 'auto' is "
+        description="Memory the run may use: a size with its unit ('12GiB', '16GB'; GB is 1000³ "
+        "bytes, GiB 1024³; a bare '16' is refused, not read as 16 bytes) or a fraction of the device's usable memory (0.8). 'auto' is "
         f"{DEFAULT_BUDGET_FRACTION} of it. Usable: "
         "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
         "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "

@@ -36,7 +36,10 @@ that 16 GiB is usable, effective batch 64; full-memory arms micro 8 × accumulat
   gradients copied out of the graphs' memory); -cudagraphs-keep: the same at the partitioner's
   default budget (1.0; 0.95 partitions a Llama layer as 0.9 does): speed levers tried for P6.
   -autotune: inductor times Triton's matrix-multiply templates against cuBLAS for each shape of
-  the compiled blocks (`max_autotune_gemm`).
+  the compiled blocks (`max_autotune_gemm`). -tuned: inductor's `coordinate_descent_tuning`
+  (each Triton kernel's block sizes timed at compile); -rows: row reductions up to 4,096 wide in
+  one pass over the row (inductor loops over rows wider than 1,024); -rows-tuned: both. These
+  three run with inductor's caches off.
 * steadytrain-auto: cap, micro_batch_size "auto", CausalLMLoss(), nothing else set: the planner
   chooses micro size, accumulation and savers (the fused loss among them), and `compile` is its
   default, "auto" (compiled on CUDA with Triton). -eager: compile false; -compile: compile true.
@@ -83,6 +86,7 @@ STARTED = time.perf_counter()  # before any heavy import: Unsloth's patching cou
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -137,6 +141,28 @@ ARMS: dict[str, dict[str, Any]] = {
         "chunk": 1024,
         "compile": True,
         "budget": 1.0,
+    },
+    "steadytrain-fused-compile-tuned": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "inductor": {"coordinate_descent_tuning": True},
+    },
+    "steadytrain-fused-compile-rows": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "persistent_rows": 4096,
+    },
+    "steadytrain-fused-compile-rows-tuned": {
+        "cap": False,
+        "micro": 8,
+        "chunk": 1024,
+        "compile": True,
+        "persistent_rows": 4096,
+        "inductor": {"coordinate_descent_tuning": True},
     },
     "steadytrain-auto": {"cap": True, "micro": "auto"},
     "steadytrain-auto-eager": {"cap": True, "micro": "auto", "compile": False},
@@ -448,6 +474,40 @@ def loop(args, model, data, device, effective: int, micro: int, with_labels: boo
     return {"marks": marks, "losses": losses, "micro": micro, "accumulation": effective // micro}
 
 
+def inductor_settings(arm: dict) -> None:
+    """An arm's inductor settings, set for the whole process (the layers compile at the first
+    step): `inductor` maps dotted config names to values; `persistent_rows` makes row
+    reductions up to that width one pass over the row (inductor's default loops over rows
+    wider than 1,024, reading them twice: the norms' backward at hidden 2,048). Caches off, so
+    that an earlier arm's kernels are not served to this one."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.force_disable_caches = True
+    for key, value in arm.get("inductor", {}).items():
+        *path, name = key.split(".")
+        setattr(functools.reduce(getattr, path, inductor_config), name, value)
+    limit = arm.get("persistent_rows")
+    if not limit:
+        return
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class PersistentRows(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, *args, **kwargs) -> bool:
+            if InductorChoices.should_use_persistent_reduction(features, *args, **kwargs):
+                return True
+            numel = features.reduction_numel
+            return (
+                features.get_reduction_hint() == ReductionHint.INNER
+                and (isinstance(numel, int) or getattr(numel, "is_number", False))
+                and int(numel) <= limit
+            )
+
+    V.set_choices_handler(PersistentRows())
+
+
 def run_steadytrain(
     args, arm: dict, model, data, device, effective: int, watchers=()
 ) -> dict[str, Any]:
@@ -475,6 +535,8 @@ def run_steadytrain(
 
         inductor_config.max_autotune_gemm = True
         inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
+    if arm.get("inductor") or arm.get("persistent_rows"):
+        inductor_settings(arm)
     attention = contextlib.nullcontext()
     if arm.get("attention") == "cudnn":
         from torch.nn.attention import SDPBackend, sdpa_kernel

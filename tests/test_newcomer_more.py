@@ -185,3 +185,55 @@ def test_a_memory_size_without_a_unit_is_refused_naming_the_unit(trained, capsys
     assert "--memory: '16' has no unit" in err and "'16GiB'" in err, err
     with pytest.raises(ConfigError, match="a fraction of usable memory is a number"):
         TrainConfig(run_dir=str(trained / "r"), effective_batch_size=1, memory_budget="0.8")
+
+
+# -- a file where a folder belongs, and values written in another trainer's shape ---------------
+
+
+def test_a_weights_file_given_as_the_model_names_its_folder(trained, capsys):
+    """model_name_or_path set to the weights file: 'folder .../model.safetensors does not
+    exist', of a file that is there."""
+    weights = trained / "tiny" / "model.safetensors"
+    config = finetune_config(trained, "weights", model_name_or_path=str(weights))
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    assert "does not exist" not in err, err
+    assert f"model_name_or_path: {str(weights)!r} is a file" in err, err
+    assert f"give the folder that holds it: {str(trained / 'tiny')!r}" in err, err
+
+
+def test_an_output_dir_that_is_a_file_is_named_a_file(trained, capsys):
+    """output_dir set to the data file (or a folder under it): 'cannot write .lock there (File
+    exists)', which names neither the file nor the fix. The file keeps its bytes."""
+    data = trained / "train.jsonl"
+    before = data.read_bytes()
+    for output_dir in (data, data / "run"):
+        config = finetune_config(trained, "filed", output_dir=str(output_dir))
+        code, err = cli(capsys, "finetune", "--config", str(config))
+        assert code == 2, err
+        assert f"{data} is a file, not a folder" in err, err
+        assert "give output_dir (run_dir) a folder" in err, err
+    assert data.read_bytes() == before
+
+
+def test_a_settings_block_given_as_one_number_says_what_it_holds(trained, capsys):
+    """ "lora": 16 (the rank, as a guide's LORA_R=16): 'must be LoraSettings', the name of a
+    Python class the user never sees."""
+    config = finetune_config(trained, "block", lora=16)
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    assert "LoraSettings" not in err, err
+    assert 'lora: must be a mapping of its settings, {"r": ..., "lora_alpha": ...' in err, err
+    assert "(found 16)" in err, err
+
+
+@pytest.mark.parametrize(
+    ("written", "seconds"), [("5m", "300"), ("300s", "300"), ("1.5 h", "5400")]
+)
+def test_a_timeout_written_with_a_time_unit_is_told_the_seconds(tmp_path, written, seconds):
+    """hang_timeout: 5m (as other tools write a duration): told what the field takes, not how
+    many seconds that is."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(run_dir=str(tmp_path), effective_batch_size=8, hang_timeout=written)
+    line = next(p for p in info.value.problems if p.startswith("hang_timeout"))
+    assert f"(found {written!r}); it is a number of seconds: write {seconds}" in line, line

@@ -64,8 +64,28 @@ def explain(exc: ValidationError, model: type[BaseModel], hints: dict | None = N
             strict = {"int_type", "float_type", "bool_type"}  # strict mode: "8" is not 8
             if _quoted_value(first["input"]) and any(e["type"] in strict for e in errors):
                 rule += "; text is not read as a number or true/false, write it without quotes"
-            lines.append(f"{name}: {rule} (found {show_value(first['input'])})")
+            line = f"{name}: {rule} (found {show_value(first['input'])})"
+            seconds = _seconds(first["input"]) if name in _SECONDS else None
+            if seconds is not None:  # "5m", as other tools write a duration
+                line += f"; it is a number of seconds: write {seconds:g}"
+            lines.append(line)
     return lines + problems
+
+
+_SECONDS = {"hang_timeout"}
+"""Fields that take a number of seconds."""
+_DURATION = re.compile(
+    r"\s*(\d+(?:\.\d+)?)\s*(s|secs?|seconds?|m|mins?|minutes?|h|hrs?|hours?)\s*", re.I
+)
+
+
+def _seconds(value: Any) -> float | None:
+    """'5m' -> 300.0, '300s' -> 300.0, '1.5 h' -> 5400.0; None for anything else."""
+    found = _DURATION.fullmatch(value) if isinstance(value, str) else None
+    if found is None:
+        return None
+    scale = {"s": 1, "m": 60, "h": 3600}[found.group(2)[0].lower()]
+    return float(found.group(1)) * scale
 
 
 _ACCUMULATION = (
@@ -235,6 +255,9 @@ def _type_words(annotation: Any, bounds: list[Any]) -> list[str]:
         return ["a number" + _bounds_words(bounds)]
     if annotation is str:
         return ["text"]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):  # a block: lora
+        names = [f'"{name}": ...' for name in list(annotation.model_fields)[:2]]
+        return ["a mapping of its settings, {" + ", ".join([*names, "..."]) + "}"]
     return [getattr(annotation, "__name__", str(annotation))]
 
 

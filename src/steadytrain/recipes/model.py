@@ -87,6 +87,11 @@ def resolve_model_path(name_or_path: str) -> str:
                 "save_pretrained wrote (config.json plus the weights)"
             )
         return str(path.resolve())
+    if path.is_file():
+        raise BadInputError(
+            f"model_name_or_path: {name_or_path!r} is a file; give the folder that holds it: "
+            f"{str(path.parent)!r} (config.json plus the weights, as save_pretrained wrote them)"
+        )
     looks_local = (
         name_or_path.startswith((".", "/", "~"))
         or name_or_path.count("/") > 1

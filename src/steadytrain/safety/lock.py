@@ -130,6 +130,12 @@ class RunLock:
                 f"{self.path} is a folder; steadytrain writes a file of the run there; move the "
                 "folder away and run again"
             )
+        file = next((p for p in (self.run_dir, *self.run_dir.parents) if p.is_file()), None)
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR) and file is not None:
+            return BadInputError(
+                f"run_dir {self.run_dir}: {file} is a file, not a folder; give output_dir "
+                "(run_dir) a folder, which is made if it does not exist"
+            )
         return BadInputError(
             f"run_dir {self.run_dir}: cannot write {self.path.name} there ({exc.strerror}); "
             "choose a folder this user can create and write"

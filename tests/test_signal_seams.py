@@ -283,3 +283,59 @@ def test_a_cosine_raised_to_train_longer_with_resume_overrides_goes_on_as_the_ne
     resumed = _fit_at(tmp_path, 8, 0.1, cosine(8), overrides=["schedule"])
     expected = [0.1 * (1 + math.cos(math.pi * step / 8)) / 2 for step in range(4, 8)]
     assert resumed == pytest.approx(expected)
+
+
+# A script that logs any error of its training and ends normally: its first attempt's loss
+# function fails at step 3 (a flaky read), caught by `except Exception`.
+SWALLOWS_ERRORS = r"""
+import os, sys, torch
+from steadytrain import TrainConfig, Trainer
+
+first = os.environ.get("STEADYTRAIN_RESTART") == "0"
+calls = []
+
+def loss_fn(m, b):
+    calls.append(1)
+    if first and len(calls) == 3:
+        raise OSError("flaky read of the data share")
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+config = TrainConfig(run_dir=sys.argv[1], effective_batch_size=8, micro_batch_size=8, max_steps=4,
+                     save_every_steps=1, device="cpu", progress="off", memory_watch=False)
+try:
+    Trainer(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1), loss_fn, data, config).fit()
+except Exception as exc:
+    print(f"training failed: {exc!r}", file=sys.stderr)
+"""
+
+
+def test_a_child_that_ends_0_after_its_run_failed_is_restarted_as_that_failure(tmp_path):
+    """The child caught the error `fit()` raised (exit 5: an error in the user's code) and
+    exited 0 at step 2 of 4. The attempt's fit_end says how the run ended: the supervisor takes
+    it for that exit, restarts it (as it restarts a 5 once), and the run finishes."""
+    script = tmp_path / "train.py"
+    script.write_text(SWALLOWS_ERRORS)
+    run_dir = tmp_path / "run"
+    out = io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
+    supervisor = Supervisor(
+        [sys.executable, str(script), str(run_dir)],
+        SupervisorOptions(run_dir=run_dir, **FAST),
+        environ=environ,
+        out=out,
+        oom_kill_count=lambda: None,
+    )
+    assert supervisor.run() == 0, out.getvalue()
+    said = out.getvalue()
+    assert (
+        "child exited 0, but its run ended with exit 5 after step 1 (fit_end in events.jsonl)"
+        in (said)
+    )
+    assert "starting attempt 2" in said
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["exit_code"] for e in events if e["event"] == "restart"] == [5]
+    assert [e["exit_code"] for e in events if e["event"] == "fit_end"] == [5, 0]
+    assert events[-1]["event"] == "supervisor_end"

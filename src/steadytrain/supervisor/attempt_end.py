@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
-from steadytrain.errors import SIGNAL_EXITS
 from steadytrain.run_events import ERROR_EVENT
 
 FIT_END_EVENT = "fit_end"  # the Trainer's last record of a fit: its reason and exit code
@@ -107,11 +106,11 @@ def last_error(run_dir: Path | None, since: float) -> dict[str, Any] | None:
     return None
 
 
-def stopped_run(run_dir: Path | None, since: float) -> dict[str, Any] | None:
-    """The "fit_end" event the attempt started at `since` wrote last, when it says its run was
-    stopped by a signal (exit 130 / 143): a child that then exited 0 caught
-    `steadytrain.Stopped` and ended as if finished. None when the last one finished, or there
-    is none of this attempt."""
+def ended_run(run_dir: Path | None, since: float) -> dict[str, Any] | None:
+    """The "fit_end" event the attempt started at `since` wrote last, when it says its run did
+    not finish (an `exit_code` other than 0: stopped by a signal, 130 / 143, or an error): a
+    child that then exited 0 caught `steadytrain.Stopped` or the error and ended as if
+    finished. None when the last one finished, or there is none of this attempt."""
     if run_dir is None:
         return None
     for record in reversed(tail_lines(Path(run_dir) / run_files.EVENTS)):
@@ -119,7 +118,8 @@ def stopped_run(run_dir: Path | None, since: float) -> dict[str, Any] | None:
             continue
         stamp = record.get("time")
         fresh = isinstance(stamp, (int, float)) and stamp >= since
-        return record if fresh and record.get("exit_code") in SIGNAL_EXITS.values() else None
+        code = record.get("exit_code")
+        return record if fresh and isinstance(code, int) and code != 0 else None
     return None
 
 

@@ -14,8 +14,9 @@ must outlive whatever kills the trainer. One pass of its loop::
       unchanged for longer than it allows: the child cannot run at all (a stuck Metal wait, a
       frozen process): SIGUSR1 for a stack dump, SIGKILL, a "hang" event, then as for exit 75
     child exit:
-      0                       -> exit 0; but 130 / 143 when the attempt's last fit_end says
-                                 its run was stopped by a signal (it caught Stopped)
+      0                       -> exit 0; but when the attempt's last fit_end says its run
+                                 did not finish (the program caught what fit() raised): 130 /
+                                 143 for a stop by a signal, else judged as that exit code
       130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
       2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
                                  same way, so exit with that code
@@ -54,14 +55,14 @@ from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError,
 from steadytrain.run_events import append_event
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
 from steadytrain.supervisor.attempt_end import (
+    ended_run,
     failed_rank,
     last_error,
     memory_at_kill,
     rank_ends,
     same_failure,
-    stopped_run,
 )
-from steadytrain.supervisor.child_exit import ChildExit
+from steadytrain.supervisor.child_exit import STOPPED, ChildExit
 from steadytrain.supervisor.child_process import ChildProcess
 from steadytrain.supervisor.oom_counter import read_oom_kill_count
 from steadytrain.supervisor.options import SupervisorOptions
@@ -140,9 +141,12 @@ class Supervisor:
             started_wall = time.time()
             returncode, death, ran_s = self._attempt(max_micro, savers_asked, started_wall)
             step = progress_step(self.options.run_dir)
+            ended = ended_run(self.options.run_dir, started_wall) if returncode == 0 else None
+            if ended is not None and ended["exit_code"] not in STOPPED:
+                returncode, death = self._caught(ended, death)  # judged by its run's end
+                ended = None
             error = self._recorded_error(death, started_wall)
-            stopped = stopped_run(self.options.run_dir, started_wall) if returncode == 0 else None
-            final = self._final_code(death, step, error, error_before, stopped)
+            final = self._final_code(death, step, error, error_before, ended)
             if final is not None:
                 return final
             error_before = error
@@ -281,7 +285,7 @@ class Supervisor:
         """The exit code when this child's end ends the supervision (asked to stop, finished,
         stopped by a signal, bad input, the same error as the attempt before at the same step);
         None when it is restarted. `stopped`: the attempt's fit_end of a run stopped by a
-        signal, when the child then exited 0."""
+        signal (130 / 143), when the child then exited 0."""
         if stopped is not None:
             return self._stopped_then_0(stopped, step)
         if self.child.stop_signal is not None:
@@ -310,6 +314,18 @@ class Supervisor:
         if same_failure(error, error_before):
             return self._repeated(death, error, step)
         return None
+
+    def _caught(self, ended: dict[str, Any], death: ChildExit) -> tuple[int, ChildExit]:
+        """The child exited 0 after its run ended by an error (the program caught what `fit()`
+        raised): taken for the run's own exit code, so the rules for it apply (a hang or an
+        error in the user's code is restarted, bad input is not)."""
+        code = int(ended["exit_code"])
+        self._say(
+            f"child exited 0, but its run ended with exit {code} after step {ended.get('step')} "
+            "(fit_end in events.jsonl): the program caught the error and ended as if training "
+            f"had finished; taken as exit {code}"
+        )
+        return code, dataclasses.replace(death, returncode=code)
 
     def _stopped_then_0(self, stopped: dict[str, Any], step: int | None) -> int:
         """The child exited 0 after its run was stopped by a signal (it caught

@@ -313,15 +313,22 @@ tokenizer.save_pretrained(root / "adapter")
 def test_a_merge_that_fills_the_disk_is_exit_6_keeping_the_merge_before(tiny_disk, tmp_path):
     """`steadytrain merge --force` over an earlier merge, on a disk that fills while it writes
     the weights (safetensors says so in its own error, not an OSError): exit 6 naming the file
-    and the space left, no traceback; the earlier merge keeps its bytes, no staging is left."""
+    and the space left, no traceback; the earlier merge keeps its bytes, no staging is left.
+    The first merge removes what merges killed mid-way had left beside --out."""
     script = tmp_path / "adapter.py"
     script.write_text(ADAPTER_CHILD)
     made = forkserver.run([sys.executable, str(script), str(tmp_path)], timeout=120)
     assert made.returncode == 0, made.stderr
     out = tiny_disk / "merged"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    for left in (f".merged.staging-{gone.pid}", f".merged.old-{gone.pid}"):
+        (tiny_disk / left).mkdir()  # what merges killed mid-way left: a whole model each
+        (tiny_disk / left / "model.safetensors").write_bytes(b"left")
     merge = [sys.executable, "-m", "steadytrain.cli", "merge", str(tmp_path / "adapter")]
     merge += ["--base", str(tmp_path / "base"), "--out", str(out)]
     assert forkserver.run(merge, timeout=120).returncode == 0
+    assert sorted(os.listdir(tiny_disk)) == ["merged"]  # the leftovers removed
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert before["model.safetensors"]
     filler = tiny_disk / "filler"

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -449,3 +450,30 @@ def disk_full_in_save(
         newest = max(files, key=lambda p: p.stat().st_mtime_ns, default=None)
         name = newest.name if newest is not None else ""
     return error, (target / Path(name).name if name else target)
+
+
+def remove_leftovers(target: Path) -> None:
+    """What an export or a merge killed mid-way left beside `target` (its process no longer
+    runs): its staging folder (.NAME.staging-PID, after a swap the earlier folder) is removed;
+    the earlier folder it had set aside (.NAME.old-PID, where a file system that cannot swap
+    two folders in one step had it renamed aside and the kill came before the second rename) is
+    put back at `target` when nothing is there, else removed. A link under such a name is left
+    alone."""
+    import re
+
+    import psutil
+
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(staging|old)-(\d+)")
+    with os.scandir(target.parent) as listing:
+        entries = list(listing)
+    for entry in entries:
+        found = pattern.fullmatch(entry.name)
+        if found is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = int(found.group(2))
+        if pid == os.getpid() or psutil.pid_exists(pid):
+            continue  # in flight
+        if found.group(1) == "old" and not os.path.lexists(target):
+            os.rename(entry.path, target)
+        else:
+            shutil.rmtree(entry.path, ignore_errors=True)

@@ -37,7 +37,7 @@ from steadytrain.errors import (
     DoesNotFitError,
     RunDiskFullError,
 )
-from steadytrain.recipes.artifact import disk_full_in_save
+from steadytrain.recipes.artifact import disk_full_in_save, remove_leftovers
 from steadytrain.recipes.data import (
     Collator,
     causal_lm_loss,
@@ -324,7 +324,7 @@ def export_adapter(
     root = root if root is not None else target.parent
     make_folder(target.parent, root=root)
     refuse_link(target)
-    _export_leftovers(target)
+    remove_leftovers(target)
     staging = target.parent / f".{target.name}.staging-{os.getpid()}"
     if staging.is_symlink():
         staging.unlink()
@@ -344,32 +344,6 @@ def export_adapter(
             raise full from None
         raise
     return target
-
-
-def _export_leftovers(target: Path) -> None:
-    """What an export killed mid-way left beside `target` (its process no longer runs): its
-    staging folder (.NAME.staging-PID) is removed; the earlier export it had set aside
-    (.NAME.old-PID, where a file system that cannot swap two folders in one step had it
-    renamed aside and the kill came before the second rename) is put back at `target` when
-    nothing is there, else removed. A link under such a name is left alone."""
-    import re
-
-    import psutil
-
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(staging|old)-(\d+)")
-    with os.scandir(target.parent) as listing:
-        entries = list(listing)
-    for entry in entries:
-        found = pattern.fullmatch(entry.name)
-        if found is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        pid = int(found.group(2))
-        if pid == os.getpid() or psutil.pid_exists(pid):
-            continue  # in flight
-        if found.group(1) == "old" and not os.path.lexists(target):
-            os.rename(entry.path, target)
-        else:
-            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _export_disk_full(

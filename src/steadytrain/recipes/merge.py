@@ -29,6 +29,7 @@ from steadytrain.recipes.artifact import (
     parse_dtype,
     quantization_of,
     quiet_transformers,
+    remove_leftovers,
     resolve_artifact,
     saved_dtype,
 )
@@ -90,6 +91,7 @@ def merge(
     merged = model.merge_and_unload()
     tokenizer = load_tokenizer(artifact)
 
+    remove_leftovers(out)  # of a merge killed mid-way: a whole model each
     staging = out.parent / f".{out.name}.staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:

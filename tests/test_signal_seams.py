@@ -136,7 +136,7 @@ def test_ctrl_c_while_auto_plans_ends_the_script_with_130_not_as_finished(tmp_pa
     assert "interrupted: saving the model" not in stopped.stderr
     assert "Traceback" not in stopped.stderr
     assert (
-        "SIGINT before the first step: nothing new to save; the next start begins at step 0;"
+        "SIGINT outside the training steps: nothing new to save; the next start begins at step 0;"
         in (stopped.stderr)
     )
     assert not (run_dir / "final.pt").exists()

@@ -54,9 +54,9 @@ class TrainerCheckpoint:
     user_state, callbacks and after_identity_check (and the resume probe, `TrainerPasses`)."""
 
     def _stopped_before_the_loop(self, run_dir: Path, fit_result: Callable[..., Any]) -> Stopped:
-        """Ctrl-C before the loop took SIGINT over (the set-up, the resume, the plan's probes,
-        compiling): no step of this start ran, so there is nothing new to save. It ends `fit()`
-        as a Ctrl-C in the loop does, with `steadytrain.Stopped` (130), so a program's own
+        """Ctrl-C while the loop's handler is not in place (the set-up, the resume, the plan's
+        probes, compiling; or the end, after it): nothing of a step to save. It ends `fit()` as a
+        Ctrl-C in the loop does, with `steadytrain.Stopped` (130), so a program's own
         `except KeyboardInterrupt` does not carry on as if training had finished; its result
         names the checkpoint the next start resumes from, if any."""
         committed: list[tuple[int, Path]] = []
@@ -64,15 +64,15 @@ class TrainerCheckpoint:
             committed = CheckpointStore(run_dir).committed()
         step, folder = committed[-1] if committed else (0, None)
         print(
-            f"\nsteadytrain: SIGINT before the first step: nothing new to save; the next start "
-            f"begins at step {step}; exiting with {SIGNAL_EXITS['SIGINT']}",
+            f"\nsteadytrain: SIGINT outside the training steps: nothing new to save; the next "
+            f"start begins at step {step}; exiting with {SIGNAL_EXITS['SIGINT']}",
             file=sys.stderr,
             flush=True,
         )
         size = self.config.micro_batch_size
         result = fit_result(
-            step, None, size if isinstance(size, int) else 0, "stopped by SIGINT before the "
-            "first step", SIGNAL_EXITS["SIGINT"], str(run_dir), folder and str(folder),
+            step, None, size if isinstance(size, int) else 0, "stopped by SIGINT outside the "
+            "training steps", SIGNAL_EXITS["SIGINT"], str(run_dir), folder and str(folder),
         )  # fmt: skip
         return Stopped("SIGINT", result)
 

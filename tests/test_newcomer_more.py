@@ -237,3 +237,17 @@ def test_a_timeout_written_with_a_time_unit_is_told_the_seconds(tmp_path, writte
         TrainConfig(run_dir=str(tmp_path), effective_batch_size=8, hang_timeout=written)
     line = next(p for p in info.value.problems if p.startswith("hang_timeout"))
     assert f"(found {written!r}); it is a number of seconds: write {seconds}" in line, line
+
+
+def test_a_run_file_given_where_the_run_folder_belongs_names_the_folder(trained, capsys):
+    """`steadytrain report RUN/metrics.jsonl` said 'no such run directory' of a file that is
+    there; `steadytrain export RUN/training_config.json` 'does not exist or is not a folder'."""
+    run = trained / "first"
+    code, err = cli(capsys, "report", str(run / "metrics.jsonl"))
+    assert code == 2, err
+    assert "no such" not in err and f"{run / 'metrics.jsonl'} is a file" in err, err
+    assert f"give the folder that holds it: {run}" in err, err
+    code, err = cli(capsys, "export", str(run / "training_config.json"))
+    assert code == 2, err
+    assert f"RUN_DIR: {run / 'training_config.json'} is a file" in err, err
+    assert "does not exist" not in err and f"({run}, if this file is in it)" in err, err

@@ -31,6 +31,11 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """Write RUN_DIR/adapters/step-NNNNNNNN/ (peft adapter, tokenizer, training_config.json)
     from the checkpoint of `step` and return it; an existing export is reused."""
     run_dir = Path(run_dir).expanduser()
+    if run_dir.is_file():
+        raise BadInputError(
+            f"RUN_DIR: {run_dir} is a file; give the fine-tune's output_dir, the folder that "
+            f"holds checkpoints/ ({run_dir.parent}, if this file is in it)"
+        )
     if not run_dir.is_dir():
         raise BadInputError(f"RUN_DIR: {run_dir} does not exist or is not a folder")
     folder = checkpoint_folder(run_dir, step)

@@ -66,6 +66,14 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     """Read a run directory; raises BadInputError when `run_dir` is not one."""
     path = Path(run_dir)
     metrics_path, events_path = path / run_files.METRICS, path / run_files.EVENTS
+    if path.is_file():
+        parent = path.parent
+        run = (parent / run_files.METRICS).is_file() or (parent / run_files.EVENTS).is_file()
+        raise BadInputError(
+            f"{path} is a file, not a run directory; give "
+            + (f"the folder that holds it: {parent}" if run else "the run's folder (run_dir)")
+            + " (it holds metrics.jsonl and events.jsonl)"
+        )
     if not path.is_dir():
         raise BadInputError(
             f"{path}: no such run directory; expected a directory holding metrics.jsonl and "

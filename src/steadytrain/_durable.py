@@ -362,11 +362,13 @@ _CANNOT_SWAP = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, err
 def _swap(a: Path, b: Path) -> bool:
     """Exchange the entries `a` and `b` in one step; False where this system or file system
     cannot (the caller then moves them one at a time). Any other failure is raised."""
+    if not sys.platform.startswith("linux") and sys.platform != "darwin":
+        return False  # Windows: no such call (and no CDLL(None))
     import ctypes
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    except (OSError, TypeError):
         return False
     paths = (os.fsencode(a), os.fsencode(b))
     if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):

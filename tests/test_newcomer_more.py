@@ -251,3 +251,23 @@ def test_a_run_file_given_where_the_run_folder_belongs_names_the_folder(trained,
     assert code == 2, err
     assert f"RUN_DIR: {run / 'training_config.json'} is a file" in err, err
     assert "does not exist" not in err and f"({run}, if this file is in it)" in err, err
+
+
+def test_doctor_given_a_file_as_the_run_dir_fails_naming_it(trained, capsys):
+    """`steadytrain doctor --run-dir train.jsonl` measured the free space there and passed;
+    the run would stop at its start."""
+    data = trained / "train.jsonl"
+    code, out = cli_out(capsys, "doctor", "--run-dir", str(data / "run"), "--json")
+    found = {f["check"]: f for f in json.loads(out)["findings"]}
+    assert code == 2, out
+    assert found["disk"]["status"] == "fail", found["disk"]
+    assert (
+        found["disk"]["message"] == f"run directory {data / 'run'}: {data} is a file, not a folder"
+    )
+
+
+def cli_out(capsys, *args: str) -> tuple[int, str]:
+    """Run `steadytrain ARGS` in this process; (exit code, stdout)."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(list(args))
+    return info.value.code, capsys.readouterr().out

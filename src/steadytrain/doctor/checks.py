@@ -4,6 +4,7 @@ the self-test; the environment variables have their own module (`environment`)."
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -378,6 +379,19 @@ def check_autocast(ctx: Context) -> list[Finding]:
 
 
 def check_disk(ctx: Context) -> list[Finding]:
+    run_dir = Path(ctx.run_dir)
+    file = next((p for p in (run_dir, *run_dir.parents) if p.is_file()), None)
+    if file is not None:  # a run there stops at its start
+        return [
+            Finding(
+                "disk",
+                "fail",
+                f"run directory {run_dir}: {file} is a file, not a folder",
+                "give --run-dir (the run's run_dir, a fine-tune's output_dir) a folder; it is "
+                "made if it does not exist",
+                {"path": str(run_dir), "file": str(file)},
+            )
+        ]
     free, measured = ctx.system.disk_free(ctx.run_dir)
     message = f"{format_bytes(free)} free for the run directory ({measured})"
     data = {"free": free, "path": str(measured)}

@@ -271,3 +271,24 @@ def cli_out(capsys, *args: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as info:
         cli_main(list(args))
     return info.value.code, capsys.readouterr().out
+
+
+def test_a_data_file_beside_the_config_run_from_elsewhere_is_found_and_said(
+    trained, tmp_path, capsys, monkeypatch
+):
+    """A project with its config and data side by side, the command run from another folder
+    (`steadytrain finetune --config proj/cfg.json`): 'data/train.jsonl does not exist; check the
+    path', of a file that is there, beside the config. Said where it is and both fixes."""
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "proj" / "data" / "train.jsonl").write_bytes((trained / "train.jsonl").read_bytes())
+    config = finetune_config(trained, "beside", train_file="data/train.jsonl")
+    (tmp_path / "proj" / "cfg.json").write_bytes(config.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(capsys, "finetune", "--config", "proj/cfg.json")
+    assert code == 2, err
+    said = " ".join(err.split())
+    wanted = str(tmp_path / "proj" / "data" / "train.jsonl")
+    assert f"train_file: data file data/train.jsonl does not exist in {tmp_path}" in said, said
+    assert "it is beside the config, as proj/data/train.jsonl: run the command from proj" in said
+    assert f"or write train_file as {wanted!r}" in said, said
+    assert not (trained / "beside").exists()

@@ -325,6 +325,7 @@ class FinetuneConfig(BaseModel):
     _engine: dict[str, Any] = PrivateAttr(default_factory=dict)
     _notes: list[str] = PrivateAttr(default_factory=list)
     _given: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    _source: str | None = PrivateAttr(None)  # the config file, when read from one
 
     def __init__(self, /, **data: Any) -> None:
         fields, engine, given, problems, notes = _normalise(data)
@@ -458,11 +459,27 @@ class FinetuneConfig(BaseModel):
             problem = (
                 "is a directory; give the file inside it"
                 if os.path.isdir(name)
-                else "does not exist; check the path (a relative one is read from the directory "
+                else self._beside_config(field, name)
+                or "does not exist; check the path (a relative one is read from the directory "
                 "the command runs in)"
             )
             problems.append(f"{field}: data file {name} {problem}")
         return problems
+
+    def _beside_config(self, field: str, name: str) -> str | None:
+        """For a relative path that is not found here but is beside the config file (the
+        command run from another directory): where it is and the two fixes."""
+        if self._source is None or os.path.isabs(name):
+            return None
+        beside = os.path.join(os.path.dirname(self._source), name)
+        if not os.path.isfile(beside):
+            return None
+        return (
+            f"does not exist in {os.getcwd()}, the directory the command runs in, which a "
+            f"relative path is read from; it is beside the config, as {beside}: run the command "
+            f"from {os.path.dirname(self._source) or '.'}, or write {field} as "
+            f"{os.path.abspath(beside)!r}"
+        )
 
     def _combination_problems(self) -> list[str]:
         problems = []
@@ -502,9 +519,11 @@ class FinetuneConfig(BaseModel):
                 [f"the config must be a mapping of field: value, found {show_value(data)}"], source
             )
         try:
-            return cls(**{str(k): v for k, v in data.items()})
+            made = cls(**{str(k): v for k, v in data.items()})
         except ConfigError as exc:
             raise ConfigError(exc.problems, source) from None
+        made._source = source
+        return made
 
     @classmethod
     def load(

@@ -292,3 +292,65 @@ def test_a_data_file_beside_the_config_run_from_elsewhere_is_found_and_said(
     assert "it is beside the config, as proj/data/train.jsonl: run the command from proj" in said
     assert f"or write train_file as {wanted!r}" in said, said
     assert not (trained / "beside").exists()
+
+
+# -- the Trainer's arguments of the wrong kind --------------------------------------------------
+
+
+def _regression():
+    x = torch.arange(64, dtype=torch.float32).reshape(16, 4) / 64
+    return torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+
+WRONG_ARGUMENTS = {
+    # the model's class where the model belongs: 'torch.device' object has no attribute '_apply'
+    "model": (
+        {"model": torch.nn.Linear},
+        "error in your code (model) before the first step: model is the class Linear, not a "
+        "model: build it first, model=Linear(...)",
+    ),
+    # a name where the function belongs: TypeError: 'str' object is not callable, exit 1
+    "collate_fn": (
+        {"collate_fn": "default"},
+        "error in your code (collate_fn) before the first step: collate_fn is 'default' (str), "
+        "not a function: steadytrain calls collate_fn(samples)",
+    ),
+    "loss_fn": (
+        {"loss_fn": "mse"},
+        "error in your code (loss_fn) before the first step: loss_fn is 'mse' (str), not a "
+        "function: steadytrain calls loss_fn(model, batch)",
+    ),
+    # a function as a callback: accepted, and never called
+    "callbacks": (
+        {"callbacks": [lambda state, control, info: None]},
+        "error in your code (callbacks) before the first step: callbacks[0] is a function "
+        "(<lambda>), which no event calls: a callback is an object whose on_* methods are "
+        "called (subclass steadytrain.Callback and define on_step_end(self, state, control, "
+        "info), for one)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRONG_ARGUMENTS))
+def test_a_trainer_argument_of_the_wrong_kind_is_named(tmp_path, capsys, kind):
+    """What a newcomer passes from memory of other libraries: the model's class, a loss or
+    collate function's name, a plain function as a callback. Each ended in a traceback from
+    deep inside the run (exit 1) or was silently ignored; named at the start now (exit 5)."""
+    given, said = WRONG_ARGUMENTS[kind]
+
+    def trainer():
+        arguments = {
+            "model": torch.nn.Linear(4, 1),
+            "optimizer": lambda params: torch.optim.SGD(params, lr=0.1),
+            "loss_fn": _loss,
+            "train_data": _regression(),
+            "config": config(tmp_path / "run"),
+            **given,
+        }
+        return Trainer(**arguments)
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 5, err
+    assert "Traceback" not in err, err
+    assert f"error: {said}" in " ".join(err.split()), err
+    assert not (tmp_path / "run").exists()

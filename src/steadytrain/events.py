@@ -110,7 +110,15 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
     never run): `UserCodeError` (exit 5) naming the method, the closest event and the events."""
     methods = [event.method for event in Event]
     earlier = [name for names in EARLIER_METHODS.values() for name in names]
-    for callback in callbacks:
+    for i, callback in enumerate(callbacks):
+        if inspect.isfunction(callback) or inspect.ismethod(callback):  # no event calls it
+            raise UserCodeError(
+                f"callbacks[{i}] is a function ({callback.__name__}), which no event calls: a "
+                "callback is an object whose on_* methods are called (subclass "
+                "steadytrain.Callback and define on_step_end(self, state, control, info), for "
+                "one)",
+                where="callbacks",
+            )
         for name in dir(callback):
             if not name.startswith("on_") or name in methods or name in earlier:
                 continue

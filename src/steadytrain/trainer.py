@@ -63,6 +63,7 @@ from steadytrain.trainer_program import (
     budget_note,
     build_optimizer,
     check_evaluation,
+    check_model,
     check_order_fits,
     data_source,
     dropout_note,
@@ -121,7 +122,7 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
         user_state: Mapping[str, Any] | None = None,
     ):
         self.config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
-        self.model, self.loss_fn, self.scheduler = model, loss_fn, scheduler
+        self.model, self.loss_fn, self.scheduler = check_model(model), loss_fn, scheduler
         self._optimizer = optimizer
         self.user_callbacks = list(callbacks)
         self.data = data_source(train_data, collate_fn, self.config)

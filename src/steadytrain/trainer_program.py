@@ -30,12 +30,13 @@ from steadytrain.checkpoint.run_state import RunState
 from steadytrain.config import TrainConfig
 from steadytrain.device import Device
 from steadytrain.engine import OptimizerBatchSampler, Precision, StepRunner
+from steadytrain.engine.accumulation import check_callable
 from steadytrain.engine.batching import SampleFirst
 from steadytrain.engine.collate import collate
 from steadytrain.engine.distributed import Group
 from steadytrain.engine.evaluation import EvalFn, Evaluation, takes_metric
 from steadytrain.engine.sampler import LoaderOrder
-from steadytrain.errors import BadInputError
+from steadytrain.errors import BadInputError, UserCodeError
 from steadytrain.events import Dispatcher, TrainState
 from steadytrain.memory.savers import MemorySavers
 
@@ -50,12 +51,26 @@ class DataSource:
     order: LoaderOrder | None = None  # a DataLoader's sampler order, drawn per epoch
 
 
+def check_model(model: Any) -> Any:
+    """`model`; its class given for it (`Trainer(Net, ...)`) is refused, which failed deep in
+    the device placement ('torch.device' object has no attribute '_apply')."""
+    if isinstance(model, type):
+        raise UserCodeError(
+            f"model is the class {model.__name__}, not a model: build it first, "
+            f"model={model.__name__}(...)",
+            where="model",
+        )
+    return model
+
+
 def data_source(
     train_data: Any, collate_fn: Callable | None, cfg: TrainConfig | None, field: str = "train_data"
 ) -> DataSource:
     """The dataset, collation, workers and (for a DataLoader) its order; refuses what cannot be
     trained exactly (an iterable dataset, an empty one, a config against the loader). Without
     `cfg` (evaluation data) the samples are loaded in the training process."""
+    if collate_fn is not None:  # a name, 'default', fails at the first batch
+        check_callable(collate_fn, ("samples",), "collate_fn")
     loader, worker_init_fn, workers = None, None, cfg.num_workers if cfg is not None else 0
     if isinstance(train_data, DataLoader):
         loader = train_data

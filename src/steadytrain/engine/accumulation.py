@@ -120,10 +120,22 @@ def backward(loss: torch.Tensor) -> None:
         ) from None
 
 
+def check_callable(fn: Any, params: tuple[str, ...], where: str) -> None:
+    """Refuse, before training, something given where a function belongs (a name, 'mse', as
+    other libraries take one): it would fail at its first call, inside steadytrain's frame."""
+    if not callable(fn):
+        raise UserCodeError(
+            f"{where} is {fn!r} ({type(fn).__name__}), not a function: steadytrain calls "
+            f"{where}({', '.join(params)})",
+            where=where,
+        )
+
+
 def check_takes(fn: Any, params: tuple[str, ...], where: str) -> None:
     """Refuse, before training, a function the engine calls with `params` (positionally) that
     cannot take them: ``loss_fn(batch)`` for ``loss_fn(model, batch)``. Such a call fails
     inside steadytrain's frame, where the error would not read as the user's."""
+    check_callable(fn, params, where)
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or an object inspect cannot read: used as it is

@@ -339,3 +339,14 @@ def test_a_child_that_ends_0_after_its_run_failed_is_restarted_as_that_failure(t
     assert [e["exit_code"] for e in events if e["event"] == "restart"] == [5]
     assert [e["exit_code"] for e in events if e["event"] == "fit_end"] == [5, 0]
     assert events[-1]["event"] == "supervisor_end"
+
+
+def test_a_stop_outside_the_training_steps_does_not_claim_a_checkpoint():
+    """What `str(stop)` says of a Ctrl-C while fit() set up (nothing saved) and of one in the
+    loop (a checkpoint committed first)."""
+    from steadytrain import Stopped
+
+    assert str(Stopped("SIGINT", saved=False)) == (
+        "stopped by SIGINT outside the training steps (exit 130)"
+    )
+    assert str(Stopped("SIGTERM")) == "stopped by SIGTERM after saving a checkpoint (exit 143)"

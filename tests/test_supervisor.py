@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from disks import mount
 
 from steadytrain.errors import BadInputError
 from steadytrain.run_events import append_event
@@ -1079,3 +1080,42 @@ def test_a_runguard_loop_killed_three_times_after_newer_checkpoints_finishes(tmp
     line = report_line(run_dir)
     assert "10 steps" in line
     assert "3 resume(s), 3 restart(s), 3 lost step(s)" in line
+
+
+FILLS_THE_DISK = """
+import sys
+with open(sys.argv[1], "ab", buffering=0) as handle:
+    for block in (b"\\0" * 4096, b"\\0"):
+        try:
+            while True:
+                handle.write(block)
+        except OSError:
+            pass
+"""
+
+
+def test_a_disk_full_when_the_run_ends_is_one_line_that_does_not_say_the_run_goes_on(tmp_path):
+    """The child filled the run's disk and finished: the supervisor cannot append its
+    `supervisor_end` event. It says so in one line (the error's first) and that the event is not
+    recorded, not that "the run goes on", and ends with the child's 0."""
+    point = tmp_path / "tiny"
+    point.mkdir()
+    mount(point, "size=1m")
+    try:
+        run_dir = point / "run"
+        run_dir.mkdir()
+        out = io.StringIO()
+        (tmp_path / "fill.py").write_text(FILLS_THE_DISK)
+        command = [sys.executable, str(tmp_path / "fill.py"), str(point / "filler")]
+        opts = SupervisorOptions(run_dir=run_dir, **FAST)
+        code = Supervisor(command, opts, environ=clean_environ(), out=out).run()
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
+    assert code == 0, out.getvalue()
+    said = out.getvalue().splitlines()
+    unrecorded = [line for line in said if "supervisor_end" in line]
+    assert len(unrecorded) == 1, said
+    assert unrecorded[0].startswith("steadytrain run: disk full"), said
+    assert unrecorded[0].endswith("it is not recorded (the supervisor_end event)"), said
+    assert not any("goes on" in line for line in said), said
+    assert all(line.startswith("steadytrain run: ") for line in said), said

@@ -185,14 +185,16 @@ class Stopped(SystemExit):
     final ``torch.save``) do not run as if training had finished, and `steadytrain run` or a
     cluster sees a stop, not a success. Catch it to do something first, then re-raise:
     ``except steadytrain.Stopped as stop: ...; raise``. `result` is fit()'s `FitResult` (None
-    from an integration); `signal` the signal's name."""
+    from an integration); `signal` the signal's name; `saved` whether it saved a checkpoint
+    (False for a Ctrl-C outside the training steps)."""
 
-    def __init__(self, signal: str, result: object = None):
+    def __init__(self, signal: str, result: object = None, saved: bool = True):
         super().__init__(SIGNAL_EXITS[signal])
-        self.signal, self.result = signal, result
+        self.signal, self.result, self.saved = signal, result, saved
 
     def __str__(self) -> str:
-        return f"stopped by {self.signal} after saving a checkpoint (exit {self.code})"
+        done = "after saving a checkpoint" if self.saved else "outside the training steps"
+        return f"stopped by {self.signal} {done} (exit {self.code})"
 
 
 class DemoFailed(SteadytrainError):

@@ -74,7 +74,7 @@ class TrainerCheckpoint:
             step, None, size if isinstance(size, int) else 0, "stopped by SIGINT outside the "
             "training steps", SIGNAL_EXITS["SIGINT"], str(run_dir), folder and str(folder),
         )  # fmt: skip
-        return Stopped("SIGINT", result)
+        return Stopped("SIGINT", result, saved=False)
 
     def _run_state(self, run: RunParts) -> RunState:
         """What a checkpoint holds: the run's stateful objects by name (checkpoint/state.py),

@@ -450,7 +450,8 @@ class Supervisor:
             )
         except (OSError, RunDiskFullError) as exc:  # a full disk must not stop the supervising
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            after = "it is not recorded" if event in FINAL else "the run goes on without it"
+            final = event in ("supervisor_end", "supervisor_gave_up")  # the run has ended
+            after = "it is not recorded" if final else "the run goes on without it"
             self._say(f"{first}; {after} (the {event} event)")
 
     def _oom_kill_count(self) -> int | None:
@@ -489,10 +490,6 @@ class Supervisor:
 
     def _say(self, text: str) -> None:
         print(f"steadytrain run: {text}", file=self.out, flush=True)
-
-
-FINAL = {"supervisor_end", "supervisor_gave_up"}
-"""The events the supervisor records as the run ends (the others while it still goes on)."""
 
 
 def _positive_int(text: str | None) -> int | None:

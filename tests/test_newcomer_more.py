@@ -354,3 +354,19 @@ def test_a_trainer_argument_of_the_wrong_kind_is_named(tmp_path, capsys, kind):
     assert "Traceback" not in err, err
     assert f"error: {said}" in " ".join(err.split()), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_list_saved_as_jsonl_is_told_to_be_renamed(trained, tmp_path, capsys, indent):
+    """records.json's shape (a list of objects) saved as train.jsonl: 'line 1: expected a JSON
+    object, found a list' on one line, or 'invalid JSON' on every line of it pretty-printed."""
+    records = [{"text": f"{i} plus {i}"} for i in range(4)]
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(records, indent=indent))
+    config = finetune_config(trained, "listed", train_file=str(data))
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    said = " ".join(err.split())
+    assert f"data file {data} holds one JSON list of 4 records, where a .jsonl file holds" in said
+    assert "rename it to train.json (a .json file is read whole)" in said, said
+    assert not (trained / "listed").exists()

@@ -64,6 +64,59 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _whole_json(text: str) -> str | None:
+    """What `text` is when the whole of it is one JSON list of records (or {"data": [...]}), as
+    a .json file holds; None otherwise (one object per line, or not JSON at all)."""
+    if not text.lstrip().startswith(("[", "{")):
+        return None
+    try:
+        value = json.loads(text)
+    except (RecursionError, ValueError):
+        return None
+    if isinstance(value, dict) and list(value) == ["data"]:
+        value, shape = value["data"], 'one JSON object {"data": [...]}'
+    else:
+        shape = "one JSON list"
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        return None  # a line that is a list of other things is said as that line's problem
+    return f"{shape} of {len(value)} records"
+
+
+def _jsonl_records(path: Path, text: str, problems: _Problems) -> list[tuple[str, dict]]:
+    """The records of a ``.jsonl`` file's `text`, one object per line (blank lines skipped),
+    as ``(where, record)``: "line 7" (1-based)."""
+    whole = _whole_json(text)
+    if whole is not None:  # the .json shape saved as .jsonl: every line would be a problem
+        raise BadInputError(
+            f"data file {path} holds {whole}, where a .jsonl file holds one JSON object per "
+            f"line: rename it to {path.with_suffix('.json').name} (a .json file is read "
+            "whole), or write one record per line"
+        )
+    records: list[tuple[str, dict]] = []
+    # Not str.splitlines: it also splits at U+2028 and friends, which JSON allows in strings.
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"line {number}"
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.add(
+                where,
+                f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
+                "complete JSON object",
+            )
+            continue
+        except (RecursionError, ValueError) as exc:
+            problems.add(where, unreadable_problem(exc))
+            continue
+        if not isinstance(value, dict):
+            problems.add(where, f"expected a JSON object {{...}}, found {_type_name(value)}")
+            continue
+        records.append((where, value))
+    return records
+
+
 def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
     """The records of a ``.jsonl`` (one object per line; blank lines skipped) or ``.json`` file
     (a list of objects, or ``{"data": [...]}``) as ``(where, record)``; `where` names the record
@@ -76,53 +129,29 @@ def _read_records(path: Path, problems: _Problems) -> list[tuple[str, dict]]:
             "file (a list of objects); rename it if it is one of these"
         )
     text = read_user_text(path, "data file", "utf-8-sig", "; re-save it as UTF-8")
-    records: list[tuple[str, dict]] = []
     if suffix == ".jsonl":
-        # Not str.splitlines: it also splits at U+2028 and friends, which JSON allows in strings.
-        for number, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
-            where = f"line {number}"
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problems.add(
-                    where,
-                    f"invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
-                    "complete JSON object",
-                )
-                continue
-            except (RecursionError, ValueError) as exc:
-                problems.add(where, unreadable_problem(exc))
-                continue
-            if not isinstance(value, dict):
-                problems.add(where, f"expected a JSON object {{...}}, found {_type_name(value)}")
-                continue
-            records.append((where, value))
-    else:
-        try:
-            value = json.loads(text) if text.strip() else []
-        except json.JSONDecodeError as exc:
-            raise BadInputError(
-                f"data file {path}: invalid JSON ({exc.msg} at line {exc.lineno}, column "
-                f"{exc.colno})"
-            ) from None
-        except (RecursionError, ValueError) as exc:
-            raise BadInputError(f"data file {path}: {unreadable_problem(exc)}") from None
-        if isinstance(value, dict) and isinstance(value.get("data"), list) and len(value) == 1:
-            value = value["data"]
-        if not isinstance(value, list):
-            raise BadInputError(
-                f"data file {path}: expected a list of records [{{...}}, ...] or "
-                f'{{"data": [...]}}, found {_type_name(value)}'
-            )
-        for index, item in enumerate(value):
-            if not isinstance(item, dict):
-                problems.add(
-                    f"item [{index}]", f"expected an object {{...}}, found {_type_name(item)}"
-                )
-                continue
-            records.append((f"item [{index}]", item))
+        return _jsonl_records(path, text, problems)
+    records: list[tuple[str, dict]] = []
+    try:
+        value = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError as exc:
+        raise BadInputError(
+            f"data file {path}: invalid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except (RecursionError, ValueError) as exc:
+        raise BadInputError(f"data file {path}: {unreadable_problem(exc)}") from None
+    if isinstance(value, dict) and isinstance(value.get("data"), list) and len(value) == 1:
+        value = value["data"]
+    if not isinstance(value, list):
+        raise BadInputError(
+            f"data file {path}: expected a list of records [{{...}}, ...] or "
+            f'{{"data": [...]}}, found {_type_name(value)}'
+        )
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            problems.add(f"item [{index}]", f"expected an object {{...}}, found {_type_name(item)}")
+            continue
+        records.append((f"item [{index}]", item))
     return records
 
 

@@ -370,3 +370,19 @@ def test_a_json_list_saved_as_jsonl_is_told_to_be_renamed(trained, tmp_path, cap
     assert f"data file {data} holds one JSON list of 4 records, where a .jsonl file holds" in said
     assert "rename it to train.json (a .json file is read whole)" in said, said
     assert not (trained / "listed").exists()
+
+
+def test_a_memory_cap_under_another_name_points_at_memory_budget(trained, tmp_path, capsys):
+    """max_memory (accelerate's name), memory_limit (a guide's): 'unknown field; the fields
+    are: ...' and eighty names, none of them pointed at."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict(
+            {"run_dir": str(tmp_path), "effective_batch_size": 8, "memory_limit": "16GB"}
+        )
+    assert "memory_limit: unknown field; did you mean 'memory_budget'? (the memory the run" in str(
+        info.value
+    )
+    config = finetune_config(trained, "capped", max_memory="16GiB")
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    assert "max_memory: unknown field; did you mean 'memory_budget'? (the memory" in err, err

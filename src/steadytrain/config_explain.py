@@ -106,7 +106,18 @@ _LOADER = (
     "memory is pinned on CUDA, where it helps, and the worker processes are num_workers (or "
     "the given DataLoader's, the larger)",
 )
+_MEMORY = (
+    ["memory_budget"],
+    "the memory the run may use: a size with its unit, '16GiB', or a fraction of usable memory, "
+    "0.8",
+)
+MEMORY_NAMES: dict[str, tuple[list[str], str]] = {
+    name: _MEMORY
+    for name in ("max_memory", "memory_limit", "mem_limit", "memory_cap", "gpu_memory_limit")
+}
+"""Names a memory cap is written with elsewhere (accelerate's max_memory, guides)."""
 TRAINER_NAMES: dict[str, tuple[list[str], str]] = {
+    **MEMORY_NAMES,
     "gradient_accumulation_steps": _ACCUMULATION,
     "accumulation_steps": _ACCUMULATION,
     "grad_accum_steps": _ACCUMULATION,

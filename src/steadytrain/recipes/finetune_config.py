@@ -34,7 +34,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from steadytrain.config import EARLIER_NAMES, TrainConfig
-from steadytrain.config_explain import accepts, flat_types, show_value, suggestion
+from steadytrain.config_explain import (
+    MEMORY_NAMES,
+    accepts,
+    flat_types,
+    show_value,
+    suggestion,
+)
 from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
@@ -663,7 +669,7 @@ def _explain(exc: ValidationError) -> list[str]:
             known = list(model.model_fields)
             if model is FinetuneConfig:
                 known += ENGINE_FIELDS + list(ENGINE_NAMES) + list(DATA_ALIASES)
-            hints = _BLOCK_HINTS.get(loc[0]) if len(loc) > 1 else None
+            hints = _BLOCK_HINTS.get(loc[0]) if len(loc) > 1 else MEMORY_NAMES
             lines.append(f"{where}: unknown field; {suggestion(name, known, hints)}")
         elif err["type"] == "missing":
             description = model.model_fields[name].description or ""

@@ -386,3 +386,22 @@ def test_a_memory_cap_under_another_name_points_at_memory_budget(trained, tmp_pa
     code, err = cli(capsys, "finetune", "--config", str(config))
     assert code == 2, err
     assert "max_memory: unknown field; did you mean 'memory_budget'? (the memory" in err, err
+
+
+ANNOTATED = (
+    '{\n  // my M1 run\n  "run_dir": "RUN",\n  "effective_batch_size": 64 /* samples */\n}\n'
+)
+
+
+def test_an_annotated_json_config_loads_and_as_yaml_is_told_its_name(tmp_path, capsys):
+    """JSON with comments, pasted from a guide, as the fine-tune's config takes it: as a
+    TrainConfig file it was 'not valid JSON: Expecting property name ... at line 2', and saved
+    as .yaml 'expected ',' or '}', but got ':''."""
+    annotated = ANNOTATED.replace("RUN", str(tmp_path / "run"))
+    (tmp_path / "train.json").write_text(annotated)
+    assert TrainConfig.load(tmp_path / "train.json").effective_batch_size == 64
+    (tmp_path / "train.yaml").write_text(annotated)
+    code, err = cli(capsys, "config", str(tmp_path / "train.yaml"))
+    assert code == 2, err
+    said = " ".join(err.split())
+    assert "it is JSON with comments, which YAML does not read: name it train.json" in said, said

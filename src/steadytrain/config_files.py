@@ -45,8 +45,8 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     text = read_config_text(path)
     try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text, object_pairs_hook=_unique_keys)
+        if path.suffix.lower() == ".json":  # comments allowed, as in the fine-tune's config
+            data = json.loads(strip_json_comments(text), object_pairs_hook=_unique_keys)
         else:
             data = yaml.load(text, Loader=_unique_key_loader())
     except _DuplicateKeyError as exc:
@@ -57,7 +57,9 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
             f"column {exc.colno}"
         ) from None
     except yaml.YAMLError as exc:
-        raise BadInputError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+        raise BadInputError(
+            f"config file {path} is not valid YAML: {_yaml_problem(exc)}{_json_inside(path, text)}"
+        ) from None
     except (RecursionError, ValueError) as exc:
         raise BadInputError(f"config file {path}: {unreadable_problem(exc)}") from None
     if data is None:
@@ -77,6 +79,21 @@ def unreadable_problem(exc: BaseException) -> str:
     if "digits" in str(exc):
         return "holds a number of more than 4300 digits, which no setting takes"
     return str(exc)
+
+
+def _json_inside(path: Path, text: str) -> str:
+    """For a file YAML cannot read that is JSON with comments (an annotated config pasted from
+    a guide): the hint to name it .json; else ''."""
+    if not text.lstrip().startswith("{"):
+        return ""
+    try:
+        json.loads(strip_json_comments(text))
+    except (RecursionError, ValueError):
+        return ""
+    return (
+        f"; it is JSON with comments, which YAML does not read: name it "
+        f"{path.with_suffix('.json').name} (a .json config may hold // and /* */ comments)"
+    )
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

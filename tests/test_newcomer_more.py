@@ -405,3 +405,17 @@ def test_an_annotated_json_config_loads_and_as_yaml_is_told_its_name(tmp_path, c
     assert code == 2, err
     said = " ".join(err.split())
     assert "it is JSON with comments, which YAML does not read: name it train.json" in said, said
+
+
+def test_a_config_and_data_saved_as_utf_16_are_told_to_be_saved_as_utf_8(trained, tmp_path, capsys):
+    """An editor's "Unicode" (UTF-16) encoding: 'is not UTF-8 text; is it a config?'."""
+    config = finetune_config(trained, "wide")
+    (tmp_path / "wide.json").write_text(config.read_text(), encoding="utf-16")
+    code, err = cli(capsys, "finetune", "--config", str(tmp_path / "wide.json"))
+    assert code == 2, err
+    assert f"config file {tmp_path / 'wide.json'} is UTF-16 text, not UTF-8: save it" in err, err
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n', encoding="utf-16")
+    config = finetune_config(trained, "wide-data", train_file=str(tmp_path / "train.jsonl"))
+    code, err = cli(capsys, "finetune", "--config", str(config))
+    assert code == 2, err
+    assert f"data file {tmp_path / 'train.jsonl'} is UTF-16 text, not UTF-8" in err, err

@@ -28,9 +28,22 @@ def read_user_text(path: Path, what: str, encoding: str = "utf-8", hint: str = "
             f"{what} {path} cannot be read: it is a directory; give the file inside it"
         ) from None
     except UnicodeDecodeError:
+        if _utf16(path):  # saved as "Unicode" / "UTF-16" by an editor
+            raise BadInputError(
+                f"{what} {path} is UTF-16 text, not UTF-8: save it again as UTF-8"
+            ) from None
         raise BadInputError(f"{what} {path} is not UTF-8 text{hint}") from None
     except OSError as exc:
         raise BadInputError(f"{what} {path} cannot be read: {exc.strerror}") from None
+
+
+def _utf16(path: Path) -> bool:
+    """Whether the file starts with a UTF-16 byte order mark."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(2) in (b"\xff\xfe", b"\xfe\xff")
+    except OSError:
+        return False
 
 
 def read_config_text(path: Path, encoding: str = "utf-8") -> str:

@@ -41,15 +41,19 @@ quickstart: $(VENV)/.demo-installed  ## train through the engine, surviving a re
 TEST_WORKERS ?= 4
 # PYTEST_ARGS adds pytest options, e.g. `make test PYTEST_ARGS=--durations=30`.
 PYTEST_ARGS ?=
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --basetemp=$$(mktemp -d /tmp/st.XXXXXX) $(PYTEST_ARGS)
+# $(call pytest,ARGS[,ENV]): each run's temporary files (about 1 GB: runs, checkpoints, copies
+# of the code) go in a folder of its own, removed when the tests pass, kept and named when not.
+pytest = base=$$(mktemp -d /tmp/st.XXXXXX); $(2) $(PY) -m pytest -q -n $(TEST_WORKERS) \
+	--basetemp=$$base $(1) $(PYTEST_ARGS); code=$$?; if [ $$code -eq 0 ]; then rm -rf $$base; \
+	else echo "the tests' files are kept in $$base"; fi; exit $$code
 
 test: $(VENV)/.installed  ## lint and the test suite (GPU tests skip without CUDA; slow sweeps: test-all)
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
-	$(PYTEST)
+	$(call pytest)
 
 test-all: $(VENV)/.installed  ## the test suite with the slow sweeps (50-kill storm, long resume sweeps)
-	$(PYTEST) -m "slow or not slow"
+	$(call pytest,-m "slow or not slow")
 
 # Keras on TensorFlow: TensorFlow goes into a venv of its own with steadytrain and what it needs
 # besides torch (no torch there: what a TensorFlow user installs, docs/integrations.md); the tests
@@ -65,7 +69,7 @@ $(TF_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-tensorflow: $(VENV)/.installed $(TF_VENV)/.installed  ## the Keras-on-TensorFlow tests (not in `make test`: TensorFlow is ~600 MB)
-	STEADYTRAIN_TF_PYTHON=$(CURDIR)/$(TF_VENV)/bin/python $(PYTEST) -m tensorflow tests/test_keras_tensorflow.py
+	$(call pytest,-m tensorflow tests/test_keras_tensorflow.py,STEADYTRAIN_TF_PYTHON=$(CURDIR)/$(TF_VENV)/bin/python)
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix src tests bench examples

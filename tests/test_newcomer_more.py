@@ -419,3 +419,13 @@ def test_a_config_and_data_saved_as_utf_16_are_told_to_be_saved_as_utf_8(trained
     code, err = cli(capsys, "finetune", "--config", str(config))
     assert code == 2, err
     assert f"data file {tmp_path / 'train.jsonl'} is UTF-16 text, not UTF-8" in err, err
+
+
+def test_estimate_asked_for_qlora_by_name_is_told_the_flags(trained, capsys):
+    """`estimate MODEL --method qlora`, as guides name it: 'is not one of full, lora'."""
+    code, err = cli(capsys, "estimate", str(trained / "tiny"), "--method", "qlora")
+    assert code == 2, err
+    said = " ".join(err.split())
+    assert (
+        "--method: 'qlora' is not one of full, lora; QLoRA is --method lora --load-in-4bit" in said
+    )

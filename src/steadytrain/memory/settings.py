@@ -201,6 +201,11 @@ class Settings:
             )
             if value not in allowed
         ]
+        if str(self.method).lower() == "qlora":  # a name guides use for LoRA on a 4-bit base
+            found = [
+                (n, t + "; QLoRA is --method lora --load-in-4bit" * (n == "method"))
+                for n, t in found
+            ]
         for name, hint in (
             ("micro_batch_size", "use 1 or more"),
             ("effective_batch_size", "use 1 or more"),

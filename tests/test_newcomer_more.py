@@ -320,6 +320,14 @@ WRONG_ARGUMENTS = {
         "error in your code (loss_fn) before the first step: loss_fn is 'mse' (str), not a "
         "function: steadytrain calls loss_fn(model, batch)",
     ),
+    # torch's loss module, as other trainers take one: a traceback from inside F.mse_loss
+    "loss_module": (
+        {"loss_fn": torch.nn.MSELoss()},
+        "error in your code (loss_fn) before the first step: loss_fn is torch's MSELoss(), a "
+        "loss of (output, target), but steadytrain calls loss_fn(model, batch) and trains on "
+        "what it returns: write def loss_fn(model, batch): inputs, targets = batch; return "
+        "MSELoss()(model(inputs), targets)",
+    ),
     # a function as a callback: accepted, and never called
     "callbacks": (
         {"callbacks": [lambda state, control, info: None]},

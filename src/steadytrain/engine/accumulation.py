@@ -136,6 +136,15 @@ def check_takes(fn: Any, params: tuple[str, ...], where: str) -> None:
     cannot take them: ``loss_fn(batch)`` for ``loss_fn(model, batch)``. Such a call fails
     inside steadytrain's frame, where the error would not read as the user's."""
     check_callable(fn, params, where)
+    if isinstance(fn, torch.nn.modules.loss._Loss) and params[:1] == ("model",):
+        name = type(fn).__name__
+        raise UserCodeError(
+            f"{where} is torch's {name}(), a loss of (output, target), but steadytrain calls "
+            f"{where}({', '.join(params)}) and trains on what it returns: write "
+            f"def {where}(model, batch): inputs, targets = batch; return "
+            f"{name}()(model(inputs), targets)",
+            where=where,
+        )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or an object inspect cannot read: used as it is

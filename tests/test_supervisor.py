@@ -1119,3 +1119,26 @@ def test_a_disk_full_when_the_run_ends_is_one_line_that_does_not_say_the_run_goe
     assert unrecorded[0].endswith("it is not recorded (the supervisor_end event)"), said
     assert not any("goes on" in line for line in said), said
     assert all(line.startswith("steadytrain run: ") for line in said), said
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_run_directory_that_is_a_file_is_refused_before_the_command_runs(tmp_path, capsys, under):
+    """`steadytrain run --run-dir FILE -- CMD`: the command ran, then the supervisor's events
+    failed with '[Errno 17] File exists' and it ended with 0. Refused at the start (exit 2),
+    naming the file; the command never runs."""
+    from steadytrain.cli import main as cli_main
+
+    file = tmp_path / "notes.txt"
+    file.write_text("a file, not a run\n")
+    given = file / "run" if under else file
+    marker = tmp_path / "ran"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["run", "--run-dir", str(given), "--", sys.executable, "-c",
+                  f"open({str(marker)!r}, 'w')"])  # fmt: skip
+    err = " ".join(capsys.readouterr().err.split())
+    assert info.value.code == 2, err
+    where = f"is under {file}, a file" if under else "is a file"
+    assert f"error: the run directory {given} (--run-dir, $STEADYTRAIN_RUN_DIR or" in err, err
+    assert f"{where}: the run's checkpoints and events go in a folder there" in err, err
+    assert not marker.exists()
+    assert file.read_text() == "a file, not a run\n"

@@ -60,8 +60,23 @@ class SupervisorOptions:
             problems.append(
                 f"--first-heartbeat-timeout must be more than 0 s, got {self.first_heartbeat_s}"
             )
+        if self.run_dir is not None and (file := _file_on_the_way(self.run_dir)) is not None:
+            where = "is a file" if file == self.run_dir else f"is under {file}, a file"
+            problems.append(
+                f"the run directory {self.run_dir} (--run-dir, $STEADYTRAIN_RUN_DIR or the "
+                f"fine-tune's output_dir) {where}: the run's checkpoints and events go in a "
+                "folder there; give a folder"
+            )
         if problems:
             raise BadInputError("; ".join(problems))
+
+
+def _file_on_the_way(path: Path) -> Path | None:
+    """The first of `path` and its parents that exists, where it is not a folder; else None."""
+    for place in (path, *path.parents):
+        if place.exists():
+            return None if place.is_dir() else place
+    return None
 
 
 def resolve_run_dir(value: str | os.PathLike | None, environ: Mapping[str, str]) -> Path | None:

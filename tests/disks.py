@@ -3,8 +3,10 @@ mounting is not allowed the test is skipped with the reason), and a file that fi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,18 @@ def mount(point: Path, options: str) -> None:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def tmpfs(point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` ("2m") mounted at `point` (made here) for the block; unmounted
+    lazily after, so that a process still holding a file there does not keep it mounted."""
+    point.mkdir(exist_ok=True)
+    mount(point, f"size={size}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
 
 
 def fill(path: Path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORKLOADS, run_workload
-from disks import fill, mount
+from disks import fill, tmpfs
 from script_helpers import Data, loss_fn
 
 from steadytrain import Callback, TrainConfig, Trainer
@@ -38,13 +38,8 @@ DISK_FULL = 6
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 2 MiB tmpfs."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mount(mount_point, "size=2m")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False, timeout=20)
+    with tmpfs(tmp_path / "tiny", "2m") as point:
+        yield point
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
-from disks import fill, mount
+from disks import fill, tmpfs
 from script_helpers import Data, loss_fn
 
 from steadytrain import TrainConfig, Trainer, _durable, run_files
@@ -246,13 +246,8 @@ def test_an_export_into_a_read_only_output_dir_is_exit_2_keeping_the_earlier_one
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    point = tmp_path / "tiny"
-    point.mkdir()
-    mount(point, "size=2m")
-    try:
+    with tmpfs(tmp_path / "tiny", "2m") as point:
         yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
 
 
 def test_a_report_on_a_full_disk_is_exit_6_keeping_the_page_before_and_offering_out(

@@ -19,7 +19,7 @@ import forkserver
 import pytest
 import torch
 from conftest import WORKLOADS
-from disks import fill, mount
+from disks import fill, tmpfs
 from script_helpers import Data, loss_fn
 
 from steadytrain import TrainConfig, Trainer, run_files
@@ -191,13 +191,8 @@ def test_a_fine_tune_output_dir_not_in_utf_8_is_refused_before_anything_is_writt
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 2 MiB tmpfs (skipped where mounting is not permitted)."""
-    point = tmp_path / "tiny"
-    point.mkdir()
-    mount(point, "size=2m")
-    try:
+    with tmpfs(tmp_path / "tiny", "2m") as point:
         yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
 
 
 def test_a_hang_on_a_disk_that_filled_meanwhile_exits_75_and_says_no_report(tiny_disk, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from disks import fill, mount
+from disks import fill, mount, tmpfs
 
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import RunDiskFullError
@@ -24,13 +24,8 @@ DISK_FULL = 6
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 1 MiB tmpfs."""
-    point = tmp_path / "tiny"
-    point.mkdir()
-    mount(point, "size=1m")
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as point:
         yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=False, timeout=20)
 
 
 @pytest.mark.parametrize(

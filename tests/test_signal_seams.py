@@ -174,25 +174,31 @@ except steadytrain.Stopped as stop:
 """
 
 
-def test_a_child_that_ends_0_after_its_run_was_stopped_is_a_stop_not_a_finish(tmp_path):
-    """`steadytrain run -- python train.py && deploy`: the child caught `steadytrain.Stopped`
-    and exited 0 at step 2 of 6. The attempt's fit_end says the run was stopped: the supervisor
-    exits 143 (not 0, which would let what follows take it for finished) and does not restart
-    a run someone asked to stop."""
-    script = tmp_path / "train.py"
-    script.write_text(SWALLOWS_STOPPED)
+def supervise_script(tmp_path: Path, script: str) -> tuple[int, str, Path]:
+    """`steadytrain run` (the supervisor, in this process) of `script` given its run dir:
+    (exit code, what it said, the run dir)."""
+    path = tmp_path / "train.py"
+    path.write_text(script)
     run_dir = tmp_path / "run"
     out = io.StringIO()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
     supervisor = Supervisor(
-        [sys.executable, str(script), str(run_dir)],
+        [sys.executable, str(path), str(run_dir)],
         SupervisorOptions(run_dir=run_dir, **FAST),
         environ=environ,
         out=out,
         oom_kill_count=lambda: None,
     )
-    assert supervisor.run() == 143, out.getvalue()
-    said = out.getvalue()
+    return supervisor.run(), out.getvalue(), run_dir
+
+
+def test_a_child_that_ends_0_after_its_run_was_stopped_is_a_stop_not_a_finish(tmp_path):
+    """`steadytrain run -- python train.py && deploy`: the child caught `steadytrain.Stopped`
+    and exited 0 at step 2 of 6. The attempt's fit_end says the run was stopped: the supervisor
+    exits 143 (not 0, which would let what follows take it for finished) and does not restart
+    a run someone asked to stop."""
+    code, said, run_dir = supervise_script(tmp_path, SWALLOWS_STOPPED)
+    assert code == 143, said
     assert "starting attempt 2" not in said
     assert (
         "child exited 0, but its run was stopped by SIGTERM at step 2 (fit_end in events.jsonl)"
@@ -316,20 +322,8 @@ def test_a_child_that_ends_0_after_its_run_failed_is_restarted_as_that_failure(t
     """The child caught the error `fit()` raised (exit 5: an error in the user's code) and
     exited 0 at step 2 of 4. The attempt's fit_end says how the run ended: the supervisor takes
     it for that exit, restarts it (as it restarts a 5 once), and the run finishes."""
-    script = tmp_path / "train.py"
-    script.write_text(SWALLOWS_ERRORS)
-    run_dir = tmp_path / "run"
-    out = io.StringIO()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("STEADYTRAIN_")}
-    supervisor = Supervisor(
-        [sys.executable, str(script), str(run_dir)],
-        SupervisorOptions(run_dir=run_dir, **FAST),
-        environ=environ,
-        out=out,
-        oom_kill_count=lambda: None,
-    )
-    assert supervisor.run() == 0, out.getvalue()
-    said = out.getvalue()
+    code, said, run_dir = supervise_script(tmp_path, SWALLOWS_ERRORS)
+    assert code == 0, said
     assert (
         "child exited 0, but its run ended with exit 5 after step 1 (fit_end in events.jsonl)"
         in (said)

@@ -105,14 +105,19 @@ def open_regular(path: str | os.PathLike):
     return os.fdopen(fd, "rb")
 
 
-def read(path: str | os.PathLike, containing: bytes | None = None) -> list[dict[str, Any]]:
+def read(
+    path: str | os.PathLike, containing: bytes | None = None, start: int = 0
+) -> list[dict[str, Any]]:
     """Every record of a JSON-lines file, oldest first ([] when there is no file); a line that is
     not a JSON object (torn by a kill) is skipped. With `containing`, only lines holding those
-    bytes are parsed (the supervisor's look for one event in a long file). A path that is not a
-    regular file is OSError."""
+    bytes are parsed (the supervisor's look for one event in a long file). With `start`, only the
+    lines written past that size of the file (see `tail`). A path that is not a regular file is
+    OSError."""
     records = []
     try:
         with open_regular(path) as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(_line_after(handle, start, size))
             for line in handle:
                 if containing is not None and containing not in line:
                     continue
@@ -124,18 +129,36 @@ def read(path: str | os.PathLike, containing: bytes | None = None) -> list[dict[
     return records
 
 
-def tail(path: str | os.PathLike, tail_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+def _line_after(handle, start: int, size: int) -> int:
+    """Where the first line written past the size `start` begins: `start` itself, or one byte on
+    when the file then ended in a torn line (the next writer put a newline first). 0 when the
+    file is now shorter than `start`: it was replaced, and all of it is newer."""
+    if start <= 0 or start > size:
+        return 0
+    handle.seek(start - 1)
+    two = handle.read(2)
+    return start + 1 if two[:1] != b"\n" and two[1:] == b"\n" else start
+
+
+def tail(
+    path: str | os.PathLike, tail_bytes: int = TAIL_BYTES, since: int = 0
+) -> list[dict[str, Any]]:
     """The complete records in the last `tail_bytes` of a JSON-lines file, oldest first; [] when
-    it cannot be read. The partial line the tail starts in, and torn lines, are skipped."""
+    it cannot be read. The partial line the tail starts in, and torn lines, are skipped. With
+    `since` (the file's size at some moment), only the lines written after it: the file only
+    grows, so its size marks a moment as no clock can (see `steadytrain.supervisor.progress`)."""
     try:
         with open_regular(path) as handle:
             size = handle.seek(0, os.SEEK_END)
-            start = max(0, size - tail_bytes)
+            after = _line_after(handle, since, size)
+            start = max(after, size - tail_bytes)
             handle.seek(max(0, start - 1))
             data = handle.read()
     except OSError:
         return []
-    if start > 0:  # read from the byte before the tail: its line ends at the first newline
+    if start > after:  # read from the byte before the tail: its line ends at the first newline
         cut = data.find(b"\n")  # 0: the tail starts with a whole line
         data = data[cut + 1 :] if cut >= 0 else b""
+    elif start > 0:
+        data = data[1:]  # the byte before a line's start
     return [r for r in map(_parse, data.split(b"\n")) if r is not None]

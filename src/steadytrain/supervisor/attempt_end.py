@@ -18,6 +18,7 @@ from typing import Any
 
 from steadytrain import run_files, run_jsonl
 from steadytrain.run_events import ERROR_EVENT
+from steadytrain.supervisor.progress import Since, attempt_records
 
 FIT_END_EVENT = "fit_end"  # the Trainer's last record of a fit: its reason and exit code
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
@@ -91,35 +92,29 @@ def _number(value: Any) -> float | None:
 # ---- the error a trainer recorded before it exited -----------------------------------------
 
 
-def last_error(run_dir: Path | None, since: float) -> dict[str, Any] | None:
-    """The newest "error" event in RUN_DIR/events.jsonl written at or after `since` (seconds
-    since the epoch): the one the attempt started then recorded; None when it recorded none."""
+def last_error(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
+    """The newest "error" event in RUN_DIR/events.jsonl written by the attempt started at
+    `since` (`progress.AttemptStart`); None when it recorded none."""
     if run_dir is None:
         return None
-    for record in reversed(tail_lines(Path(run_dir) / run_files.EVENTS)):
-        if record.get("event") != ERROR_EVENT:
-            continue
-        stamp = record.get("time")
-        if isinstance(stamp, (int, float)) and stamp >= since:
+    for record in reversed(attempt_records(Path(run_dir) / run_files.EVENTS, since)):
+        if record.get("event") == ERROR_EVENT:
             return record
-        return None
     return None
 
 
-def ended_run(run_dir: Path | None, since: float) -> dict[str, Any] | None:
+def ended_run(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
     """The "fit_end" event the attempt started at `since` wrote last, when it says its run did
     not finish (an `exit_code` other than 0: stopped by a signal, 130 / 143, or an error): a
     child that then exited 0 caught `steadytrain.Stopped` or the error and ended as if
     finished. None when the last one finished, or there is none of this attempt."""
     if run_dir is None:
         return None
-    for record in reversed(tail_lines(Path(run_dir) / run_files.EVENTS)):
+    for record in reversed(attempt_records(Path(run_dir) / run_files.EVENTS, since)):
         if record.get("event") != FIT_END_EVENT:
             continue
-        stamp = record.get("time")
-        fresh = isinstance(stamp, (int, float)) and stamp >= since
         code = record.get("exit_code")
-        return record if fresh and isinstance(code, int) and code != 0 else None
+        return record if isinstance(code, int) and code != 0 else None
     return None
 
 
@@ -220,8 +215,8 @@ class RankEnd:
         return f"{run_files.RANKS}/rank-{self.rank}/{file}"
 
 
-def rank_ends(run_dir: Path | None, since: float) -> list[RankEnd]:
-    """Each rank's end of the attempt started at `since` (seconds since the epoch), when that
+def rank_ends(run_dir: Path | None, since: Since) -> list[RankEnd]:
+    """Each rank's end of the attempt started at `since` (`progress.AttemptStart`), when that
     attempt ran several ranks (its fit_start events say so, or a rank folder has records of
     it); empty otherwise."""
     if run_dir is None:
@@ -232,8 +227,7 @@ def rank_ends(run_dir: Path | None, since: float) -> list[RankEnd]:
         if suffix.isdigit():
             folders[int(suffix)] = folder
     records = {
-        rank: [r for r in tail_lines(folder / run_files.EVENTS) if _since(r, since)]
-        for rank, folder in folders.items()
+        rank: attempt_records(folder / run_files.EVENTS, since) for rank, folder in folders.items()
     }
     world = max((rank + 1 for rank, found in records.items() if found), default=1)
     for found in records.values():
@@ -269,8 +263,3 @@ def failed_rank(ends: list[RankEnd]) -> RankEnd | None:
     if silent:
         return silent[0]
     return min(failed, key=lambda e: e.record.get("time") or 0.0) if failed else None
-
-
-def _since(record: dict[str, Any], since: float) -> bool:
-    stamp = record.get("time")
-    return isinstance(stamp, (int, float)) and stamp >= since

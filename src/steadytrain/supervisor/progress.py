@@ -5,7 +5,9 @@ savers the attempt recorded at its start."""
 
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,29 +70,74 @@ def last_micro_batch_size(
     return None
 
 
-def _events(run_dir: Path, containing: bytes) -> list[dict[str, Any]]:
-    """The records of RUN_DIR/events.jsonl whose line holds `containing`, whole file ([] when
-    it cannot be read)."""
+def _events(run_dir: Path, containing: bytes, start: int = 0) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/events.jsonl whose line holds `containing`, whole file or from the
+    size `start` on ([] when it cannot be read)."""
     try:
-        return run_jsonl.read(run_dir / run_files.EVENTS, containing)
+        return run_jsonl.read(run_dir / run_files.EVENTS, containing, start)
     except OSError:
         return []
 
 
-def savers_record(run_dir: Path | None, since: float) -> dict[str, Any] | None:
-    """The newest `memory_savers` record in RUN_DIR/events.jsonl written at or after `since`
-    (the attempt started then): None when that attempt wrote none (it was killed before its
-    start-up ended, or it does not train through the Trainer). Reads the whole file: a long
-    attempt writes many events after its start."""
+@dataclass(frozen=True)
+class AttemptStart:
+    """Where an attempt began in the run directory's events files (RUN_DIR/events.jsonl and each
+    rank's under ranks/): their sizes when it started. They only grow, so what the attempt wrote
+    lies past them: its records are told apart by place, not by their wall-clock times, which an
+    NTP step or a laptop waking can set back mid-attempt below the time it started."""
+
+    sizes: dict[Path, int]
+
+    @classmethod
+    def now(cls, run_dir: Path | None) -> AttemptStart:
+        if run_dir is None:
+            return cls({})
+        files = [Path(run_dir) / run_files.EVENTS]
+        files += (Path(run_dir) / run_files.RANKS).glob(f"rank-*/{run_files.EVENTS}")
+        sizes = {}
+        for path in files:
+            try:
+                sizes[path] = os.stat(path).st_size
+            except (OSError, ValueError):
+                continue  # none yet: all of it will be the attempt's
+        return cls(sizes)
+
+    def offset(self, path: Path) -> int:
+        """The size `path` had when the attempt started (0: it had none)."""
+        return self.sizes.get(Path(path), 0)
+
+
+Since = float | AttemptStart
+"""An attempt's start: its place in the events files, or (older callers, tests) a wall-clock
+time its records are at or after."""
+
+
+def attempt_records(path: Path, since: Since) -> list[dict[str, Any]]:
+    """The records the attempt started at `since` wrote in the JSON-lines file `path`, among
+    those of its tail; oldest first."""
+    if isinstance(since, AttemptStart):
+        return run_jsonl.tail(path, since=since.offset(path))
+    return [r for r in run_jsonl.tail(path) if at_or_after(r, since)]
+
+
+def at_or_after(record: dict[str, Any], since: float) -> bool:
+    stamp = record.get("time")
+    return isinstance(stamp, (int, float)) and stamp >= since
+
+
+def savers_record(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
+    """The newest `memory_savers` record in RUN_DIR/events.jsonl written by the attempt started
+    at `since`: None when that attempt wrote none (it was killed before its start-up ended, or
+    it does not train through the Trainer). Reads the whole file: a long attempt writes many
+    events after its start."""
     if run_dir is None:
         return None
+    start = since.offset(run_dir / run_files.EVENTS) if isinstance(since, AttemptStart) else 0
     found = None
-    for event in _events(run_dir, SAVERS_EVENT.encode()):
-        stamp = event.get("time")
+    for event in _events(run_dir, SAVERS_EVENT.encode(), start):
         if (
             event.get("event") == SAVERS_EVENT
-            and isinstance(stamp, (int, float))
-            and stamp >= since
+            and (isinstance(since, AttemptStart) or at_or_after(event, since))
             and isinstance(event.get("in_force"), list)
             and isinstance(event.get("left"), list)
         ):

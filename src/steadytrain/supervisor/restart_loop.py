@@ -66,7 +66,7 @@ from steadytrain.supervisor.child_exit import STOPPED, ChildExit
 from steadytrain.supervisor.child_process import ChildProcess
 from steadytrain.supervisor.oom_counter import read_oom_kill_count
 from steadytrain.supervisor.options import SupervisorOptions
-from steadytrain.supervisor.progress import progress_step
+from steadytrain.supervisor.progress import AttemptStart, progress_step
 from steadytrain.supervisor.restart_size import (
     folder_of,
     saver_left,
@@ -138,21 +138,21 @@ class Supervisor:
         self._say_start()
         while True:
             step_before = progress_step(self.options.run_dir)
-            started_wall = time.time()
-            returncode, death, ran_s = self._attempt(max_micro, savers_asked, started_wall)
+            started = AttemptStart.now(self.options.run_dir)  # a place, not a clock's time
+            returncode, death, ran_s = self._attempt(max_micro, savers_asked, started)
             step = progress_step(self.options.run_dir)
-            ended = ended_run(self.options.run_dir, started_wall) if returncode == 0 else None
+            ended = ended_run(self.options.run_dir, started) if returncode == 0 else None
             if ended is not None and ended["exit_code"] not in STOPPED:
                 returncode, death = self._caught(ended, death)  # judged by its run's end
                 ended = None
-            error = self._recorded_error(death, started_wall)
+            error = self._recorded_error(death, started)
             final = self._final_code(death, step, error, error_before, ended)
             if final is not None:
                 return final
             error_before = error
 
             progressed = step is not None and (step_before is None or step > step_before)
-            savers = saver_left(self.options.run_dir, death, max_micro, started_wall)
+            savers = saver_left(self.options.run_dir, death, max_micro, started)
             if savers is not None and not savers["left"]:
                 return self._no_saver_left(death, step, savers, max_micro)
             smaller = self._smaller_start(death, max_micro)
@@ -187,7 +187,7 @@ class Supervisor:
             delay = min(delay * 2, self.options.backoff_max)
 
     def _attempt(
-        self, max_micro: int | None, savers: int | None, started_wall: float
+        self, max_micro: int | None, savers: int | None, mark: AttemptStart
     ) -> tuple[int, ChildExit, float]:
         """One attempt, start to end: its return code, how it ended, and how long it ran."""
         oom_before = self._oom_kill_count()
@@ -197,7 +197,7 @@ class Supervisor:
         watch = self.child.heartbeat
         if watch.hang is not None:
             returncode = watch.record_frozen_child(returncode, self.options.run_dir)
-        death = self._death(returncode, oom_before, started_wall)
+        death = self._death(returncode, oom_before, mark)
         if watch.caught is not None:  # we killed it: say so, not "the watchdog"
             death = dataclasses.replace(death, hang_by=watch.caught)
             watch.caught = None
@@ -258,7 +258,7 @@ class Supervisor:
             + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
         )
 
-    def _death(self, returncode: int, oom_before: int | None, since: float) -> ChildExit:
+    def _death(self, returncode: int, oom_before: int | None, since: AttemptStart) -> ChildExit:
         """How the child ended: its code, the OOM killer's count since it started, and the
         memory reading of its last step. A torchrun group that failed (torchrun exits 1 for any
         rank's failure) is read through its ranks' events since `since`: the rank that failed
@@ -269,7 +269,7 @@ class Supervisor:
         folder = rank.folder if rank is not None else self.options.run_dir
         return ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
 
-    def _recorded_error(self, death: ChildExit, since: float) -> dict[str, Any] | None:
+    def _recorded_error(self, death: ChildExit, since: AttemptStart) -> dict[str, Any] | None:
         """The error event the attempt started at `since` recorded (under torchrun: the one of
         the rank that failed first, in its own folder)."""
         return last_error(death.rank.folder if death.rank else self.options.run_dir, since)

@@ -11,7 +11,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
 from steadytrain.supervisor.child_exit import SHRINK, ChildExit
-from steadytrain.supervisor.progress import last_micro_batch_size, savers_record
+from steadytrain.supervisor.progress import Since, last_micro_batch_size, savers_record
 
 
 def smaller_micro_batch(
@@ -29,7 +29,7 @@ def smaller_micro_batch(
 
 
 def saver_left(
-    run_dir: Path | None, death: ChildExit, cap: int | None, since: float
+    run_dir: Path | None, death: ChildExit, cap: int | None, since: Since
 ) -> dict[str, Any] | None:
     """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
     step, or no counter and no reading to tell) with no smaller

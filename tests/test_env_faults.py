@@ -1,5 +1,6 @@
 """Faults planted in the environment around a run, with real processes: the wall clock stepped
-back mid-attempt (an NTP correction, a laptop's clock set right after waking).
+back mid-attempt (an NTP correction, a laptop's clock set right after waking); the files a
+user's system leaves in the run directory (macOS's AppleDouble `._NAME` and `.DS_Store`).
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ import io
 import os
 import sys
 
+import torch
 from test_signal_seams import FAST, SWALLOWS_STOPPED
 
+from steadytrain import TrainConfig, Trainer
 from steadytrain.supervisor import Supervisor, SupervisorOptions
 from steadytrain.telemetry.files import read_jsonl
 
@@ -54,3 +57,57 @@ def test_a_stop_recorded_after_the_clock_stepped_back_is_still_a_stop(tmp_path):
     fit_end = next(e for e in events if e["event"] == "fit_end")
     assert fit_end["time"] < events[-1]["time"] - 3000  # the child's clock was behind
     assert (events[-1]["event"], events[-1]["exit_code"]) == ("supervisor_end", 143)
+
+
+# -- files the user's system leaves in the run directory --------------------------------------
+
+
+def _fit(run_dir, max_steps: int):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g)
+    )
+    config = TrainConfig(
+        run_dir=run_dir,
+        effective_batch_size=8,
+        micro_batch_size=8,
+        max_steps=max_steps,
+        save_every_steps=1,
+        keep_last=2,
+        device="cpu",
+        progress="off",
+        memory_watch=False,
+    )
+    return Trainer(
+        torch.nn.Linear(4, 2),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        data,
+        config,
+    ).fit()
+
+
+def test_a_run_dir_copied_through_a_mac_drive_resumes_from_its_newest_checkpoint(tmp_path):
+    """Finder copying a run directory onto an exFAT drive leaves an AppleDouble `._NAME` beside
+    every file, and `.DS_Store` where it showed a folder. The newest checkpoint still verifies
+    (they are not its files), the run resumes from it, and retention deletes none of them
+    outside the checkpoints it removes."""
+    run_dir = tmp_path / "run"
+    _fit(run_dir, 3)
+    checkpoints = run_dir / "checkpoints"
+    planted = []
+    for folder in [run_dir, checkpoints, *checkpoints.glob("step-*")]:
+        for name in [*(f"._{p.name}" for p in folder.iterdir()), ".DS_Store"]:
+            (folder / name).write_bytes(b"\x00\x05\x16\x07")
+            planted.append(folder / name)
+
+    result = _fit(run_dir, 6)
+
+    assert (result.steps, result.exit_code) == (6, 0)
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resume"] == [3]
+    assert not [e for e in events if e["event"] == "checkpoint_skipped"]
+    outside = [p for p in planted if not p.parent.name.startswith("step-")]
+    assert all(p.read_bytes() == b"\x00\x05\x16\x07" for p in outside)
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000005", "step-00000006"]

@@ -42,6 +42,8 @@ No checkpoint file is named so (`FILE_NAME`)."""
 def is_os_clutter(name: str) -> bool:
     """A file the operating system leaves in a folder it shows or copies, not a checkpoint's."""
     return name in OS_CLUTTER or name.startswith(APPLE_DOUBLE)
+
+
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 

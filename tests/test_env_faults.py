@@ -1,6 +1,7 @@
 """Faults planted in the environment around a run, with real processes: the wall clock stepped
 back mid-attempt (an NTP correction, a laptop's clock set right after waking); the files a
-user's system leaves in the run directory (macOS's AppleDouble `._NAME` and `.DS_Store`).
+user's system leaves in the run directory (macOS's AppleDouble `._NAME` and `.DS_Store`); a low
+limit on open files (`ulimit -n`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import io
 import os
 import sys
 
+import forkserver
 import torch
 from test_signal_seams import FAST, SWALLOWS_STOPPED
 
@@ -111,3 +113,42 @@ def test_a_run_dir_copied_through_a_mac_drive_resumes_from_its_newest_checkpoint
     outside = [p for p in planted if not p.parent.name.startswith("step-")]
     assert all(p.read_bytes() == b"\x00\x05\x16\x07" for p in outside)
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000005", "step-00000006"]
+
+
+# -- a low limit on open files ----------------------------------------------------------------
+
+# `ulimit -n` set low in the shell that starts the run, here by the script itself once torch is
+# imported: a few descriptors more than it holds, too few for two DataLoader workers.
+LOW_OPEN_FILES = r"""
+import os, resource, sys, torch
+import steadytrain
+from steadytrain import TrainConfig, Trainer
+
+@steadytrain.entrypoint
+def main():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
+    config = TrainConfig(run_dir=sys.argv[1], effective_batch_size=8, micro_batch_size=8,
+                         max_steps=4, num_workers=2, device="cpu", progress="off")
+    trainer = Trainer(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1),
+                      lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), data, config)
+    held = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return trainer.fit()
+
+main()
+"""
+
+
+def test_too_few_open_files_for_the_loader_workers_is_exit_2_naming_the_limit(tmp_path):
+    """Python's EMFILE where a worker's pipe cannot be made (or torch's "Too many open files"
+    where a batch cannot be passed over) is the limit the shell set, not a bug (exit 1 with a
+    traceback before): exit 2 naming `ulimit -n` and its value, and the two ways out."""
+    script = tmp_path / "train.py"
+    script.write_text(LOW_OPEN_FILES)
+    done = forkserver.run([sys.executable, str(script), str(tmp_path / "run")], timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "too many open files: this process may hold" in done.stderr
+    assert "(`ulimit -n` " in done.stderr and "`ulimit -n 4096`" in done.stderr
+    assert "lower num_workers (now 2)" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -10,6 +10,7 @@ from typing import Any
 
 from steadytrain.device import is_oom
 from steadytrain.engine.evaluation import Evaluation
+from steadytrain.engine.open_files import open_files_limit_error
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, user_code_error
 from steadytrain.events import Dispatcher, Event, StepMetrics
@@ -95,8 +96,10 @@ class Loop:
             # reported with the step, their frames and exit 5 (3 when it ran out of memory
             # outside the step's redo), not as a bug of ours.
             step = getattr(exc, "steadytrain_step", None) or self.step_in_progress
-            theirs = user_code_error(exc, step, out_of_memory=is_oom(exc))
-            shown = theirs if theirs is not None else exc
+            workers = (self.fit_info.get("config") or {}).get("num_workers") or 0
+            limit = open_files_limit_error(exc, workers)  # the environment's, not their code's
+            theirs = None if limit else user_code_error(exc, step, out_of_memory=is_oom(exc))
+            shown = limit or theirs or exc
             code = 130 if isinstance(shown, KeyboardInterrupt) else getattr(shown, "exit_code", 1)
             first_line = (str(shown).strip().splitlines() or [""])[0]
             reason = f"{type(shown).__name__}: {first_line}"
@@ -113,6 +116,8 @@ class Loop:
             self.emit(Event.FIT_END, info)
             if theirs is not None and theirs is not exc:
                 raise theirs from exc
+            if limit is not None:
+                raise limit from exc
             with contextlib.suppress(AttributeError, TypeError):  # for the "error" event
                 exc.steadytrain_step = step  # type: ignore[attr-defined]
             raise

@@ -11,6 +11,7 @@ import os
 import sys
 
 import forkserver
+import pytest
 import torch
 from test_signal_seams import FAST, SWALLOWS_STOPPED
 
@@ -152,3 +153,45 @@ def test_too_few_open_files_for_the_loader_workers_is_exit_2_naming_the_limit(tm
     assert "(`ulimit -n` " in done.stderr and "`ulimit -n 4096`" in done.stderr
     assert "lower num_workers (now 2)" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_merge_into_a_folder_finder_has_shown_is_not_refused_as_non_empty(tmp_path):
+    """`--out` made empty in Finder holds a `.DS_Store` (and `._NAME` files on a network drive):
+    it is still an empty folder, so `steadytrain merge` writes there without --force (before:
+    "exists and is not empty"). A file of the user's still needs --force (test_after_finetune)."""
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import save_byte_llama
+    from transformers import LlamaForCausalLM
+
+    from steadytrain.recipes.merge import merge
+
+    base = save_byte_llama(tmp_path / "base")
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    get_peft_model(LlamaForCausalLM.from_pretrained(base), lora).save_pretrained(
+        tmp_path / "adapter"
+    )
+    out = tmp_path / "merged"
+    out.mkdir()
+    for name in (".DS_Store", "._.DS_Store"):
+        (out / name).write_bytes(b"\x00\x05\x16\x07")
+
+    result = merge(tmp_path / "adapter", out)
+
+    assert result.out_dir == out and "model.safetensors" in result.files
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_demo_folder_finder_has_shown_counts_as_empty(tmp_path):
+    """`steadytrain demo DIR` into a folder that holds only what Finder leaves: taken as new, not
+    refused as "exists and is not empty" (with --force then refused as not the demo's)."""
+    from steadytrain.errors import BadInputError
+    from steadytrain.recipes.demo import check_run_dir
+
+    shown = tmp_path / "demo"
+    shown.mkdir()
+    (shown / ".DS_Store").write_bytes(b"\x00\x05\x16\x07")
+    assert check_run_dir(shown, force=False) is False
+    (shown / "notes.txt").write_text("mine")
+    with pytest.raises(BadInputError, match="exists and is not empty"):
+        check_run_dir(shown, force=False)
+    assert (shown / ".DS_Store").read_bytes() == b"\x00\x05\x16\x07"

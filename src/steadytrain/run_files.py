@@ -52,6 +52,19 @@ TRAINING_CONFIG = "training_config.json"
 ADAPTERS = "adapters"
 TRAINING_LOG = "training.log"
 
+OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # Finder/Explorer droppings
+APPLE_DOUBLE = "._"
+"""macOS writes `._NAME` beside each file it copies onto a drive that cannot hold its extended
+attributes (exFAT, FAT, SMB, NFS): a run directory carried on such a drive has one per file.
+steadytrain names no file so."""
+
+
+def is_os_clutter(name: str) -> bool:
+    """A file the operating system leaves in a folder it shows or copies, not one of ours nor
+    one the user put there."""
+    return name in OS_CLUTTER or name.startswith(APPLE_DOUBLE)
+
+
 # Every path a run directory gets, relative to it, with how it is written: "atomic" (a
 # temporary renamed over it), "append" (a stream: JSONL, a log), "new" (made afresh; what was
 # there is removed, a link refused), "exclusive" (a fresh name), "lock" (steadytrain.safety.lock),

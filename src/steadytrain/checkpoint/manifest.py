@@ -32,16 +32,8 @@ NAME = re.compile(r"^step-(\d{8,12})$")
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SHARD_FILE = re.compile(r"^(\.metadata|__\d{1,6}_\d{1,6}\.distcp)$")
 """The names torch.distributed.checkpoint's file writer gives its files (sharded checkpoints)."""
-OS_CLUTTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})  # Finder/Explorer droppings
-APPLE_DOUBLE = "._"
-"""macOS writes `._NAME` beside each file it copies onto a drive that cannot hold its extended
-attributes (exFAT, FAT, SMB, NFS): a run directory carried on such a drive has one per file.
-No checkpoint file is named so (`FILE_NAME`)."""
-
-
-def is_os_clutter(name: str) -> bool:
-    """A file the operating system leaves in a folder it shows or copies, not a checkpoint's."""
-    return name in OS_CLUTTER or name.startswith(APPLE_DOUBLE)
+OS_CLUTTER = run_files.OS_CLUTTER
+is_os_clutter = run_files.is_os_clutter  # no checkpoint file is named so (`FILE_NAME`)
 
 
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024

@@ -599,7 +599,7 @@ def check_run_dir(run_dir: Path, force: bool) -> bool:
             f"RUN_DIR: {run_dir} is a file, not a folder; give a folder path for the demo's "
             "run (the default is runs/demo)"
         )
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+    if not run_dir.is_dir() or all(run_files.is_os_clutter(p.name) for p in run_dir.iterdir()):
         for ancestor in run_dir.resolve().parents:
             if ancestor.exists():
                 if not ancestor.is_dir():

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from steadytrain import run_files
 from steadytrain._durable import make_folder, replace_dir, sync_tree
 from steadytrain.errors import BadInputError, RunDiskFullError, free_space
 from steadytrain.recipes.artifact import (
@@ -141,13 +142,18 @@ def _check_out_dir(out: Path, adapter: Path, base: str | None, force: bool) -> N
                 f"--out: {out} is or contains the input {source}; writing there would replace "
                 "the model being merged. Choose another folder"
             )
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if out.is_dir() and not _empty(out) and not force:
         raise BadInputError(
             f"--out: {out} exists and is not empty; choose another folder or pass --force to "
             "replace it (the old folder is removed only after the new one is complete)"
         )
     if not out.parent.exists():
         raise BadInputError(f"--out: the parent folder {out.parent} does not exist; create it")
+
+
+def _empty(folder: Path) -> bool:
+    """Nothing in `folder` but what the OS leaves in a folder it showed (`.DS_Store`)."""
+    return all(run_files.is_os_clutter(p.name) for p in folder.iterdir())
 
 
 def _save(model: Any, tokenizer: Any, folder: Path) -> None:

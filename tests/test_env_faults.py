@@ -195,3 +195,22 @@ def test_a_demo_folder_finder_has_shown_counts_as_empty(tmp_path):
     with pytest.raises(BadInputError, match="exists and is not empty"):
         check_run_dir(shown, force=False)
     assert (shown / ".DS_Store").read_bytes() == b"\x00\x05\x16\x07"
+
+
+def test_an_integrations_checkpoint_explorer_has_shown_still_verifies(tmp_path):
+    """A library's checkpoint folder (hashed by `RunGuard.checkpoint_saved`) that Windows
+    Explorer showed holds `Thumbs.db` / `desktop.ini`: still the checkpoint to resume from
+    (before: refused as extra files, and the run started over)."""
+    from steadytrain.integrations import RunGuard
+
+    run_dir = tmp_path / "run"
+    with RunGuard(run_dir, config={}, memory_watch=False) as guard:
+        saved = run_dir / "checkpoints" / "checkpoint-4"
+        saved.mkdir(parents=True)
+        (saved / "model.safetensors").write_bytes(b"weights")
+        guard.checkpoint_saved(saved, 4)
+        for name in ("Thumbs.db", "desktop.ini", ".DS_Store", "._model.safetensors"):
+            (saved / name).write_bytes(b"\x00\x05\x16\x07")
+        assert guard.newest_checkpoint() == saved
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert not [e for e in events if e["event"] == "checkpoint_skipped"]

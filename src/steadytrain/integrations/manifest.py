@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from steadytrain import __version__
+from steadytrain import __version__, run_files
 from steadytrain._durable import sync, write_atomic
 
 
@@ -52,7 +52,10 @@ def _files(target: Path) -> list[tuple[str, Path]]:
     return sorted(
         (str(path.relative_to(target)), path)
         for path in target.rglob("*")
-        if path.is_file() and path.name != MANIFEST_NAME and not path.name.startswith(".")
+        if path.is_file()
+        and path.name != MANIFEST_NAME
+        and not path.name.startswith(".")  # a save in progress, or the OS's (.DS_Store, ._NAME)
+        and not run_files.is_os_clutter(path.name)  # Explorer's Thumbs.db, desktop.ini
     )
 
 

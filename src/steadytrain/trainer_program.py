@@ -89,15 +89,29 @@ def data_source(
             "a Dataset with a __len__ whose __getitem__(i) makes sample i (seeded by i), and "
             "max_steps for the length of the run: see docs/porting.md, 'Streams'"
         )
+    if isinstance(train_data, Mapping) and any(isinstance(k, str) for k in train_data):
+        columns = ", ".join(f"{k!r}: {_rows(v)}" for k, v in list(train_data.items())[:4])
+        raise BadInputError(
+            f"{field}: a mapping of columns ({columns}), whose len() {len(train_data)} counts "
+            "its columns, not samples; give a dataset of samples: TensorDataset(x, y), or a "
+            "Dataset whose __getitem__(i) returns {name: column[i]} (docs/porting.md, 'Data')"
+        )
     try:
         size = len(train_data)
     except TypeError:
         raise BadInputError(f"{field}: has no len(); give a map-style dataset") from None
     if size == 0:
-        raise BadInputError(f"{field}: the dataset is empty")
+        raise BadInputError(
+            f"{field}: the dataset is empty (len() 0), nothing to train or evaluate on; check "
+            "what built it (a filter or Subset that kept no sample, a path with no files)"
+        )
     order = LoaderOrder(loader) if loader is not None else None
     collate_fn = SampleFirst(collate_fn, field) if collate_fn is not None else collate
     return DataSource(train_data, collate_fn, workers, worker_init_fn, loader, order)
+
+
+def _rows(column: Any) -> str:
+    return f"{len(column)} rows" if hasattr(column, "__len__") else type(column).__name__
 
 
 def _check_loader(loader: DataLoader, cfg: TrainConfig, field: str) -> None:

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 from torch.utils.data import SequentialSampler, get_worker_info
 
-from steadytrain.errors import BadInputError
+from steadytrain.errors import (
+    BadInputError,
+    SteadytrainError,
+    UserCodeError,
+    _theirs_class,
+    user_code_error,
+)
 
 
 class SeededBatch(list):
@@ -256,7 +262,45 @@ class Fetched(list):
 
     def __init__(self, dataset: Any, indices: Sequence[Any]):
         self.indices = list(indices)  # as the sampler gave them: ints, or a custom sampler's keys
-        super().__init__(dataset[i] for i in self.indices)
+        super().__init__(_sample(dataset, i) for i in self.indices)
+
+
+def _sample(dataset: Any, index: Any) -> Any:
+    """`dataset[index]`. An error raised inside a library's dataset (torch's `Subset` over
+    indices its dataset lacks, a `TensorDataset`, a `ConcatDataset`), with no frame of the user's
+    own code in it, is still the user's data: exit 5 naming the dataset, the index and the fix,
+    not a traceback of steadytrain's."""
+    try:
+        return dataset[index]
+    except (LookupError, TypeError, ValueError) as exc:
+        if isinstance(exc, SteadytrainError) or user_code_error(exc) is not None:
+            raise
+        name = type(dataset).__name__
+        error = f"{type(exc).__name__}: {str(exc).strip()}".rstrip(": ")
+        problem = f"{name}[{index!r}] raised {error}"
+        if isinstance(exc, LookupError):
+            size = _length(dataset)
+            problem += (
+                f". The sampler drew index {index!r} of the dataset's len() {size}: every index "
+                "below len() must give a sample (a Subset's indices must lie inside its "
+                "dataset; a dataset's __len__ must count the samples it holds)"
+            )
+        # also of the error's own type: `except IndexError` around it (the data fingerprint's
+        # check of a dataset keyed otherwise, the user's own code) still catches it
+        theirs = _theirs_class(type(exc), UserCodeError)
+        where = f"the dataset, {name}[{index!r}]"
+        try:
+            raised = theirs(problem, where=where, error=error)
+        except TypeError:  # a class whose constructor wants more than a message
+            raised = UserCodeError(problem, where=where, error=error)
+        raise raised from exc
+
+
+def _length(dataset: Any) -> str:
+    try:
+        return str(len(dataset))
+    except Exception:  # noqa: BLE001 - the message only
+        return "unknown"
 
 
 def _seed_host(seed: int) -> None:

@@ -87,17 +87,20 @@ def test_the_siamese_network_over_a_concat_of_subsets_killed_under_run_ends_as_r
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_subset_with_indices_outside_its_dataset_exits_5_naming_the_index_and_the_fix(
-    tmp_path, capsys
+    tmp_path, capsys, workers
 ):
     """torch's own Subset and TensorDataset raise the IndexError, with no frame of the user's
     code in it. Before, the run stopped with exit 1 and steadytrain's traceback, as if the
-    error were its own."""
+    error were its own; from loader workers too."""
     data = Subset(regression(), [0, 1, 2, 3, 4, 5, 6, 100])
-    code, err = exit_as_script(capsys, fit(tmp_path, data, shuffle=False))
+    code, err = exit_as_script(capsys, fit(tmp_path, data, shuffle=False, num_workers=workers))
     assert code == 5, err
     assert "Traceback" not in err
-    assert "error in your code (the dataset, Subset[7]) at step 1" in err
+    assert "error in your code (the dataset, Subset[7])" in err
+    if workers == 0:
+        assert "at step 1" in err
     assert "index 100 is out of bounds for dimension 0 with size 32" in err
     assert "every index below len() must give a sample" in err
     assert "a Subset's indices must lie inside its dataset" in err

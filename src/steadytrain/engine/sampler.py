@@ -286,8 +286,10 @@ def _sample(dataset: Any, index: Any) -> Any:
                 "dataset; a dataset's __len__ must count the samples it holds)"
             )
         # also of the error's own type: `except IndexError` around it (the data fingerprint's
-        # check of a dataset keyed otherwise, the user's own code) still catches it
-        theirs = _theirs_class(type(exc), UserCodeError)
+        # check of a dataset keyed otherwise, the user's own code) still catches it; in a
+        # loader worker a plain UserCodeError, the class torch can send back to the run
+        worker = get_worker_info() is not None
+        theirs = UserCodeError if worker else _theirs_class(type(exc), UserCodeError)
         where = f"the dataset, {name}[{index!r}]"
         try:
             raised = theirs(problem, where=where, error=error)

@@ -142,3 +142,30 @@ def test_an_empty_dataset_exits_2_naming_it_and_where_to_look(tmp_path, capsys, 
     assert "Traceback" not in err
     assert "train_data: the dataset is empty (len() 0)" in err
     assert "a filter or Subset that kept no sample" in err
+
+
+def test_dcgan_s_two_optimizers_from_an_optimizer_function_exit_2_naming_several_optimizers(
+    tmp_path, capsys
+):
+    """pytorch/examples `dcgan` builds optimizerD and optimizerG; a port that returns both from
+    the optimizer function gets the message for several optimizers, as when it passes the
+    pair itself. Before: 'the function returned list', with no way out named."""
+    netG, netD = torch.nn.Linear(2, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"G": netG, "D": netD})
+
+    def both(params):
+        return [
+            torch.optim.Adam(netD.parameters(), 2e-4),
+            torch.optim.Adam(netG.parameters(), 2e-4),
+        ]
+
+    data = TensorDataset(torch.randn(16, 4))
+
+    def trainer():
+        return Trainer(model, both, lambda m, b: m["D"](b[0]).mean(), data, config(tmp_path))
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert "optimizer: 2 optimizers given; steadytrain takes one optimizer step per batch" in err
+    assert "docs/porting.md, 'Several optimizers'" in err

@@ -379,8 +379,8 @@ def _make_optimizer(given: Any, model: torch.nn.Module) -> torch.optim.Optimizer
         )
     if callable(given):
         optimizer = given([p for p in model.parameters() if p.requires_grad])
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer | list | tuple | Mapping):
+            return _make_optimizer(optimizer, model)  # checked as if given itself
         found = f"the function returned {type(optimizer).__name__}"
     else:
         found = f"got {type(given).__name__}"

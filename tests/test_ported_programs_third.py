@@ -98,9 +98,10 @@ def test_a_subset_with_indices_outside_its_dataset_exits_5_naming_the_index_and_
     code, err = exit_as_script(capsys, fit(tmp_path, data, shuffle=False, num_workers=workers))
     assert code == 5, err
     assert "Traceback" not in err
-    assert "error in your code (the dataset, Subset[7])" in err
-    if workers == 0:
-        assert "at step 1" in err
+    assert "error in your code (the dataset, Subset[7]) at step 1: Subset[7] raised" in err
+    assert "stopped at step 1 by an error in your code (the dataset, Subset[7]) (exit 5" in err
+    assert "(None)" not in err
+    assert "not readable by those indices (Subset[7] raised IndexError: index 100" in err
     assert "index 100 is out of bounds for dimension 0 with size 32" in err
     assert "every index below len() must give a sample" in err
     assert "a Subset's indices must lie inside its dataset" in err

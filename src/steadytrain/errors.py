@@ -84,12 +84,26 @@ def _from_worker(cls: type, text: str) -> SteadytrainError:
     if isinstance(made, ConfigError):
         made.problems, made.source = [message], None
     if isinstance(made, UserCodeError):
-        made.problem, made.where, made.step, made.frames = message, None, None, ""
-        made.error = message.splitlines()[0] if message else message
+        said = _USER_CODE.match(message)  # the worker's own str(): where, and the problem
+        made.where = said.group(1) if said else None
+        made.problem = message[said.end() :] if said else message
+        made.step, made.frames = None, ""
+        made.error = (made.problem.splitlines() or [""])[0]
     return made
 
 
+_USER_CODE = re.compile(
+    r"error in your code(?: \((.*?)\))?(?: at step \d+| before the first step): "
+)
+"""The start of `UserCodeError.__str__`: the place it names, if any."""
+
+
 def _worker_message(self: SteadytrainError) -> str:
+    """The worker's message; a `UserCodeError`'s at the step the training process knows (the
+    worker knew none: "before the first step")."""
+    step = getattr(self, "step", None)
+    if isinstance(self, UserCodeError) and step is not None:
+        return self.worker_message.replace(" before the first step: ", f" at step {step}: ", 1)
     return self.worker_message
 
 

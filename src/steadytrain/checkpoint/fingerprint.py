@@ -37,10 +37,11 @@ def data_fingerprint(dataset: Any, notes: list[str] | None = None) -> str:
             samples = [dataset[i] for i in indices]
     except (LookupError, TypeError) as exc:  # keyed otherwise (a sampler of its own keys)
         if notes is not None:
+            said = getattr(exc, "problem", None) or f"{type(exc).__name__}: {exc}"  # ours: its own
             notes.append(
                 f"data fingerprint: samples {indices} not readable by those indices "
-                f"({type(exc).__name__}: {exc}); checked by length only (the resume loss "
-                "check still compares the first step)"
+                f"({(str(said).strip().splitlines() or [''])[0]}); checked by length only (the "
+                "resume loss check still compares the first step)"
             )
         return digest.hexdigest()[:16]
     weak: set[str] = set()

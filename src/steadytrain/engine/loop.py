@@ -105,7 +105,7 @@ class Loop:
             reason = f"{type(shown).__name__}: {first_line}"
             kind = type(shown).__name__
             if theirs is not None:
-                kind = f"an error in your code ({theirs.where})"
+                kind = "an error in your code" + (f" ({theirs.where})" if theirs.where else "")
                 reason = f"stopped by {kind}: {theirs.error}"
             info = {"reason": reason, "exit_code": code, "error": kind, "error_step": step}
             # a collective broken by a peer that died: said here too, since torchrun may stop

@@ -7,15 +7,12 @@ resumes to the uninterrupted run's numbers, or is refused with the documented ex
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
-import forkserver
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import WORKLOADS, run_workload
-from script_helpers import exit_as_script
+from script_helpers import exit_as_script, killed_under_run_and_through
 from torch.utils.data import DataLoader, TensorDataset
 
 from steadytrain import Callback, TrainConfig, Trainer
@@ -430,24 +427,8 @@ def test_a_vision_loop_with_an_ema_killed_under_steadytrain_run_ends_as_the_unin
     step 8 and ends with the uninterrupted run's weights, running statistics and EMA, bit for
     bit. (Before, the steps after an evaluation trained in eval mode while the resumed ones
     did not.)"""
-    script = WORKLOADS / "ported_vision.py"
-    through, killed, marker = tmp_path / "through", tmp_path / "killed", tmp_path / "marker"
-    proc = run_workload("ported_vision.py", str(through))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    supervised = forkserver.run(
-        [
-            *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(killed)),
-            *("--backoff-initial", "0.01", "--backoff-max", "0.05", "--"),
-            *(sys.executable, str(script), str(killed), "11", str(marker)),
-        ],
-        timeout=300,
-    )
-    assert supervised.returncode == 0, supervised.stderr[-3000:]
-    assert marker.exists()  # it was killed
-    events = read_jsonl(killed / "events.jsonl")
-    assert [e["step"] for e in events if e["event"] == "resume"] == [8]
-    want = torch.load(through / "final.pt", weights_only=True)
-    got = torch.load(killed / "final.pt", weights_only=True)
+    want, got, resumed = killed_under_run_and_through("ported_vision.py", tmp_path, kill_after=11)
+    assert resumed == [8]
     for part in ("model", "ema"):
         for name, value in want[part].items():
             assert torch.equal(got[part][name], value), f"{part}.{name}"

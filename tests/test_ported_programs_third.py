@@ -6,19 +6,15 @@ documented exit code and a message naming what to change, never a traceback."""
 
 from __future__ import annotations
 
-import sys
 from collections import UserDict
 
-import forkserver
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import WORKLOADS, run_workload
-from script_helpers import exit_as_script
+from script_helpers import exit_as_script, killed_under_run_and_through
 from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
 
 from steadytrain import TrainConfig, Trainer
-from steadytrain.telemetry.files import read_jsonl
 
 
 def config(run_dir, **given) -> TrainConfig:
@@ -64,24 +60,8 @@ def test_the_siamese_network_over_a_concat_of_subsets_killed_under_run_ends_as_r
     over a ConcatDataset of two Subsets whose samples are NumPy arrays and a Python float,
     shuffled by its DataLoader: SIGKILLed after step 7 under `steadytrain run`, it resumes from
     step 6 and ends with the uninterrupted run's weights, bit for bit."""
-    script = WORKLOADS / "ported_siamese.py"
-    through, killed, marker = tmp_path / "through", tmp_path / "killed", tmp_path / "marker"
-    proc = run_workload("ported_siamese.py", str(through))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    supervised = forkserver.run(
-        [
-            *(sys.executable, "-m", "steadytrain.cli", "run", "--run-dir", str(killed)),
-            *("--backoff-initial", "0.01", "--backoff-max", "0.05", "--"),
-            *(sys.executable, str(script), str(killed), "7", str(marker)),
-        ],
-        timeout=300,
-    )
-    assert supervised.returncode == 0, supervised.stderr[-3000:]
-    assert marker.exists()  # it was killed
-    events = read_jsonl(killed / "events.jsonl")
-    assert [e["step"] for e in events if e["event"] == "resume"] == [6]
-    want = torch.load(through / "final.pt", weights_only=True)
-    got = torch.load(killed / "final.pt", weights_only=True)
+    want, got, resumed = killed_under_run_and_through("ported_siamese.py", tmp_path, kill_after=7)
+    assert resumed == [6]
     assert want.keys() == got.keys()
     for name, value in want.items():
         assert torch.equal(got[name], value), name

@@ -13,17 +13,18 @@ import pytest
 
 
 def mount(point: Path, options: str) -> None:
+    """A tmpfs with `options` ("size=2m") mounted at `point`."""
+    mount_or_skip("-t", "tmpfs", "-o", options, "tmpfs", str(point))
+
+
+def mount_or_skip(*argv: str) -> None:
+    """`mount ARGV`, or the test skipped with the reason where mounting is not allowed."""
     try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
+        done = subprocess.run(["mount", *argv], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+        pytest.skip(f"cannot mount here: {exc}")
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        pytest.skip(f"cannot mount here: {done.stderr.strip()}")
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
-from disks import fill, tmpfs
+from disks import fill, mount_or_skip, tmpfs
 from script_helpers import Data, loss_fn
 
 from steadytrain import TrainConfig, Trainer, _durable, run_files
@@ -131,16 +131,6 @@ def test_a_link_planted_where_the_fallback_sets_the_old_export_aside_is_not_foll
 # -- read-only places --------------------------------------------------------------------------
 
 
-def mounted(*argv: str) -> None:
-    """`mount ARGV`, or the test skipped with the reason where mounting is not allowed."""
-    try:
-        done = subprocess.run(["mount", *argv], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount here: {done.stderr.strip()}")
-
-
 @contextlib.contextmanager
 def read_only_later(folder: Path) -> Iterator[Callable[[], None]]:
     """A function that makes `folder` read-only from then on (a read-only bind mount over
@@ -148,9 +138,9 @@ def read_only_later(folder: Path) -> Iterator[Callable[[], None]]:
     done = []
 
     def now() -> None:
-        mounted("--bind", str(folder), str(folder))
+        mount_or_skip("--bind", str(folder), str(folder))
         done.append(folder)
-        mounted("-o", "remount,bind,ro", str(folder))
+        mount_or_skip("-o", "remount,bind,ro", str(folder))
 
     try:
         yield now

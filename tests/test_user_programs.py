@@ -683,6 +683,38 @@ def test_token_samples_of_different_lengths_without_padding_name_two_samples_and
     assert "collate_fn=Collator(pad_id)" in text
 
 
+@pytest.mark.parametrize("index", ["columns", "ellipsis", "mask"])
+def test_token_samples_of_different_lengths_sliced_as_a_tensor_get_the_same_refusal(
+    tmp_path, index
+):
+    """The commonest first use of a text batch, `x[:, :3]`, on samples of different lengths
+    without a collate_fn: the documented exit 5 naming two samples and Collator, as `.shape`
+    gets, not list's "list indices must be integers or slices, not tuple"."""
+    take = {
+        "columns": lambda x: x[:, :3],
+        "ellipsis": lambda x: x[..., 0],
+        "mask": lambda x: x[torch.ones(16, dtype=torch.bool)],
+    }[index]
+
+    def loss_fn(model, batch):
+        ids = take(batch["input_ids"])
+        return model(ids, ids)
+
+    trainer = Trainer(
+        TinyLM(),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn,
+        token_samples([5 + (i * 7) % 8 for i in range(16)]),
+        config(tmp_path, effective_batch_size=16, micro_batch_size=16, shuffle=False),
+    )
+    with pytest.raises(UserCodeError) as info:
+        trainer.fit()
+    text = str(info.value)
+    assert info.value.exit_code == 5 and "list indices" not in text
+    assert "samples 0 and 1 have 5 and 12 tokens" in text
+    assert "collate_fn=Collator(pad_id)" in text
+
+
 def test_a_sample_of_another_shape_is_named_by_its_dataset_index_and_both_shapes(tmp_path):
     data = [(x.clone(), y) for x, y in labelled(32)]
     data[21] = (torch.randn(7), 1)

@@ -43,10 +43,23 @@ class PerSample(list):
 
     def __getattr__(self, name: str) -> Any:
         if not name.startswith("__") and hasattr(torch.Tensor, name):
-            problem = unstacked(self)
-            if problem is not None:
-                raise UnstackedSamplesError(problem, where="data")
+            self._refuse_as_tensor()
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __getitem__(self, index: Any) -> Any:
+        # A tensor's indexing (`x[:, :3]`, `x[..., 0]`, `x[None]`, `x[mask]`) on samples that were
+        # not stacked: the same refusal as `.shape`, not list's "indices must be integers".
+        one = isinstance(index, int | slice) or hasattr(index, "__index__")
+        if isinstance(index, torch.Tensor):  # a mask or a list of positions: a tensor's indexing
+            one = index.numel() == 1 and not index.is_floating_point() and index.dtype != torch.bool
+        if not one:
+            self._refuse_as_tensor()
+        return super().__getitem__(index)
+
+    def _refuse_as_tensor(self) -> None:
+        problem = unstacked(self)
+        if problem is not None:
+            raise UnstackedSamplesError(problem, where="data")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None) -> Any:

@@ -437,3 +437,46 @@ def test_estimate_asked_for_qlora_by_name_is_told_the_flags(trained, capsys):
     assert (
         "--method: 'qlora' is not one of full, lora; QLoRA is --method lora --load-in-4bit" in said
     )
+
+
+# -- a resume after the model changed shape -----------------------------------------------------
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, width), torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _fit_two_layers(run_dir: Path, width: int, **given):
+    data = [(torch.full((4,), float(i)), torch.ones(1) * i) for i in range(16)]
+    trainer = Trainer(
+        TwoLayers(width),
+        lambda p: torch.optim.SGD(p, lr=0.01),
+        _loss,
+        data,
+        config(run_dir, save_every_steps=2, **given),
+    )
+    return trainer.fit()
+
+
+@pytest.mark.parametrize("overrides", [[], ["model"]])
+def test_a_resume_after_a_layer_changed_width_names_the_parameter_and_offers_no_override(
+    tmp_path, overrides
+):
+    """A layer widened between two starts of one run_dir: exit 2 naming each parameter whose
+    shape changed, old -> new, and no `resume_overrides` (none can load tensors into another
+    shape); with `resume_overrides: ['model']` set anyway, the same answer, never 'no checkpoint
+    verifies ... restore from a backup' about checkpoints that are intact."""
+    _fit_two_layers(tmp_path / "run", 16, max_steps=2)
+    with pytest.raises(Exception) as info:
+        _fit_two_layers(tmp_path / "run", 32, resume_overrides=overrides)
+    text = str(info.value)
+    assert getattr(info.value, "exit_code", None) == 2, text
+    assert "a.weight: shape (16, 4) -> (32, 4)" in text
+    assert "b.weight: shape (1, 16) -> (1, 32)" in text
+    assert "resume_overrides: [" not in text and "backup" not in text
+    assert "new run_dir" in text

@@ -41,6 +41,16 @@ def model_shape(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def parameter_table(model: torch.nn.Module) -> dict[str, list]:
+    """Each parameter's shape, dtype and trainability by name: what `model_shape` fingerprints,
+    kept whole so that a refused resume names the parameter that changed, and whether the
+    checkpoint could load into it at all (a shape can not; a dtype or trainability can)."""
+    return {
+        name: [list(param.shape), str(param.dtype).removeprefix("torch."), param.requires_grad]
+        for name, param in model.named_parameters()
+    }
+
+
 def optimizer_identity(optimizer: torch.optim.Optimizer) -> str:
     """Class and hyperparameters of a freshly built optimizer, per parameter group."""
     groups = [
@@ -63,7 +73,13 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     lines = []
     for key in sorted(set(saved) | set(now)):
         old, new = saved.get(key), now.get(key)
-        if old != new and key in _FINGERPRINTS:
+        if key == "parameters":  # said in the model's line (a checkpoint before it has none)
+            continue
+        if key == "model" and old != new and saved.get("parameters") and now.get("parameters"):
+            lines += [
+                f"model: {c}" for c in parameter_changes(saved["parameters"], now["parameters"])
+            ]
+        elif old != new and key in _FINGERPRINTS:
             lines.append(f"{key}: {_FINGERPRINTS[key]} (fingerprint {old} -> {new})")
         elif old != new:
             detail = _detail(old, new)
@@ -77,6 +93,41 @@ _FINGERPRINTS = {
     "data": "the dataset's length or samples differ",
 }
 """Identity fields kept as a fingerprint: what a change of one means, said with it."""
+
+
+def parameter_changes(old: dict[str, list], new: dict[str, list]) -> list[str]:
+    """One line per parameter whose shape, dtype or trainability differs (`a.weight: shape
+    (16, 6) -> (32, 6)`), or that is new or gone; at most 8, then how many more."""
+    lines = []
+    for name in [*old, *(n for n in new if n not in old)]:
+        before, after = old.get(name), new.get(name)
+        if before == after:
+            continue
+        if before is None:
+            lines.append(f"{name}: {_SHAPE_CHANGE} new, shape {tuple(after[0])}")
+        elif after is None:
+            lines.append(f"{name}: {_SHAPE_CHANGE} gone (shape {tuple(before[0])})")
+        elif before[0] != after[0]:
+            lines.append(f"{name}: {_SHAPE_CHANGE} {tuple(before[0])} -> {tuple(after[0])}")
+        else:
+            lines += [f"{name}: dtype {before[1]} -> {after[1]}"] if before[1] != after[1] else []
+            trainable = {True: "trainable", False: "frozen"}
+            if before[2] != after[2]:
+                lines.append(f"{name}: {trainable[before[2]]} -> {trainable[after[2]]}")
+    if len(lines) > 8:
+        lines = [*lines[:8], f"and {len(lines) - 8} more parameter(s)"]
+    return lines or [_FINGERPRINTS["model"]]
+
+
+_SHAPE_CHANGE = "shape"
+"""The word a parameter's line starts with when the checkpoint cannot load into it at all."""
+
+
+def _cannot_load(difference: str) -> bool:
+    """A difference no override can let through: a parameter of another shape, new or gone
+    (the saved tensors do not fit the model's)."""
+    field, _, rest = difference.partition(": ")
+    return field == "model" and rest.partition(": ")[2].startswith(_SHAPE_CHANGE + " ")
 
 
 def override_hint(refused: list[str]) -> str:
@@ -145,6 +196,7 @@ def run_identity(
     return {
         **settings,
         "model": model_shape(model),
+        "parameters": parameter_table(model),
         "frozen_base": frozen_fingerprint(model),
         "optimizer": optimizer_identity(optimizer),
         "schedule": schedule_identity(scheduler),
@@ -172,6 +224,17 @@ def check_identity(
         or (field_of(d) == "frozen_base" and "model" in allowed)
     ]
     refused = [d for d in changed if d not in overridden]
+    unloadable = [d for d in changed if _cannot_load(d)]
+    if unloadable:
+        raise BadInputError(
+            f"resume: {source} holds parameters of other shapes than this model's (old -> "
+            "new):\n  "
+            + "\n  ".join(d.partition(": ")[2] for d in unloadable)
+            + "\nA checkpoint cannot load into parameters of another shape, so no "
+            "resume_overrides lets this through. Build the model as that run did to resume it, "
+            "or train the changed model in a new run_dir (load what still fits from "
+            f"{source} yourself first if you want to keep it)"
+        )
     if refused:
         raise BadInputError(
             f"resume: {source} belongs to a different run; what changed (old -> new):\n  "

@@ -336,6 +336,12 @@ WRONG_ARGUMENTS = {
         "called (subclass steadytrain.Callback and define on_step_end(self, state, control, "
         "info), for one)",
     ),
+    # the callback's class, not an instance: exit 1 with chained tracebacks
+    "callback_class": (
+        {"callbacks": [type("Printer", (), {"on_step_end": lambda self, s, c, i: None})]},
+        "error in your code (callbacks) before the first step: callbacks[0] is the class "
+        "Printer, not a callback: pass an instance, callbacks=[Printer()]",
+    ),
 }
 
 

@@ -111,6 +111,12 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
     methods = [event.method for event in Event]
     earlier = [name for names in EARLIER_METHODS.values() for name in names]
     for i, callback in enumerate(callbacks):
+        if isinstance(callback, type):  # its methods would be called without an instance
+            raise UserCodeError(
+                f"callbacks[{i}] is the class {callback.__name__}, not a callback: pass an "
+                f"instance, callbacks=[{callback.__name__}()]",
+                where="callbacks",
+            )
         if inspect.isfunction(callback) or inspect.ismethod(callback):  # no event calls it
             raise UserCodeError(
                 f"callbacks[{i}] is a function ({callback.__name__}), which no event calls: a "

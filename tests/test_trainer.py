@@ -374,6 +374,20 @@ def test_nan_in_the_data_stops_with_the_step_named(tmp_path):
     assert end["error_step"] == step
 
 
+def test_the_stop_line_after_a_nan_counts_the_steps_before_it(tmp_path, capsys):
+    """A NaN loss is read while the next step runs: the last line counted that step as done
+    ('stopped at step 5 ... 6 step(s) done' where 4 were)."""
+    model, data = regression()
+    data[5] = (torch.full((4,), float("nan")), data[5][1])
+    with pytest.raises(BadInputError) as raised:
+        Trainer(model, sgd, mse, data, config(tmp_path, micro_batch_size=4)).fit()
+    step = int(str(raised.value).split(" at step ")[1].split()[0])
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"stopped at step {step} by BadInputError (exit 2; " in err, err
+    done = f"{step - 1} step(s) done" if step > 1 else "no step done"
+    assert f"exit 2; {done}; the error follows" in err, err
+
+
 def test_a_second_trainer_on_a_run_directory_in_use_is_refused(tmp_path):
     from steadytrain.safety.lock import RunLock
 

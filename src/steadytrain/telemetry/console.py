@@ -302,6 +302,8 @@ def _ended(info: dict, step: int) -> str:
         return f"{info['reason']} at step {step}"
     kind, at = info["error"], info.get("error_step")
     where = f"at step {at}" if at else "before the first step"
+    if at:  # the steps before it; a later one may have run already (a loss read while it ran)
+        step = min(step, at - 1)
     done = f"{step} step(s) done" if step else "no step done"
     if kind == "KeyboardInterrupt":
         return f"stopped {where} by Ctrl-C (KeyboardInterrupt, exit 130; {done})"

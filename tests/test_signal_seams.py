@@ -265,10 +265,13 @@ def test_a_learning_rate_changed_with_resume_overrides_is_the_one_trained_with(t
     assert _fit_at(tmp_path, 4, 0.1, scheduled) == (
         [0.1, 0.1, 0.05, 0.05] if scheduled else [0.1] * 4
     )
-    with pytest.raises(BadInputError, match=r"optimizer: lr: 0.1 -> 0.01"):
+    with pytest.raises(BadInputError, match=r"optimizer: lr: 0.1 -> 0.01") as refused:
         _fit_at(tmp_path, 6, 0.01, scheduled)
-    overrides = ["optimizer", "schedule"] if scheduled else ["optimizer"]  # as the hint says
-    resumed = _fit_at(tmp_path, 6, 0.01, scheduled, overrides=overrides)
+    # the user's lr, not the schedule's copies of it (`_last_lr`, `base_lrs`, `initial_lr`)
+    said = str(refused.value)
+    assert "_last_lr" not in said and "base_lrs" not in said and "initial_lr" not in said, said
+    assert said.endswith("resume_overrides: ['optimizer']"), said
+    resumed = _fit_at(tmp_path, 6, 0.01, scheduled, overrides=["optimizer"])  # as the hint says
     assert resumed == pytest.approx([0.0025, 0.0025] if scheduled else [0.01, 0.01])
     change = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "resume_override"]
     assert "optimizer: lr: 0.1 -> 0.01" in [e["change"] for e in change]

@@ -82,9 +82,29 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         elif old != new and key in _FINGERPRINTS:
             lines.append(f"{key}: {_FINGERPRINTS[key]} (fingerprint {old} -> {new})")
         elif old != new:
-            detail = _detail(old, new)
+            detail = _as_the_user_set_it(key, _detail(old, new))
+            if detail is None:  # only what follows the optimizer's rate: said in its line
+                continue
             lines += [f"{key}: {d}" for d in detail] if detail else [f"{key}: {old!r} -> {new!r}"]
     return lines
+
+
+def _as_the_user_set_it(key: str, detail: list[str]) -> list[str] | None:
+    """A changed optimizer or schedule in the values a program sets. A scheduled optimizer's
+    `initial_lr` is the `lr` it was built with (its `lr` is where the schedule has taken it),
+    so that is its `lr` line; a schedule's place and the rates it copies from the optimizer
+    (`_PROGRESS`) follow from the optimizer's line, so a schedule with no other change has no
+    line (None) and the optimizer's override lets it through."""
+
+    def name(line: str) -> str:  # "group 1 lr: 0.1 -> 0.01" -> "lr"
+        return line.split(": ", 1)[0].split()[-1]
+
+    if key == "optimizer" and any(name(d) == "initial_lr" for d in detail):
+        shown = [d for d in detail if name(d) != "lr"]
+        return [d.replace("initial_lr: ", "lr: ", 1) for d in shown]
+    if key == "schedule" and detail:
+        return [d for d in detail if name(d) not in _PROGRESS] or None
+    return detail
 
 
 _FINGERPRINTS = {

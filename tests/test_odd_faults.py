@@ -218,7 +218,8 @@ def test_a_hang_on_a_disk_that_filled_meanwhile_exits_75_and_says_no_report(tiny
     assert "No space left on device" in err
     assert "no hang report (it could not be written); exiting 75" in err
     assert "stacks in None" not in err and "Traceback" not in err
-    assert [p.name for p in (run_dir / "hangs").iterdir()] == []
+    hangs = run_dir / "hangs"
+    assert not hangs.exists() or [p.name for p in hangs.iterdir()] == []
 
 
 class Saves:

@@ -108,6 +108,7 @@ def test_run_dir_holds_resolved_config_metrics_and_events(tmp_path):
     events = [e["event"] for e in read_jsonl(run / "events.jsonl")]
     assert events[0] == "fit_start" and events[-1] == "fit_end"
     assert result.steps == 8 and result.exit_code == 0 and result.reason == "finished"
+    assert not (run / "hangs").exists()  # no hang: no empty hangs/ folder left behind
 
 
 def test_loss_falls(tmp_path):

@@ -282,7 +282,8 @@ class HangWatchdog(HangLimits, Callback):
 
     def _release(self) -> None:
         """Disarm the backstops and tidy the files: the timer, the dump signal, the heartbeat,
-        the backstop file (a dump in it, from report mode or a SIGUSR1, becomes a report)."""
+        the backstop file (a dump in it, from report mode or a SIGUSR1, becomes a report), and
+        hangs/ when no report is in it."""
         faulthandler.cancel_dump_traceback_later()
         if self._backstop is not None:
             self._backstop.release()
@@ -290,6 +291,8 @@ class HangWatchdog(HangLimits, Callback):
         with contextlib.suppress(OSError):
             (self.run_dir / run_files.HEARTBEAT).unlink()
         adopt_backstop_dumps(self.run_dir, self.record, only_pid=os.getpid())
+        with contextlib.suppress(OSError):  # it held only the backstop file: no hang, no folder
+            (self.run_dir / run_files.HANGS).rmdir()
 
     # -- the watching thread -----------------------------------------------------------------
 

@@ -188,13 +188,15 @@ class RNGStateError(BadInputError, RuntimeError):
     """A saved RNG snapshot cannot be restored on this machine."""
 
 
-SIGNAL_EXITS = {"SIGINT": 130, "SIGTERM": 143}
+SIGNAL_EXITS = {"SIGHUP": 129, "SIGINT": 130, "SIGTERM": 143}
+"""The stop signals and the codes a run they stopped ends with (128 + the signal's number): it
+finished the optimizer step and committed a checkpoint first. SIGHUP is the terminal closing."""
 
 
 class Stopped(SystemExit):
-    """`fit()` (or an integration's loop) was stopped by SIGINT or SIGTERM after committing a
-    checkpoint (or by a Ctrl-C before its first step: nothing new to save). A `SystemExit`
-    carrying the code (`code`: 130 for SIGINT, 143 for SIGTERM):
+    """`fit()` (or an integration's loop) was stopped by SIGINT, SIGTERM or SIGHUP after
+    committing a checkpoint (or by a Ctrl-C before its first step: nothing new to save). A
+    `SystemExit` carrying the code (`code`: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP):
     uncaught, the process ends with it and without a traceback, so the lines after `fit()` (a
     final ``torch.save``) do not run as if training had finished, and `steadytrain run` or a
     cluster sees a stop, not a success. Catch it to do something first, then re-raise:
@@ -456,6 +458,12 @@ def _theirs_class(original: type, base: type[UserCodeError] = UserCodeError) -> 
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (.*?)\.?(?: Details .*)?")
 """torch's words for a DataLoader worker process that ended (from its SIGCHLD handler, which
 raises wherever the main thread is, or from the loader's own check)."""
+
+
+def is_worker_death(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it interrupted) is torch's word that a DataLoader worker
+    process ended."""
+    return _worker_died(exc, None) is not None
 
 
 def _worker_died(exc: BaseException, step: int | None) -> UserCodeError | None:

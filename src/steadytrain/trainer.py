@@ -37,6 +37,7 @@ from steadytrain.engine.distributed import Group, name_waits
 from steadytrain.engine.evaluation import EvalFn, loss_metrics, takes_metric
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.sharding import choose, shard
+from steadytrain.engine.workers import owned_worker_init
 from steadytrain.errors import (
     BadInputError,
     ConfigError,
@@ -427,7 +428,7 @@ class Trainer(TrainerCheckpoint, TrainerPasses):
             batch_sampler=group.shares(sampler),
             collate_fn=self.collate_fn,
             num_workers=self.workers,
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=owned_worker_init(self.worker_init_fn),  # they outlive a stop signal
             pin_memory=device.type == "cuda",
             generator=torch.Generator().manual_seed((self.config.seed or 0) * 7919 + epoch),
         )

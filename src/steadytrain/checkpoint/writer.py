@@ -22,10 +22,16 @@ from typing import Any
 from steadytrain._units import format_bytes
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.device.budget import cpu_headroom
-from steadytrain.errors import DiskFullError, RunDiskFullError, RunNotWritableError, is_disk_full
+from steadytrain.errors import (
+    SIGNAL_EXITS,
+    DiskFullError,
+    RunDiskFullError,
+    RunNotWritableError,
+    is_disk_full,
+)
 from steadytrain.events import Callback, Control, TrainState
 
-STOP_CODES = (0, 130, 143)
+STOP_CODES = (0, *SIGNAL_EXITS.values())  # finished, or stopped by a signal
 
 
 @contextlib.contextmanager

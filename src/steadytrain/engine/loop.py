@@ -12,6 +12,7 @@ from steadytrain.device import is_oom
 from steadytrain.engine.evaluation import Evaluation
 from steadytrain.engine.open_files import open_files_limit_error
 from steadytrain.engine.step import StepRunner
+from steadytrain.engine.workers import owned_batches
 from steadytrain.errors import BadInputError, user_code_error
 from steadytrain.events import Dispatcher, Event, StepMetrics
 
@@ -133,7 +134,8 @@ class Loop:
         while state.step < state.max_steps and not control.stop_requested:
             data_start = time.perf_counter()
             self.step_in_progress = state.step + 1  # its batch is read next
-            for batch in self.batches(state.epoch, state.batch_in_epoch):
+            # the workers outlive a stop signal until the step is saved (engine/workers.py)
+            for batch in owned_batches(self.batches(state.epoch, state.batch_in_epoch), control):
                 data_time = time.perf_counter() - data_start
                 self.emit(Event.STEP_START)
                 coming = state.step + 1

@@ -8,12 +8,18 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from steadytrain.errors import DISK_FULL_EXIT, RESTARTABLE_EXIT, SHRINK_EXIT, USER_CODE_EXIT
+from steadytrain.errors import (
+    DISK_FULL_EXIT,
+    RESTARTABLE_EXIT,
+    SHRINK_EXIT,
+    SIGNAL_EXITS,
+    USER_CODE_EXIT,
+)
 from steadytrain.supervisor.attempt_end import MemoryAtKill, RankEnd
 
 HANG = RESTARTABLE_EXIT
 SHRINK = SHRINK_EXIT
-STOPPED = (130, 143)
+STOPPED = tuple(SIGNAL_EXITS.values())  # 129 SIGHUP, 130 SIGINT, 143 SIGTERM: saved and stopped
 # A torchrun group's failed rank's exit code that decides the restart as the child's would
 # (torchrun itself exits 1 whichever rank failed and however).
 RANK_CODES = (2, 3, USER_CODE_EXIT, DISK_FULL_EXIT, HANG, SHRINK)
@@ -23,7 +29,7 @@ NOT_RESTARTABLE = {
     DISK_FULL_EXIT: "disk full",  # a restart would fail on the same full disk
 }
 # Signals that mean "stop", not "crashed": the user (or the OS shutting down) asked for it.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in SIGNAL_EXITS if hasattr(signal, name))
 # A shell or launcher between us and the trainer reports a process killed by signal N as exit
 # 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
 SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)

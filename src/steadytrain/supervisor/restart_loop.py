@@ -17,7 +17,8 @@ must outlive whatever kills the trainer. One pass of its loop::
       0                       -> exit 0; but when the attempt's last fit_end says its run
                                  did not finish (the program caught what fit() raised): 130 /
                                  143 for a stop by a signal, else judged as that exit code
-      130, 143 (or -2, -15)   -> the user stopped it: exit with that code (128 + signal)
+      129, 130, 143           -> the user stopped it (SIGHUP, SIGINT, SIGTERM; or killed by
+      (or -1, -2, -15)           one of them): exit with that code (128 + signal)
       2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
                                  same way, so exit with that code
       anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
@@ -51,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from steadytrain._terminal import say
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
 from steadytrain.run_events import append_event
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
@@ -489,7 +491,7 @@ class Supervisor:
             self._say(f"run dir {opts.run_dir} does not exist yet; watching it for checkpoints")
 
     def _say(self, text: str) -> None:
-        print(f"steadytrain run: {text}", file=self.out, flush=True)
+        say(f"steadytrain run: {text}", self.out)  # a closed terminal does not end us
 
 
 def _positive_int(text: str | None) -> int | None:

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.text import Text
 
+from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState
 from steadytrain.run_hangs import print_aside
@@ -31,7 +32,7 @@ GIB = 1024**3
 def console_callback(cfg, console: Console | None = None, errors_only: bool = False) -> ConsoleLog:
     """The progress display the config asks for (``progress``: auto, bar, lines or off).
     `errors_only`: a rank other than 0 under torchrun, whose lines would repeat rank 0's."""
-    console = console or Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    console = console or Console(file=Surviving(sys.stderr), highlight=False, soft_wrap=True)
     if errors_only:
         return ErrorsOnly(cfg.log_every_steps, console)
     mode = cfg.progress
@@ -49,7 +50,9 @@ class ConsoleLog(Callback):
 
     def __init__(self, every: int = 10, console: Console | None = None, steps: bool = True):
         self.every, self.steps = every, steps
-        self.console = console or Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        self.console = console or Console(
+            file=Surviving(sys.stderr), highlight=False, soft_wrap=True
+        )
         self._start = time.perf_counter()
         self._pending: tuple[int, int, int, StepMetrics] | None = None
         self._loop_thread = threading.current_thread()

@@ -54,8 +54,9 @@ class RanksOutOfMemory(MemoryError):
 
 
 @dataclass(frozen=True)
-class Agreement:
-    """What the ranks agreed after their micro-batches (`Group.agree`)."""
+class Agreed:
+    """What the ranks agreed after their micro-batches (`Group.agree`; the step's strategy that
+    asks is engine/agreement.py)."""
 
     failed: list[int]
     """The ranks that ran out of memory (none: the step goes on to the gradient sum)."""
@@ -257,7 +258,7 @@ class Group:
         params: Sequence[torch.Tensor],
         loss: torch.Tensor | float | None,
         count: torch.Tensor | int | None,
-    ) -> Agreement:
+    ) -> Agreed:
         """One all-reduce after this rank's micro-batches: who failed, which parameters have
         gradients anywhere, the loss and token count summed (float64: counts stay exact)."""
         world, n_params = self.world_size, len(params)
@@ -272,7 +273,7 @@ class Group:
         with _waiting_in("all-reduce (agreement)"):
             dist.all_reduce(local)
         flags = local.tolist()
-        return Agreement(
+        return Agreed(
             failed=[r for r in range(world) if flags[r]],
             has_grad=[bool(f) for f in flags[world : world + n_params]],
             loss=local[-2].float(),

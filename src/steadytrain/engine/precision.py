@@ -25,6 +25,27 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: fp16's times the scaler's factor, so that small gradients
+        do not underflow; the loss itself otherwise."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: divide the gradients by the scaler's factor again, before they are clipped."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+        """`optimizer.step()`, or fp16's scaler's step and update. Returns whether the scaler
+        skipped the step (gradients with inf or NaN): a tensor, so nothing waits for the device."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        before = self.scaler._scale.clone()  # compared after the update, without a sync here
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler._scale < before
+
 
 def resolve_precision(requested: str, device: Device) -> Precision:
     """'auto': bf16 on CUDA where it runs, else fp16; fp32 on MPS and CPU (see config docs)."""

@@ -14,12 +14,13 @@ and uneven splits do not bias it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -31,24 +32,23 @@ from steadytrain.device import (
     call_or_oom,
     retry_on_oom,
 )
-from steadytrain.engine.accumulation import BatchLoss, TokenCount, backward, divide_and_clip
+from steadytrain.engine.accumulation import BatchLoss, backward, divide_and_clip
 from steadytrain.engine.accumulation import check_loss_output as check_loss_output  # re-export
+from steadytrain.engine.agreement import Agreement, Phase
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.distributed import Group, RanksOutOfMemory
+from steadytrain.engine.distributed import Group
 from steadytrain.engine.one_sample import (
     ONE_SAMPLE_NORM,
     one_sample_batch,
     one_sample_norm_does_not_fit,
 )
 from steadytrain.engine.precision import Precision
-from steadytrain.engine.sharding import set_gradient_sync
 from steadytrain.engine.side_pass import Saved, side_pass
 from steadytrain.errors import (
     BadInputError,
     DoesNotFitError,
     FreshProcessOutOfMemory,
     OptimizerStateTouched,
-    RankOutOfMemory,
 )
 from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
 from steadytrain.user_state import select
@@ -65,52 +65,6 @@ class SaverLadder(Protocol):
 
     def next_rung(self, reason: str) -> dict[str, Any] | None: ...
     def describe(self) -> str: ...
-
-
-class _PhaseMarks:
-    """Phase boundaries of one timed step, on the device's clock.
-
-    On CUDA and MPS the host only queues work, so its clock measures launches: a step whose
-    kernels take 40 ms can show 2 ms of compute_time. A timing event recorded into the queue at
-    each boundary is stamped when the device gets there; the spans are read lazily (`DeviceSpan`)
-    after the wait the run already does to read the loss, so a timed step waits no more than any
-    other. Where the backend has no timing events, each boundary synchronizes instead (only on
-    timed steps); on CPU that is free and the host clock is the device clock.
-    """
-
-    def __init__(self, device: Device):
-        self.device = device
-        self.events: list[Any] | None = None
-        self._next = 0
-        if device.type != "cpu":
-            try:
-                self.events = [
-                    torch.Event(device.torch_device, enable_timing=True) for _ in range(3)
-                ]
-            except (RuntimeError, TypeError, ValueError):
-                self.events = None
-
-    def mark(self) -> None:
-        """The next boundary: start, end of forward+backward, end of the optimizer step."""
-        if self.events is not None:
-            try:
-                self.events[self._next].record()
-            except RuntimeError:  # a backend whose events cannot time: synchronize instead
-                if self._next:
-                    raise
-                self.events = None
-        if self.events is None:
-            self.device.synchronize()
-        self._next += 1
-
-    def spans(self, compute_time: float, optimizer_time: float) -> dict[str, Any]:
-        if self.events is None:
-            return {"device_compute_time": compute_time, "device_optimizer_time": optimizer_time}
-        start, middle, end = self.events
-        return {
-            "device_compute_time": DeviceSpan(start, middle),
-            "device_optimizer_time": DeviceSpan(middle, end),
-        }
 
 
 class StepRunner:
@@ -150,7 +104,15 @@ class StepRunner:
             if b is not None
         ]
         self.non_blocking = device.type == "cuda"
-        self._phase = "idle"
+        self.phase = Phase()
+        self.ranks = Agreement.for_group(
+            self.group,
+            model=model,
+            params=self.params,
+            free=device.empty_cache,
+            phase=self.phase,
+            record_oom=self._record_oom,
+        )
         self._versions_before_optimizer: dict | None = None
         self._shrinks_before_step = 0
 
@@ -176,35 +138,47 @@ class StepRunner:
             return retry_on_oom(lambda: self._attempt(batch, timed), self._drop_partial, recover)
 
     def _attempt(self, batch: Any, timed: bool) -> dict[str, Any]:
+        """One try at the step, top to bottom; an out-of-memory anywhere in it ends the try,
+        and `run` redoes it smaller."""
         n = self.group.total(batch_len(batch))  # the global batch: each rank holds a share
         micro = self.state.micro_batch_size
         pieces = split_batch(batch, micro)
         self.device.reset_peak()
-        marks = _PhaseMarks(self.device) if timed else None
-        if marks is not None:
-            marks.mark()
-        start = time.perf_counter()
-        try:
-            loss = self._accumulate(pieces, n)
-        except ValueError as exc:
-            if micro == 1 and self.state.shrink_count and ONE_SAMPLE_NORM in str(exc):
-                raise DoesNotFitError(one_sample_norm_does_not_fit(exc)) from exc
-            if n == 1 and ONE_SAMPLE_NORM in str(exc):
-                raise BadInputError(one_sample_batch(exc, self.state.step + 1)) from exc
-            raise
-        if marks is not None:
-            marks.mark()
-        compute_time = time.perf_counter() - start
-        opt_start = time.perf_counter()
+        marks = _PhaseMarks(self.device, timed)
+
+        def passes() -> BatchLoss:  # this rank's micro-batches; the gradients sum in place
+            loss = BatchLoss(n)
+            for i, piece in enumerate(pieces):
+                self.phase.now = "forward"
+                size = batch_len(piece)
+                select(self.user_state, i * micro, i * micro + size, n)
+                piece = to_device(piece, self.device.torch_device, self.non_blocking)
+                self.ranks.micro_batch(last=i == len(pieces) - 1)
+                with self.precision.autocast():
+                    out = self.loss_fn(self.model, piece)
+                scaled = self.precision.scale(loss.add(out, size))  # weighted by its share
+                self.phase.now = "backward"
+                backward(scaled)
+                del out, scaled
+                self.emit(Event.MICRO_STEP_END, {"index": i, "count": len(pieces), "size": size})
+            return loss
+
+        with self._one_sample_norms(micro, n):
+            loss = self.ranks.passes(passes)  # and the ranks' agreement (engine/agreement.py)
+        marks.mark()
         divisor = loss.divisor()
-        grad_norm, skipped = self._optimizer_step(divisor)
-        if marks is not None:
-            marks.mark()
-        optimizer_time = time.perf_counter() - opt_start
+        self.phase.now = "optimizer"
+        self._versions_before_optimizer = None
+        self.precision.unscale(self.optimizer)
+        grad_norm = divide_and_clip(self.params, divisor, self.max_grad_norm)
+        self._versions_before_optimizer = self._versions()  # what a failed step must not touch
+        skipped = self.precision.step(self.optimizer)  # fp16's scaler may skip it
+        self._versions_before_optimizer = None
+        _schedule(self.scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phase.now = "idle"
+        marks.mark()
         # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
-        timings = {"compute_time": compute_time, "optimizer_time": optimizer_time}
-        if marks is not None:
-            timings.update(marks.spans(compute_time, optimizer_time))
         return {
             "loss": loss.mean(),
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -213,125 +187,22 @@ class StepRunner:
             "micro_steps": len(pieces),
             "samples": n,
             "tokens": divisor if divisor is not None else 0,
-            **timings,
+            **marks.times(),
             "skipped": skipped,
         }
 
-    def _accumulate(self, pieces: list[Any], n: int) -> BatchLoss:
-        """This rank's passes, then the ranks' agreement and gradient sum (engine/distributed.py):
-        an out-of-memory on any rank makes every rank redo the step; none waits in a collective."""
-        if not self.group.active:
-            return self._forward_backward(pieces, n)
-        if self.group.sharded:
-            return self._accumulate_sharded(pieces, n)
-        loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
-        phase, self._phase = self._phase, "agreement"
-        agreed = self.group.agree(
-            oom is not None,
-            self.params,
-            None if loss is None else loss.value,
-            None if loss is None or not loss.token_mode else loss.count.sum(),
-        )
-        if agreed.failed:
-            ranks = ", ".join(str(r) for r in agreed.failed)
-            self._phase = phase if oom is not None else f"rank {ranks}"
-            mine = f": {oom.error}" if oom is not None else ""
-            raise RanksOutOfMemory(
-                f"out of memory on rank {ranks} of {self.group.world_size}{mine}"
-            )
-        self._phase = "gradient sum"
-        self.group.sum_gradients(self.params, agreed.has_grad)
-        loss.value = agreed.loss
-        if agreed.count is not None:
-            loss.count = TokenCount()
-            loss.count.add(agreed.count)  # the global token count divides the summed gradients
-        return loss
-
-    def _accumulate_sharded(self, pieces: list[Any], n: int) -> BatchLoss:
-        """FSDP: the forward all-gathers, so the ranks cannot agree before a collective. A rank
-        that runs out of memory records its `oom` event and exits 76 (torchrun ends the group;
-        `steadytrain run` restarts it smaller); otherwise the ranks sum the loss and count."""
-        loss, oom = call_or_oom(lambda: self._forward_backward(pieces, n), self.device.empty_cache)
-        if oom is not None:
-            self.state.oom_count += 1
-            failure = {"phase": self._phase, "error": oom.error, "requested": oom.requested}
-            rank, world = self.group.rank, self.group.world_size
-            self.emit(
-                Event.OOM,
-                {
-                    **failure,
-                    "micro_batch_size": self.state.micro_batch_size,
-                    "memory": self.device.memory().to_dict(),
-                    "rank": rank,
-                },
-            )
-            raise RankOutOfMemory(
-                f"out of memory on rank {rank} of {world} in {failure['phase']} at micro-batch "
-                f"{self.state.micro_batch_size} (distributed: fsdp): {oom.error}; exiting 76 so "
-                "that `steadytrain run` restarts the group smaller from the last checkpoint"
-            )
-        self._phase = "agreement"
-        count = loss.count.sum() if loss.token_mode else None
-        agreed = self.group.agree(False, [], loss.value, count)
-        loss.value = agreed.loss
-        if agreed.count is not None:
-            loss.count = TokenCount()
-            loss.count.add(int(agreed.count))  # a host number: the gradients are DTensors
-        return loss
-
-    def _forward_backward(self, pieces: list[Any], n: int) -> BatchLoss:
-        """Every micro-batch forward and backward; the gradients sum in the parameters."""
-        loss = BatchLoss(n)
-        self._versions_before_optimizer = None
-        start = 0
-        for i, piece in enumerate(pieces):
-            self._phase = "forward"
-            size = batch_len(piece)
-            select(self.user_state, start, start + size, n)
-            start += size
-            piece = to_device(piece, self.device.torch_device, self.non_blocking)
-            if self.group.sharded:  # reduce-scatter in the last micro-batch's backward only
-                set_gradient_sync(self.model, i == len(pieces) - 1)
-            with self.precision.autocast():
-                out = self.loss_fn(self.model, piece)
-            scaled = loss.add(out, batch_len(piece))
-            if self.precision.scaler is not None:
-                scaled = self.precision.scaler.scale(scaled)
-            self._phase = "backward"
-            backward(scaled)
-            del out, scaled
-            self.emit(
-                Event.MICRO_STEP_END, {"index": i, "count": len(pieces), "size": batch_len(piece)}
-            )
-        return loss
-
-    def _optimizer_step(self, divisor: int | torch.Tensor | None) -> tuple[Any, Any]:
-        """Unscale, divide by the token count, clip, step, schedule, zero the gradients.
-        Returns (the norm before clipping or None, whether fp16's scaler skipped the step)."""
-        self._phase = "optimizer"
-        scaler = self.precision.scaler
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
-        grad_norm = divide_and_clip(self.params, divisor, self.max_grad_norm)
-        self._versions_before_optimizer = self._versions()
-        scale_before = None
-        if scaler is not None:
-            scale_before = scaler._scale.clone()  # compared after update, without a sync here
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
-            self.optimizer.step()
-        self._versions_before_optimizer = None
-        if self.scheduler is not None:
-            with warnings.catch_warnings():
-                # A step fp16's scaler skipped did not call optimizer.step(), so PyTorch thinks the
-                # order is wrong; it is not (the skip is counted in skipped_steps instead).
-                warnings.filterwarnings("ignore", message=_SCHEDULER_ORDER, category=UserWarning)
-                self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._phase = "idle"
-        skipped = scaler._scale < scale_before if scale_before is not None else False
-        return grad_norm, skipped
+    @contextlib.contextmanager
+    def _one_sample_norms(self, micro: int, n: int) -> Iterator[None]:
+        """BatchNorm refusing one sample per channel, said in the run's terms
+        (engine/one_sample.py): at micro-batch 1 after a shrink, or on a batch of one sample."""
+        try:
+            yield
+        except ValueError as exc:
+            if micro == 1 and self.state.shrink_count and ONE_SAMPLE_NORM in str(exc):
+                raise DoesNotFitError(one_sample_norm_does_not_fit(exc)) from exc
+            if n == 1 and ONE_SAMPLE_NORM in str(exc):
+                raise BadInputError(one_sample_batch(exc, self.state.step + 1)) from exc
+            raise
 
     def evaluate(self, batch: Any, autograd: bool = False) -> float | None:
         """The loss `run(batch)` would report, without a backward or an update: the same split,
@@ -361,15 +232,7 @@ class StepRunner:
                 if n == 1 and ONE_SAMPLE_NORM in str(exc):
                     return None
                 raise
-        if not self.group.active:
-            return None if loss is None else float(loss.mean())
-        count = None if loss is None or not loss.token_mode else loss.count.sum()
-        agreed = self.group.agree(oom is not None, [], None if loss is None else loss.value, count)
-        if agreed.failed:
-            return None
-        if agreed.count is None:
-            return float(agreed.loss)
-        return float(agreed.loss / max(int(agreed.count), 1))
+        return self.ranks.loss(loss, oom)  # the same agreement as the step's
 
     # -- out-of-memory ladder -------------------------------------------------------------
 
@@ -377,7 +240,7 @@ class StepRunner:
         """After an out-of-memory: drop the partial gradients (and undo a started optimizer
         step where that is exact), then free the cache."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self._phase == "optimizer":
+        if self.phase.now == "optimizer":
             self._undo_optimizer_start(self._versions_before_optimizer)
         if self.precision.scaler is not None:
             # unscale_ may have run; the scaler must forget it before the redo.
@@ -387,24 +250,34 @@ class StepRunner:
     def _recover(self, oom: OutOfMemory) -> None:
         """Announce the out-of-memory, then take the next rung: halve the micro size, or at 1
         turn on the next memory saver, or give up (`DoesNotFitError`)."""
-        failure = {"phase": self._phase, "error": oom.error, "requested": oom.requested}
-        self._phase = "idle"
-        memory = self.device.memory().to_dict()
-        self.state.oom_count += 1
-        self.emit(
-            Event.OOM,
-            {**failure, "micro_batch_size": self.state.micro_batch_size, "memory": memory},
-        )
+        record = self._record_oom(oom)
+        self.phase.now = "idle"
         if self.state.shrink_count > self._shrinks_before_step and _freed_memory_stays_held(
             self.device
         ):
-            raise FreshProcessOutOfMemory(self._shrink_did_not_help(failure))
-        if self.shrink(f"out of memory in {failure['phase']}", memory):
+            raise FreshProcessOutOfMemory(self._shrink_did_not_help(record))
+        if self.shrink(f"out of memory in {record['phase']}", record["memory"]):
             return
         rung = self.savers.next_rung("out of memory at micro-batch 1") if self.savers else None
         if rung is None:
-            raise DoesNotFitError(self._does_not_fit(failure, memory))
-        self.emit(Event.MEMORY_SAVER, {**rung, "memory": memory})
+            raise DoesNotFitError(self._does_not_fit(record))
+        self.emit(Event.MEMORY_SAVER, {**rung, "memory": record["memory"]})
+
+    def _record_oom(self, oom: OutOfMemory, **where: Any) -> dict[str, Any]:
+        """Count the out-of-memory and announce it (the `oom` event: the phase the step was in,
+        the error, the micro size, the memory reading, and `where`, e.g. a sharded rank's
+        number); returns the record."""
+        record = {
+            "phase": self.phase.now,
+            "error": oom.error,
+            "requested": oom.requested,
+            "micro_batch_size": self.state.micro_batch_size,
+            "memory": self.device.memory().to_dict(),
+            **where,
+        }
+        self.state.oom_count += 1
+        self.emit(Event.OOM, dict(record))  # a callback's changes stay in its copy
+        return record
 
     def shrink(self, reason: str, memory: dict | None = None) -> bool:
         """Halve the micro size (same effective batch). False when it is already 1."""
@@ -465,7 +338,8 @@ class StepRunner:
             "MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns freed memory)."
         )
 
-    def _does_not_fit(self, failure: dict, memory: dict) -> str:
+    def _does_not_fit(self, failure: dict) -> str:
+        memory = failure["memory"]
         in_use = memory.get("peak") or memory.get("allocated") or memory.get("rss")
         requested = failure.get("requested")
         budget = memory.get("budget")
@@ -482,6 +356,80 @@ class StepRunner:
             "model (CUDA), precision 'bf16' or 'fp16', a smaller model, or closing other programs "
             "to give the run more memory."
         )
+
+
+class _PhaseMarks:
+    """The phase boundaries of one step: its start, the end of the passes and agreement, the
+    end of the optimizer step; `times()` gives the spans between them.
+
+    The host's clock always. On timed steps the device's clock too: on CUDA and MPS the host
+    only queues work, so its clock measures launches (a step whose kernels take 40 ms can show
+    2 ms of compute_time). A timing event recorded into the queue at each boundary is stamped
+    when the device gets there; the spans are read lazily (`DeviceSpan`) after the wait the run
+    already does to read the loss, so a timed step waits no more than any other. Where the
+    backend has no timing events, each boundary synchronizes instead (only on timed steps); on
+    CPU that is free and the host clock is the device clock.
+    """
+
+    def __init__(self, device: Device, timed: bool):
+        self.device, self.timed = device, timed
+        self.events: list[Any] | None = None
+        self.host: list[float] = []
+        if timed and device.type != "cpu":
+            try:
+                self.events = [
+                    torch.Event(device.torch_device, enable_timing=True) for _ in range(3)
+                ]
+            except (RuntimeError, TypeError, ValueError):
+                self.events = None
+        self.mark()
+
+    def mark(self) -> None:
+        """The next boundary."""
+        if self.timed:
+            self._mark_device()
+        self.host.append(time.perf_counter())
+
+    def _mark_device(self) -> None:
+        index = len(self.host)
+        if self.events is not None:
+            try:
+                self.events[index].record()
+            except RuntimeError:  # a backend whose events cannot time: synchronize instead
+                if index:
+                    raise
+                self.events = None
+        if self.events is None:
+            self.device.synchronize()
+
+    def times(self) -> dict[str, Any]:
+        """`compute_time` and `optimizer_time` on the host's clock; on a timed step also
+        `device_compute_time` and `device_optimizer_time`."""
+        start, middle, end = self.host
+        times: dict[str, Any] = {"compute_time": middle - start, "optimizer_time": end - middle}
+        if not self.timed:
+            return times
+        if self.events is None:
+            return times | {
+                "device_compute_time": times["compute_time"],
+                "device_optimizer_time": times["optimizer_time"],
+            }
+        start, middle, end = self.events
+        return times | {
+            "device_compute_time": DeviceSpan(start, middle),
+            "device_optimizer_time": DeviceSpan(middle, end),
+        }
+
+
+def _schedule(scheduler: Any) -> None:
+    """The scheduler's step, after every optimizer step. One fp16's scaler skipped did not call
+    optimizer.step(), so PyTorch thinks the order is wrong; it is not (the skip is counted in
+    skipped_steps instead)."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SCHEDULER_ORDER, category=UserWarning)
+        scheduler.step()
 
 
 def _freed_memory_stays_held(device: Device) -> bool:

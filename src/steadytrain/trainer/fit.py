@@ -96,16 +96,16 @@ class Trainer:
         self.config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
         self.program = Program.check(
             self.config,
-            model,
-            optimizer,
-            loss_fn,
-            train_data,
-            scheduler,
-            callbacks,
-            collate_fn,
-            eval_data,
-            eval_fn,
-            user_state,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            train_data=train_data,
+            scheduler=scheduler,
+            callbacks=callbacks,
+            collate_fn=collate_fn,
+            eval_data=eval_data,
+            eval_fn=eval_fn,
+            user_state=user_state,
         )
         self._stopped_by: str | None = None  # the signal that stopped the last fit ("SIGTERM")
         self.after_identity_check: list[Callable[[Path], None]] = []

@@ -38,6 +38,7 @@ class Program:
     def check(
         cls,
         config: TrainConfig,
+        *,
         model: Any,
         optimizer: Any,
         loss_fn: Callable[[torch.nn.Module, Any], Any],

@@ -349,7 +349,7 @@ def require_steadytrain() -> None:
     """Fail with a clear message when steadytrain's own dependencies are missing (on the GPU
     machine steadytrain is not installed; only src/ is put on sys.path)."""
     try:
-        import steadytrain.trainer  # noqa: F401
+        import steadytrain.trainer.fit  # noqa: F401
     except ModuleNotFoundError as exc:
         sys.exit(
             f"cannot import steadytrain from {ROOT / 'src'}: missing module {exc.name!r}.\n"

@@ -192,7 +192,7 @@ def _watchers_off(off: bool):
     if not off:
         yield
         return
-    import steadytrain.default_callbacks as D
+    import steadytrain.trainer.callbacks as D
     from steadytrain.events import Callback
 
     class Unwatched(Callback):

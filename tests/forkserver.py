@@ -46,7 +46,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-PRELOAD = ("torch", "torch._dynamo", "steadytrain.trainer", "steadytrain.cli")
+PRELOAD = ("torch", "torch._dynamo", "steadytrain.trainer.fit", "steadytrain.cli")
 """What the server imports before it forks: what the children would each import again."""
 PRELOAD_LM = ("transformers", "peft")
 """Imported too by the server without glibc settings of its own (fine-tunes run under it; the

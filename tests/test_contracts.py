@@ -88,15 +88,15 @@ def test_a_restartable_error_exits_75_from_a_training_script(capsys):
 
 
 def test_the_supervisor_and_the_trainer_read_one_variable(monkeypatch):
-    from steadytrain import trainer_checkpoint  # the Trainer's resume reads it
     from steadytrain.supervisor import child_process  # sets it in the child's environment
+    from steadytrain.trainer import checkpointing  # the Trainer's resume reads it
 
     assert child_process.ENV_MAX_MICRO_BATCH == run_files.ENV_MAX_MICRO_BATCH
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "4")
-    assert trainer_checkpoint.micro_cap_from_supervisor() == 4  # from safety/supervised.py
+    assert checkpointing.micro_cap_from_supervisor() == 4  # from safety/supervised.py
     monkeypatch.setenv(run_files.ENV_MAX_MICRO_BATCH, "four")
     with pytest.raises(BadInputError, match=run_files.ENV_MAX_MICRO_BATCH):
-        trainer_checkpoint.micro_cap_from_supervisor()
+        checkpointing.micro_cap_from_supervisor()
 
 
 def test_one_version_read_by_the_package_and_the_checkpoint_manifest():

@@ -29,14 +29,14 @@ TRAINER_CHILD = r"""
 import os, signal, sys
 import torch
 from torch.utils.checkpoint import checkpoint
-import steadytrain.trainer
+import steadytrain.trainer.parts
 from steadytrain import Callback, TrainConfig, Trainer
 from steadytrain.device.testing import GiB, FakeSystem
 
 # The device double: the memory readings of a 16 GiB Mac at critical memory pressure, the state
 # in which jetsam kills (the trainer computes on this machine's CPU).
-real_resolve = steadytrain.trainer.resolve_device
-steadytrain.trainer.resolve_device = lambda spec, budget: real_resolve(
+real_resolve = steadytrain.trainer.parts.resolve_device
+steadytrain.trainer.parts.resolve_device = lambda spec, budget: real_resolve(
     spec, budget, system=FakeSystem(pressure=(4,), available=GiB // 2)
 )
 

@@ -106,7 +106,7 @@ def _earlier_dump(run_dir: Path) -> None:
 
 def test_runguard_and_the_trainer_record_events_in_one_order(tmp_path: Path):
     """RunGuard dispatches its events to the Trainer's default callbacks in the Trainer's order
-    (steadytrain.default_callbacks): the hang an earlier process left is reported before this
+    (steadytrain.trainer.callbacks): the hang an earlier process left is reported before this
     attempt's fit_start, under both."""
     import torch
 

@@ -411,6 +411,19 @@ def test_the_start_line_lists_every_setting_that_changes_the_arithmetic(tmp_path
         assert words in line
 
 
+def test_the_start_line_says_clipping_once(tmp_path, capsys):
+    """'clipping gradient norm clipped to 1.0' said it twice."""
+    Trainer(
+        Net(),
+        sgd,
+        classify,
+        data(),
+        config(tmp_path, max_steps=1, save_every_steps=1, max_grad_norm=1.0, progress="lines"),
+    ).fit()
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("arithmetic"))
+    assert "clipping at gradient norm 1.0;" in line and "clipped" not in line, line
+
+
 # -- state carried across steps ------------------------------------------------------------
 
 

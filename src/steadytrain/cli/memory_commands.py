@@ -190,7 +190,7 @@ def _plan_advice(model_config: Any, settings: Settings, budget: int | None) -> l
 
 
 def compile_before_plan(model, device_type: str):
-    """What a run does before its plan when it compiles (trainer.py): the layers compiled in
+    """What a run does before its plan when it compiles (trainer/fit.py): the layers compiled in
     place (`compile_blocks`; refused, exit 2, where inductor cannot build kernels), and the
     context in which the probe runs them eagerly (`eager_stance`). Where torch has no such
     context the layers stay eager: nothing runs after the plan here."""

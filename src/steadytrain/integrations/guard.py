@@ -39,7 +39,6 @@ from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
 from steadytrain.config import TrainConfig
-from steadytrain.default_callbacks import DefaultCallbacks, watch_settings
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
 from steadytrain.errors import DOES_NOT_FIT_EXIT
 from steadytrain.errors import SHRINK_EXIT as SHRINK
@@ -50,6 +49,7 @@ from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import stop_exit
 from steadytrain.safety.supervised import announce_run_dir
+from steadytrain.trainer.callbacks import DefaultCallbacks, watch_settings
 
 DOES_NOT_FIT = DOES_NOT_FIT_EXIT
 DEFAULTS = {
@@ -143,7 +143,7 @@ class RunGuard:
         settings = watch_settings(
             hang_timeout=hang_timeout, hang_action=hang_action, memory_watch=memory_watch
         )
-        # the Trainer's default callbacks, in its dispatch order (steadytrain.default_callbacks)
+        # the Trainer's default callbacks, in its dispatch order (steadytrain.trainer.callbacks)
         self.defaults = DefaultCallbacks(
             settings, self.run_dir, lambda files: self.record, signals=handle_signals
         )

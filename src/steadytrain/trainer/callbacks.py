@@ -1,4 +1,4 @@
-"""The callbacks every fit gets, whoever runs its loop, put together once: steadytrain's `Trainer`
+"""The default callbacks: those every fit gets, whoever runs its loop, put together once: steadytrain's `Trainer`
 and `RunGuard` (another library's loop, or a program's own) build them here from the run's
 settings and run directory, and dispatch every event through one `Dispatcher` over
 `DefaultCallbacks.in_order()`.

@@ -1,7 +1,7 @@
-"""The `Trainer`'s passes outside the loop's steps, both on the batch the loop will load and
-each a side pass that leaves no trace in the run (`steadytrain.engine.side_pass`): the plan's
-trial passes (micro_batch_size "auto") and the resume probe (the next step's loss, which the
-resumed run's continuity check compares)."""
+"""`Passes`: the `Trainer`'s passes outside the loop's steps, both on the batch the loop will load
+and each a side pass that leaves no trace in the run (`steadytrain.engine.side_pass`): the plan's
+trial passes (micro_batch_size "auto", `plan()`) and the resume probe (the next step's loss,
+which the resumed run's continuity check compares, `probe_next_loss()`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from steadytrain.engine import OptimizerBatchSampler
+from steadytrain.config import TrainConfig
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.distributed import Group
-from steadytrain.engine.sampler import SeededFetch
 from steadytrain.engine.side_pass import side_pass
 from steadytrain.engine.step import check_loss_output
 from steadytrain.events import Callback, Control, TrainState
@@ -21,22 +19,36 @@ from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms, trial_pass
-from steadytrain.trainer_program import RunParts
+from steadytrain.trainer.data import DataSource, batch_at
+from steadytrain.trainer.parts import RunParts
 from steadytrain.user_state import select
 
 
-class TrainerPasses:
-    """These methods of `Trainer`, in their own module: they read its config, loss_fn,
-    user_state, dataset and collate_fn."""
+class Passes:
+    """The side passes of one fit, on its `parts`, with the program's `loss_fn`, `user_state`
+    and `data`."""
 
-    def _plan(self, run: RunParts, compiled: bool = False, eager=None) -> list[tuple]:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        loss_fn: Callable[[torch.nn.Module, Any], Any],
+        user_state: dict[str, Any],
+        data: DataSource,
+        parts: RunParts,
+    ):
+        self.cfg, self.loss_fn, self.user_state = cfg, loss_fn, user_state
+        self.data, self.parts = data, parts
+
+    # long: the trial passes, the plan over them and the savers it chose, one side pass
+    def plan(self, compiled: bool = False, eager=None) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
         in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
         are put back, so the run's losses are those of a run started at the chosen size.
         Returns the `plan` and `estimate` events (what was chosen and why)."""
-        cfg, state, savers, model = self.config, run.state, run.savers, run.model
-        batch = self._batch_at(run.sampler, 0, 0, run.group)  # planned per rank, on its share
+        cfg, run = self.cfg, self.parts
+        state, savers, model = run.state, run.savers, run.model
+        batch = batch_at(self.data, run.sampler, 0, 0, run.group)  # planned per rank, its share
         analytic, _ = analytic_for(
             model,
             batch,
@@ -90,12 +102,13 @@ class TrainerPasses:
         estimate = chosen.estimate_event()
         return [("plan", chosen.to_event())] + ([("estimate", estimate)] if estimate else [])
 
-    def _probe_next_loss(self, run: RunParts, state: TrainState) -> float | None:
+    def probe_next_loss(self, state: TrainState) -> float | None:
         """The loss the next step will report, computed now without changing anything, so that a
         resume from this checkpoint can prove it restored everything (see ContinuityCheck). It
         computes what the resumed step computes: the next epoch's first batch after the epoch's
         end hooks of the program's state (`CarriedState(reset_each_epoch=True)`), its forward
         with autograd on as the step's (some kernels, nn.LSTM's on the CPU, differ without)."""
+        run = self.parts
         if state.step >= state.max_steps:
             return None
         epoch, position = state.epoch, state.batch_in_epoch
@@ -104,22 +117,13 @@ class TrainerPasses:
             epoch, position = epoch + 1, 0
         if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
             return None
-        batch = self._batch_at(run.sampler, epoch, position, run.group)  # its share; summed
+        batch = batch_at(self.data, run.sampler, epoch, position, run.group)  # its share; summed
         with side_pass(rng=True, buffers=run.model.buffers(), user_state=self.user_state):
             if new_epoch:  # the state as the epoch's end leaves it (CarriedState resets)
                 for obj in self.user_state.values():
                     if isinstance(obj, Callback):
                         obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
             return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
-
-    def _batch_at(
-        self, sampler: OptimizerBatchSampler, epoch: int, position: int, group: Group | None = None
-    ) -> Any:
-        """The collated optimizer batch at (`epoch`, `position`), as the loop will load it
-        (with `group`: as its rank loads it, its share)."""
-        indices = sampler.batch_at(epoch, position)
-        indices = group.share(indices) if group is not None else indices
-        return self.collate_fn(SeededFetch(self.dataset).__getitems__(indices))
 
 
 def _checked(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Callable[..., Any]:

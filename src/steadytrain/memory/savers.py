@@ -14,9 +14,10 @@ checkpoint saves. Three users, one object:
 * the trainer puts in force what the config asks, or what a resumed checkpoint's run had
   (`start`).
 
-`trial_pass` is the one forward and backward the planner measures: the trainer's `auto`
-micro-batch and the `steadytrain plan --probe` command both use it; `one_sample_norms` lets a
-BatchNorm model run the planner's pass of a single sample.
+The planner measures the passes its caller gives it (`trial_run` wraps the caller's
+`one_pass(size)`; the engine's `engine.side_pass.trial_pass` is the forward and backward the
+trainer's `auto` micro-batch and `steadytrain plan --probe` build it from); `one_sample_norms`
+lets a BatchNorm model run the planner's pass of a single sample.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 
 import torch
 
-from steadytrain.engine.accumulation import backward
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
@@ -274,27 +274,6 @@ class MemorySavers:
         method = getattr(self.loss_fn, "chunked_method", None)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         return (method(self.model, device) if callable(method) else None) or "chunked"
-
-
-def trial_pass(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.nn.Module, Any], Any],
-    batch: Any,
-    autocast: Callable[[], Any] = contextlib.nullcontext,
-) -> None:
-    """One forward and backward of `batch` (already on the device) as a training step runs a
-    micro-batch (under `autocast()`, through `loss_fn`), then the gradients are dropped: the
-    optimizer never sees them, so the model is unchanged. The planner's probe measures the
-    memory and time of a micro-batch with it. Out-of-memory propagates to the caller."""
-    try:
-        with autocast():
-            out = loss_fn(model, batch)
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        backward(loss)
-        del out, loss
-    finally:
-        for param in model.parameters():
-            param.grad = None
 
 
 @contextlib.contextmanager

@@ -40,11 +40,6 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.offload import OFFLOAD, use_offload
 from steadytrain.run_savers import Saver
 
-CHECKPOINTING = "activation_checkpointing"
-OFFLOADING = "activation_offload"
-CHUNKED_LOSS = "chunked_loss"
-"""The savers of this module, by their names in `run_savers.SAVERS` (the registry)."""
-
 
 def checkpointing_switch(model: Any, on: bool) -> Callable[[], None] | None:
     """The model's own activation checkpointing switch, non-reentrant, or None: transformers 5

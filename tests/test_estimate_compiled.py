@@ -252,6 +252,7 @@ def test_plan_probe_compile_compiles_the_layers_first_and_probes_them_eagerly(tm
     plan, the same layers do reach it."""
     from steadytrain.cli import memory_commands
     from steadytrain.engine import compiling
+    from steadytrain.engine.side_pass import trial_pass
     from steadytrain.memory import config_plan
 
     graphs, models, given = [], [], {}
@@ -276,7 +277,9 @@ def test_plan_probe_compile_compiles_the_layers_first_and_probes_them_eagerly(tm
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(config_plan, "plan", spy)
         patch.setattr(compiling, "recomputing_inductor", lambda budget: backend)
-        chosen = config_plan.plan_for_config(tiny(layers=2), settings, None, compile_first)
+        chosen = config_plan.plan_for_config(
+            tiny(layers=2), settings, None, compile_first, trial_pass
+        )
         assert chosen.micro_batch_size >= 1
         ((model, device_type),) = models
         assert device_type == "cpu"
@@ -342,7 +345,8 @@ def test_plan_probe_passes_run_the_size_they_are_timed_at(tmp_path, monkeypatch)
     from steadytrain.cli import memory_commands
     from steadytrain.device import resolve_device
     from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
-    from steadytrain.memory import config_plan, savers
+    from steadytrain.engine import side_pass
+    from steadytrain.memory import config_plan
 
     tiny(layers=2).save_pretrained(tmp_path)
     cuda = FakeCUDABackend([("GPU", 16 * GiB)])
@@ -353,7 +357,7 @@ def test_plan_probe_passes_run_the_size_they_are_timed_at(tmp_path, monkeypatch)
     monkeypatch.setattr(config_plan, "resolve_device", lambda *a, **k: device)
     ran: list[tuple[int, int]] = []
     monkeypatch.setattr(
-        savers,
+        side_pass,
         "trial_pass",
         lambda model, loss_fn, batch, autocast: ran.append(tuple(batch["input_ids"].shape)),
     )

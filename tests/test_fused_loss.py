@@ -219,7 +219,8 @@ def test_the_fine_tune_s_planner_trial_of_the_chunked_loss_runs_the_kernel(refer
     """The fine-tune's plan measures the chunked loss it will train with: the trial run that
     says "fused" computes through the kernel, on a collated batch (trimmed to its longest
     sample), the same pass as a `Trainer` given `CausalLMLoss`."""
-    from steadytrain.memory.savers import MemorySavers, trial_pass
+    from steadytrain.engine.side_pass import trial_pass
+    from steadytrain.memory.savers import MemorySavers
     from steadytrain.recipes.data import LMLoss, collate
 
     model = llama(tied=False)

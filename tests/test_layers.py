@@ -74,10 +74,12 @@ def test_the_layer_contract_fails_on_an_import_against_the_order(tmp_path, monke
 
 
 def _toy_of_the_real_layers(tmp_path: Path, monkeypatch, imports: dict[str, str]) -> Path:
-    """A package `toyreal` with one module per name in pyproject.toml's layers (same order,
+    """A package `toyreal` with one package per name in pyproject.toml's layers (same order,
     same siblings), `imports` its only imports (module -> module it imports: a name of the
-    layers, or an external package such as torch), and a copy of the real contracts (layers and
-    forbidden) with the package renamed: what the real contract says about an import."""
+    layers or one of their modules, "supervisor.progress"; or an external package such as
+    torch), and a copy of the real contracts (layers and forbidden) with the package renamed:
+    what the real contract says about an import. A module named in `imports` or in a forbidden
+    contract ("engine.batching") exists in its package; "x.*" gets one, "x.inner"."""
     import tomllib
 
     settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
@@ -93,16 +95,27 @@ def _toy_of_the_real_layers(tmp_path: Path, monkeypatch, imports: dict[str, str]
         for layer in contract.get("layers", [])
         for name in layer.replace(":", "|").split("|")
     }
-    for name in names:
+    named = {
+        _toy_name(m).removeprefix("toyreal.").replace("*", "inner")
+        for contract in settings["contracts"]
+        for key in ("source_modules", "forbidden_modules")
+        for m in contract.get(key, [])
+    }
+    modules = names | {m for m in [*named, *imports, *imports.values()] if "." in m}
+    for name in sorted(m for m in modules if m.partition(".")[0] in names):
         target = imports.get(name)
-        text = "" if target is None else f"import {'toyreal.' if target in names else ''}{target}\n"
-        (package / f"{name}.py").write_text(text)
+        inner = "" if target is None or target.partition(".")[0] not in names else "toyreal."
+        folder = package.joinpath(*name.split("."))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").write_text("" if target is None else f"import {inner}{target}\n")
     for i, contract in enumerate(settings["contracts"]):
         lines += [f"[importlinter:contract:c{i}]", f"name = {contract['name']}"]
         if contract["type"] == "forbidden":
             lines += ["type = forbidden"]
             for key in ("source_modules", "forbidden_modules"):
                 lines += [f"{key} =", *(f"    {_toy_name(m)}" for m in contract[key])]
+            if contract.get("allow_indirect_imports"):
+                lines.append("allow_indirect_imports = True")
             continue
         lines += [
             "type = layers",
@@ -160,6 +173,39 @@ def test_the_real_contract_fails_on_the_supervisor_importing_training(
     kept, report = run_contracts(config)
     assert not kept
     assert f"toyreal.supervisor -> {shown}" in report
+
+
+@pytest.mark.parametrize(
+    "importer, imported",
+    [
+        ("checkpoint", "engine.batching"),  # moving a batch is the device's (device.batches)
+        ("memory", "engine.accumulation"),  # the planner measures the passes it is given
+        ("memory", "engine"),
+    ],
+)
+def test_the_real_contract_fails_on_checkpoint_or_memory_reaching_into_the_engine(
+    tmp_path, monkeypatch, importer, imported
+):
+    kept, report = run_contracts(_toy_of_the_real_layers(tmp_path, monkeypatch, {}))
+    assert kept, report
+    config = _toy_of_the_real_layers(tmp_path, monkeypatch, {importer: imported})
+    kept, report = run_contracts(config)
+    assert not kept
+    assert f"toyreal.{importer} -> toyreal.{imported}" in report
+
+
+def test_the_real_contract_fails_on_recipes_reading_the_supervisor_s_internals(
+    tmp_path, monkeypatch
+):
+    """The supervisor's public names (its package, whose __init__ imports its modules) may be
+    used by the recipes; one of its modules may not."""
+    public = {"recipes": "supervisor", "supervisor": "supervisor.progress"}
+    kept, report = run_contracts(_toy_of_the_real_layers(tmp_path, monkeypatch, public))
+    assert kept, report
+    config = _toy_of_the_real_layers(tmp_path, monkeypatch, {"recipes": "supervisor.progress"})
+    kept, report = run_contracts(config)
+    assert not kept
+    assert "toyreal.recipes -> toyreal.supervisor.progress" in report
 
 
 # -- sizes ------------------------------------------------------------------------------------

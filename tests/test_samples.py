@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from steadytrain import TrainConfig, Trainer
 from steadytrain.checkpoint.fingerprint import data_fingerprint, digest_value
-from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.device.batches import to_device
+from steadytrain.engine.batching import batch_len, split_batch
 from steadytrain.engine.collate import PerSample, collate
 
 

@@ -12,11 +12,12 @@ import steadytrain
 from steadytrain.checkpoint.state import load_train_state
 from steadytrain.device import OutOfMemory, call_or_oom, retry_on_oom
 from steadytrain.engine import Loop
+from steadytrain.engine.side_pass import trial_pass
 from steadytrain.errors import BadInputError
 from steadytrain.events import Control, Dispatcher, StepMetrics, TrainState
 from steadytrain.memory.chunked_loss import CausalLMLoss
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.savers import MemorySavers, Savers, trial_pass
+from steadytrain.memory.savers import MemorySavers, Savers
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried "

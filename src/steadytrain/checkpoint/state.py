@@ -39,7 +39,7 @@ import torch
 from steadytrain.checkpoint.host import HostBuffers, to_host
 from steadytrain.checkpoint.store import Payload
 from steadytrain.device import get_rng_state
-from steadytrain.engine.batching import to_device
+from steadytrain.device.batches import to_device
 from steadytrain.errors import BadInputError, CheckpointError, RNGStateError
 
 MODEL_FILE = "model.safetensors"

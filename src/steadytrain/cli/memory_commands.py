@@ -129,6 +129,7 @@ def plan_command(
     --probe) a probe of the model built from its config with random weights on this device,
     then the plan. Exit 0 with a plan, 3 when nothing fits, 2 bad input."""
     from steadytrain.cli.finetune_commands import is_finetune_file
+    from steadytrain.engine.side_pass import trial_pass
     from steadytrain.memory.config_plan import plan_for_config
     from steadytrain.memory.estimate import load_config
 
@@ -154,7 +155,7 @@ def plan_command(
     budget, source, resolved = resolve_target(settings)
     resolved.check("plan")
     model_config = load_config(model)
-    chosen = plan_for_config(model_config, resolved, budget, compile_before_plan)
+    chosen = plan_for_config(model_config, resolved, budget, compile_before_plan, trial_pass)
     chosen.reasons.insert(0, f"budget from {source}")
     advice = (
         [] if chosen.predicted_peak is not None else _plan_advice(model_config, resolved, budget)

@@ -3,7 +3,8 @@
 `resolve_device(spec)` gives a `Device`: memory readings, the budget, cache and peak control,
 synchronisation, the autocast dtypes that really work here. `is_oom(exc)` classifies out-of-memory
 errors of every backend (torch's, TensorFlow's, JAX's); `call_or_oom` / `retry_on_oom` are the one
-catch, free and retry. `get_rng_state()` / `set_rng_state()` cover every RNG stream. OS probes go
+catch, free and retry. `get_rng_state()` / `set_rng_state()` cover every RNG stream; `to_device(batch, device)` moves a
+nested batch, keeping its containers' types. OS probes go
 through `SystemProbe`; `steadytrain.device.testing` holds the doubles tests use instead.
 
 The names load on first use: the classifier, the host probes and `HostDevice` (a Keras run on
@@ -35,6 +36,7 @@ _WHERE = {
     "set_rng_state": "rng",
     "CgroupMemory": "system",
     "SystemProbe": "system",
+    "to_device": "batches",
 }
 
 
@@ -42,6 +44,7 @@ _MODULES = frozenset(
     [
         "autocast",
         "backends",
+        "batches",
         "budget",
         "core",
         "cpu_load",

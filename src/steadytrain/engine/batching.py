@@ -1,4 +1,5 @@
-"""Collated batches as nested structures of tensors: their length, micro-batch splits, device moves.
+"""Collated batches as nested structures of tensors: their length and micro-batch splits (moving
+one to a device is the device layer's `device.batches.to_device`).
 
 A batch is what `engine.collate.collate` (or the user's collate_fn) made of one optimizer batch:
 tensors whose first dimension is the sample, `PerSample` lists (one item per sample), lists of
@@ -11,13 +12,17 @@ dimension than the sample's (a sequence-first layout) before it is trained on.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from steadytrain.device.batches import (
+    dataclass_fields,
+    is_dataclass_instance,
+    rebuilt,
+    to_device,  # noqa: F401 - the device's; the step's older import of it still works
+)
 from steadytrain.engine.collate import PerSample
 from steadytrain.errors import BadInputError
 
@@ -38,8 +43,8 @@ def _find_len(batch: Any) -> int | None:
         return len(batch)
     if isinstance(batch, Mapping):
         values: Sequence = list(batch.values())
-    elif _is_dataclass(batch):
-        values = list(_fields(batch).values())
+    elif is_dataclass_instance(batch):
+        values = list(dataclass_fields(batch).values())
     elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         if batch and not any(_is_container(v) for v in batch):
             return len(batch)  # a list of per-sample leaves (strings, ids)
@@ -54,36 +59,7 @@ def _find_len(batch: Any) -> int | None:
 
 
 def _is_container(value: Any) -> bool:
-    return isinstance(value, torch.Tensor | Mapping | tuple | list) or _is_dataclass(value)
-
-
-def _is_dataclass(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
-def _like(batch: Any, items: dict[str, Any]) -> Any:
-    """A mapping or dataclass of `batch`'s type holding `items` (a collate_fn's own batch class,
-    Hugging Face's BatchEncoding, an OrderedDict): a copy with its entries replaced; a plain
-    dict where the type cannot be copied."""
-    if type(batch) is dict:
-        return items
-    try:
-        made = copy.copy(batch)
-    except (TypeError, copy.Error):  # a type copy cannot make: rebuilt, or its entries as a dict
-        return dict(items) if isinstance(batch, Mapping) else dataclasses.replace(batch, **items)
-    if _is_dataclass(batch):
-        for name, value in items.items():
-            object.__setattr__(made, name, value)  # frozen dataclasses too
-        return made
-    if not isinstance(made, MutableMapping):
-        return dict(items)
-    for key, value in items.items():
-        made[key] = value
-    return made
-
-
-def _fields(batch: Any) -> dict[str, Any]:
-    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return isinstance(value, torch.Tensor | Mapping | tuple | list) or is_dataclass_instance(value)
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
@@ -93,9 +69,11 @@ def slice_batch(batch: Any, start: int, stop: int) -> Any:
     if isinstance(batch, PerSample):
         return batch.like(batch[start:stop])
     if isinstance(batch, Mapping):
-        return _like(batch, {k: slice_batch(v, start, stop) for k, v in batch.items()})
-    if _is_dataclass(batch):
-        return _like(batch, {k: slice_batch(v, start, stop) for k, v in _fields(batch).items()})
+        return rebuilt(batch, {k: slice_batch(v, start, stop) for k, v in batch.items()})
+    if is_dataclass_instance(batch):
+        return rebuilt(
+            batch, {k: slice_batch(v, start, stop) for k, v in dataclass_fields(batch).items()}
+        )
     if isinstance(batch, tuple | list):
         if batch and any(_is_container(v) for v in batch):
             items = [slice_batch(v, start, stop) for v in batch]
@@ -108,23 +86,6 @@ def split_batch(batch: Any, micro: int) -> list[Any]:
     """Consecutive micro-batches of at most `micro` samples (the last may be smaller)."""
     n = batch_len(batch)
     return [slice_batch(batch, i, min(i + micro, n)) for i in range(0, n, micro)]
-
-
-def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return _like(batch, {k: to_device(v, device, non_blocking) for k, v in batch.items()})
-    if _is_dataclass(batch):
-        moved = {k: to_device(v, device, non_blocking) for k, v in _fields(batch).items()}
-        return _like(batch, moved)
-    if isinstance(batch, PerSample):
-        return batch.like(to_device(v, device, non_blocking) for v in batch)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
-    return batch
 
 
 class SampleFirst:
@@ -159,9 +120,11 @@ def _per_sample_lists(batch: Any, count: int) -> Any:
     list of its items: from the leaves up, so an (images, targets) pair of such lists stays
     a pair at any count."""
     if isinstance(batch, Mapping):
-        return _like(batch, {k: _per_sample_lists(v, count) for k, v in batch.items()})
-    if _is_dataclass(batch):
-        return _like(batch, {k: _per_sample_lists(v, count) for k, v in _fields(batch).items()})
+        return rebuilt(batch, {k: _per_sample_lists(v, count) for k, v in batch.items()})
+    if is_dataclass_instance(batch):
+        return rebuilt(
+            batch, {k: _per_sample_lists(v, count) for k, v in dataclass_fields(batch).items()}
+        )
     if not isinstance(batch, tuple | list) or isinstance(batch, PerSample):
         return batch
     if not batch or not any(_is_container(v) for v in batch):
@@ -203,8 +166,8 @@ def _sliced(batch: Any, where: str | None) -> Iterator[tuple[str | None, int, st
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
             yield from _sliced(value, _place(where, repr(key)))
-    elif _is_dataclass(batch):
-        for key, value in _fields(batch).items():
+    elif is_dataclass_instance(batch):
+        for key, value in dataclass_fields(batch).items():
             yield from _sliced(value, _place(where, key, attribute=True))
     elif isinstance(batch, tuple | list):
         if batch and any(_is_container(v) for v in batch):

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from steadytrain.device import Device, OutOfMemory, retry_on_oom
-from steadytrain.engine.batching import batch_len, split_batch, to_device
+from steadytrain.device.batches import to_device
+from steadytrain.engine.batching import batch_len, split_batch
 from steadytrain.engine.side_pass import side_pass
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, DoesNotFitError, UserCodeError

@@ -11,17 +11,22 @@ its block ends, however it ends. What there is to save:
 - ``user_state``: the state the program carries across steps (`steadytrain.user_state`);
 - ``others``: objects with ``snapshot()`` and ``restore(saved)`` (the memory savers);
 - and, for `side_pass`, the model's training mode (``eval_mode``: in eval mode meanwhile).
+
+`trial_pass` is the forward and backward of the planner's trial passes: the gradients it makes
+are dropped, so the optimizer never sees them. The planner (`steadytrain.memory`) measures the
+passes it is given; its callers build them from this one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from steadytrain.device import get_rng_state, set_rng_state
+from steadytrain.engine.accumulation import backward
 from steadytrain.user_state import restore, snapshot
 
 
@@ -74,4 +79,25 @@ def side_pass(
             model.train(training)
 
 
-__all__ = ["Saved", "side_pass"]
+def trial_pass(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], Any],
+    batch: Any,
+    autocast: Callable[[], Any] = contextlib.nullcontext,
+) -> None:
+    """One forward and backward of `batch` (already on the device) as a training step runs a
+    micro-batch (under `autocast()`, through `loss_fn`), then the gradients are dropped: the
+    optimizer never sees them, so the model is unchanged. The planner's probe measures the
+    memory and time of a micro-batch with it. Out-of-memory propagates to the caller."""
+    try:
+        with autocast():
+            out = loss_fn(model, batch)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        backward(loss)
+        del out, loss
+    finally:
+        for param in model.parameters():
+            param.grad = None
+
+
+__all__ = ["Saved", "side_pass", "trial_pass"]

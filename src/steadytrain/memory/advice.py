@@ -18,9 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from steadytrain import run_savers
 from steadytrain.memory.compiled import family_share
 from steadytrain.memory.estimate import Estimate, estimate
 from steadytrain.memory.settings import Settings
+from steadytrain.run_savers import DISCRETE_MEMORY
 
 CONFIG, FLAGS = "config", "flags"
 """The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
@@ -128,14 +130,7 @@ def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> 
         found.append(Knob(changes, (("bf16", True),), flags))
     elif s.precision == "fp32":
         found.append(Knob({"precision": "bf16"}, (("precision", "bf16"),), "--precision bf16"))
-    if not s.checkpointing:
-        found.append(
-            Knob({"checkpointing": True}, (("gradient_checkpointing", True),), "--checkpointing")
-        )
-    elif s.device_type == "cuda" and not s.offload:
-        found.append(Knob({"offload": True}, (("gradient_checkpointing", "offload"),), "--offload"))
-    if not s.chunked_loss and s.micro_batch_size * s.seq > s.chunk_tokens:
-        found.append(Knob({"chunked_loss": True}, (("chunked_loss", True),), "--chunked-loss"))
+    found += _saver_knobs(s)
     if (
         not s.compiled
         and not s.checkpointing
@@ -153,6 +148,25 @@ def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> 
                 f"--micro-batch {micro}",
             )
         )
+    return found
+
+
+def _saver_knobs(s: Settings) -> list[Knob]:
+    """The memory savers `s` does not have on, in the ladder's order (`run_savers.SAVERS`), each
+    as its estimate flag and fine-tune keys: one whose `after` saver is not on yet waits for it,
+    one that needs memory of the GPU's own only on CUDA, one worth it only past one chunk of
+    tokens only there."""
+    found: list[Knob] = []
+    for saver in run_savers.SAVERS:
+        after = saver.after is None or getattr(s, run_savers.by_name(saver.after).estimate_field)
+        if (
+            getattr(s, saver.estimate_field)
+            or not after
+            or (DISCRETE_MEMORY in saver.needs and s.device_type != "cuda")
+            or (saver.worth_above_tokens and s.micro_batch_size * s.seq <= s.chunk_tokens)
+        ):
+            continue
+        found.append(Knob({saver.estimate_field: True}, saver.finetune, saver.flag))
     return found
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from steadytrain import run_savers
 from steadytrain.errors import BadInputError
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.probe import Fit
@@ -20,6 +21,9 @@ timing noise is not."""
 
 
 class Mode(NamedTuple):
+    """Which savers a plan's candidate runs with: one field per registered saver, named as its
+    estimate field (tests/test_run_savers.py pins the two together)."""
+
     checkpointing: bool = False
     chunked_loss: bool = False
     offload: bool = False
@@ -42,8 +46,10 @@ class Mode(NamedTuple):
 
     @property
     def savers(self) -> int:
-        """How many savers the mode has on (offload counts on top of checkpointing)."""
-        return self.checkpointing + self.offload + self.chunked_loss
+        """How many of the registry's savers the mode has on (`run_savers.SAVERS`, each by
+        its estimate field, which is this mode's field too: offload counts on top of
+        checkpointing)."""
+        return sum(bool(getattr(self, saver.estimate_field)) for saver in run_savers.SAVERS)
 
     def describe(self) -> str:
         parts = ["checkpointed" if self.checkpointing else "plain"]

@@ -45,17 +45,26 @@ CompileLayers = Callable[[Any, str], Callable[[], AbstractContextManager] | None
 """compile_layers(model, device_type): compile the model's layers in place as a run does, and
 return the context that runs them eagerly (None where torch has none). The command line passes
 the engine's (`cli/memory_commands.py: compile_before_plan`), a layer this one may not import."""
+TrialPass = Callable[[Any, Any, Any, Callable[[], AbstractContextManager]], None]
+"""trial_pass(model, loss_fn, batch, autocast): one forward and backward of `batch` under
+`autocast()`, its gradients dropped: the pass a probe measures at each size. The command line
+passes the engine's (`engine.side_pass.trial_pass`): the planner measures the passes it is
+given and runs no backward of its own."""
 
 
 def plan_for_config(
-    config, settings: Settings, budget: int | None, compile_layers: CompileLayers | None = None
+    config,
+    settings: Settings,
+    budget: int | None,
+    compile_layers: CompileLayers | None = None,
+    trial_pass: TrialPass | None = None,
 ) -> Plan:
     """The plan for `config` under `settings` (checked, device_type and compiled resolved, as
     `steadytrain plan` does: cli/memory_commands.py `resolve_target`): probed on this
     device where `settings.probe` says so (default: a CUDA machine planning for CUDA), else from
-    the analytic estimate against `budget`. A probe of compiled layers compiles them first with
-    `compile_layers`, as a run does before its plan: the probe's passes run eager, the CUDA
-    finalists compiled."""
+    the analytic estimate against `budget`. A probe runs `trial_pass` at each size; of compiled
+    layers it compiles them first with `compile_layers`, as a run does before its plan: the
+    probe's passes run eager, the CUDA finalists compiled."""
     analytic = Analytic(config, settings, strict=True)
     here = resolve_device("auto").type
     probe = settings.probe
@@ -68,7 +77,9 @@ def plan_for_config(
             "analytic plan"
         )
     if probe:
-        return _probe_plan(config, settings, analytic, compile_layers)
+        if trial_pass is None:
+            raise TypeError("plan_for_config: a probe needs the trial_pass it measures")
+        return _probe_plan(config, settings, analytic, compile_layers, trial_pass)
     return analytic_plan(analytic, settings, budget)
 
 
@@ -145,7 +156,11 @@ def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
 
 
 def _probe_plan(
-    config, settings: Settings, analytic: Analytic, compile_layers: CompileLayers | None
+    config,
+    settings: Settings,
+    analytic: Analytic,
+    compile_layers: CompileLayers | None,
+    trial_pass: TrialPass,
 ) -> Plan:
     """Build the model from its config with random weights on this device (LoRA through peft
     when asked), compile its layers where the run would, and plan with real passes on random
@@ -153,7 +168,7 @@ def _probe_plan(
     import torch
 
     from steadytrain.memory.chunked_loss import CausalLMLoss
-    from steadytrain.memory.savers import MemorySavers, trial_pass
+    from steadytrain.memory.savers import MemorySavers
 
     memory = settings.memory_budget
     device = resolve_device("auto", parse_bytes(memory) if memory else DEFAULT_BUDGET_FRACTION)

@@ -2,7 +2,7 @@
 peak(b) = fixed + per_sample × b and seconds(b) = seconds_fixed + seconds_per_sample × b.
 
 The memory layer knows no engine: the caller hands over `run(size, checkpointing)`, one forward
-and backward of `size` samples that leaves the model as it found it (`memory.savers.trial_pass`,
+and backward of `size` samples that leaves the model as it found it (`engine.side_pass.trial_pass`,
 switched per mode by `MemorySavers.trial_run`). The probe resets the device's peak reading, runs
 it, reads the peak, and times it between two synchronisations.
 

@@ -1,7 +1,10 @@
-"""The memory savers, in one place: activation checkpointing (the model recomputes activations
+"""The memory savers' implementations: activation checkpointing (the model recomputes activations
 in the backward instead of keeping them; on a GPU with memory of its own it may also keep the
 layers' inputs in host memory, `memory.offload`) and the chunked loss (the loss is computed a few
-thousand tokens at a time, so the logits of a large vocabulary never exist all at once).
+thousand tokens at a time, so the logits of a large vocabulary never exist all at once). They
+are registered in `steadytrain.run_savers` (names, the ladder's order, needs, config keys, flags,
+docs); each entry there names its `Rung` here, and the ladder (`next_rung`, `in_force`, `left`)
+climbs the registry's order.
 
 `MemorySavers` is their one owner. It switches them on the model and the loss, and records what
 is in force in the run's `TrainState` (`activation_checkpointing`, `chunked_loss`), which the
@@ -14,29 +17,28 @@ checkpoint saves. Three users, one object:
 * the trainer puts in force what the config asks, or what a resumed checkpoint's run had
   (`start`).
 
-`trial_pass` is the one forward and backward the planner measures: the trainer's `auto`
-micro-batch and the `steadytrain plan --probe` command both use it; `one_sample_norms` lets a
-BatchNorm model run the planner's pass of a single sample.
+The planner measures the passes its caller gives it (`trial_run` wraps the caller's
+`one_pass(size)`; the engine's `engine.side_pass.trial_pass` is the forward and backward the
+trainer's `auto` micro-batch and `steadytrain plan --probe` build it from); `one_sample_norms`
+lets a BatchNorm model run the planner's pass of a single sample.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from steadytrain.engine.accumulation import backward
+from steadytrain import run_savers
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.offload import OFFLOAD, use_offload
-
-CHECKPOINTING = "activation_checkpointing"
-OFFLOADING = "activation_offload"
-CHUNKED_LOSS = "chunked_loss"
+from steadytrain.run_savers import Saver
 
 
 def checkpointing_switch(model: Any, on: bool) -> Callable[[], None] | None:
@@ -154,6 +156,13 @@ class MemorySavers:
         if savers.chunked_loss != self.state.chunked_loss:
             self.set_chunked_loss(savers.chunked_loss)
 
+    @property
+    def can_switch_checkpointing_on(self) -> bool:
+        """The config allows checkpointing and the model has a switch to turn it on."""
+        return (
+            self.checkpointing is not False and checkpointing_switch(self.model, True) is not None
+        )
+
     # -- the run's uses ------------------------------------------------------------------------
 
     def start(self, resumed: bool) -> None:
@@ -182,50 +191,33 @@ class MemorySavers:
             )
 
     def next_rung(self, reason: str) -> dict[str, Any] | None:
-        """Turn on the next saver of the out-of-memory ladder (checkpointing, then, on a device
-        with memory of its own, its inputs offloaded, then the chunked loss) and return the
-        `memory_saver` event's info; None when none is left."""
-        if (
-            self.checkpointing is not False
-            and not self.state.activation_checkpointing
-            and self.set_checkpointing(True)
-        ):
-            return {"saver": CHECKPOINTING, "reason": reason}
-        if (
-            self.state.activation_checkpointing is True
-            and self.can_offload
-            and self.set_checkpointing(OFFLOAD)
-        ):
-            return {"saver": OFFLOADING, "reason": reason}
-        if self.state.chunked_loss is None and self.set_chunked_loss(DEFAULT_CHUNK_TOKENS):
-            return {"saver": CHUNKED_LOSS, "chunk_tokens": DEFAULT_CHUNK_TOKENS, "reason": reason}
+        """Turn on the next saver of the out-of-memory ladder (`run_savers.SAVERS`' order:
+        checkpointing, then, on a device with memory of its own, its inputs offloaded, then the
+        chunked loss) and return the `memory_saver` event's info; None when none is left."""
+        implementations = rungs()
+        for saver, rung in ladder():
+            waits = saver.after is not None and not implementations[saver.after].on(self)
+            if rung.on(self) or waits:
+                continue
+            info = rung.turn_on(self)
+            if info is not None:
+                return {"saver": saver.name, **info, "reason": reason}
         return None
 
     def in_force(self) -> list[str]:
         """The rungs of the ladder in force, by their `memory_saver` event names."""
-        on = self.state.activation_checkpointing
-        rungs = [CHECKPOINTING] if on else []
-        if on == OFFLOAD:
-            rungs.append(OFFLOADING)
-        if self.state.chunked_loss is not None:
-            rungs.append(CHUNKED_LOSS)
-        return rungs
+        return [saver.name for saver, rung in ladder() if rung.on(self)]
 
     def left(self) -> list[str]:
         """The rungs `next_rung` could still turn on, in its order, without switching any."""
-        on = self.state.activation_checkpointing
-        rungs = []
-        if (
-            not on
-            and self.checkpointing is not False
-            and checkpointing_switch(self.model, True) is not None
-        ):
-            rungs.append(CHECKPOINTING)
-        if on != OFFLOAD and self.can_offload and (on or rungs):
-            rungs.append(OFFLOADING)
-        if self.state.chunked_loss is None and self.can_chunk_loss:
-            rungs.append(CHUNKED_LOSS)
-        return rungs
+        names: list[str] = []
+        implementations = rungs()
+        for saver, rung in ladder():
+            after = saver.after is None or saver.after in names
+            after = after or implementations[saver.after].on(self)
+            if not rung.on(self) and after and rung.can(self):
+                names.append(saver.name)
+        return names
 
     def climb_to(self, count: int, reason: str) -> list[dict[str, Any]]:
         """Turn on rungs of the ladder until `count` of them are in force or none is left (the
@@ -276,25 +268,55 @@ class MemorySavers:
         return (method(self.model, device) if callable(method) else None) or "chunked"
 
 
-def trial_pass(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.nn.Module, Any], Any],
-    batch: Any,
-    autocast: Callable[[], Any] = contextlib.nullcontext,
-) -> None:
-    """One forward and backward of `batch` (already on the device) as a training step runs a
-    micro-batch (under `autocast()`, through `loss_fn`), then the gradients are dropped: the
-    optimizer never sees them, so the model is unchanged. The planner's probe measures the
-    memory and time of a micro-batch with it. Out-of-memory propagates to the caller."""
-    try:
-        with autocast():
-            out = loss_fn(model, batch)
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        backward(loss)
-        del out, loss
-    finally:
-        for param in model.parameters():
-            param.grad = None
+@dataclass(frozen=True)
+class Rung:
+    """A saver's implementation, as the ladder uses it (`run_savers.Saver.switch` names it):
+    `on(savers)`, it is in force; `can(savers)`, it could be turned on (switching nothing);
+    `turn_on(savers)` turns it on and returns what its `memory_saver` event adds to the saver's
+    name and the reason (None: it could not be)."""
+
+    on: Callable[[MemorySavers], bool]
+    can: Callable[[MemorySavers], bool]
+    turn_on: Callable[[MemorySavers], dict[str, Any] | None]
+
+
+def _on_or_none(done: bool, info: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    return (info or {}) if done else None
+
+
+CHECKPOINTING_RUNG = Rung(
+    on=lambda s: bool(s.state.activation_checkpointing),
+    can=lambda s: s.can_switch_checkpointing_on,
+    turn_on=lambda s: _on_or_none(s.checkpointing is not False and s.set_checkpointing(True)),
+)
+OFFLOAD_RUNG = Rung(
+    on=lambda s: s.state.activation_checkpointing == OFFLOAD,
+    can=lambda s: s.can_offload,
+    turn_on=lambda s: _on_or_none(s.can_offload and s.set_checkpointing(OFFLOAD)),
+)
+CHUNKED_LOSS_RUNG = Rung(
+    on=lambda s: s.state.chunked_loss is not None,
+    can=lambda s: s.can_chunk_loss,
+    turn_on=lambda s: _on_or_none(
+        s.set_chunked_loss(DEFAULT_CHUNK_TOKENS), {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
+    ),
+)
+
+
+def rungs() -> dict[str, Rung]:
+    """Each registered saver's `Rung`, from the module its `switch` names (read at each use:
+    the registry is the one list)."""
+    found = {}
+    for saver in run_savers.SAVERS:
+        module, _, name = saver.switch.partition(":")
+        found[saver.name] = getattr(importlib.import_module(module), name)
+    return found
+
+
+def ladder() -> list[tuple[Saver, Rung]]:
+    """The registered savers in the ladder's order, each with its implementation."""
+    found = rungs()
+    return [(saver, found[saver.name]) for saver in run_savers.SAVERS]
 
 
 @contextlib.contextmanager

@@ -455,7 +455,7 @@ class Demo:
         power cut would end it: no signal handler runs, nothing is saved."""
         import psutil
 
-        from steadytrain.supervisor.progress import checkpoint_step
+        from steadytrain.supervisor import checkpoint_step
 
         metrics = self.run_dir / run_files.METRICS
         while supervisor.poll() is None:

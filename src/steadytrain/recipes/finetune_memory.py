@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from steadytrain import run_savers
 from steadytrain._units import format_bytes
 from steadytrain.errors import SteadytrainError
 from steadytrain.memory.advice import CONFIG, advise, lines
@@ -240,11 +241,12 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     settings = dataclasses.replace(
         _settings(config, device_type),
         micro_batch_size=1,
-        checkpointing="activation_checkpointing" in in_force
-        or config.gradient_checkpointing in (True, "offload"),
-        offload="activation_offload" in in_force,
-        chunked_loss="chunked_loss" in in_force or chunk_tokens(config) is not None,
+        checkpointing=config.gradient_checkpointing in (True, "offload"),
+        offload=False,
+        chunked_loss=chunk_tokens(config) is not None,
     )
+    killed_with = {x.estimate_field: True for x in run_savers.SAVERS if x.name in in_force}
+    settings = dataclasses.replace(settings, **killed_with)  # the registry's savers in force
     result = estimate(load_config(config.model_name_or_path), settings)
     result.budget = budget
     found = advise(

@@ -18,9 +18,14 @@ trainer. Its modules, by concern:
 The child's side (what the trainer writes for the supervisor, and reads from it) is in
 `steadytrain.safety.supervised` and `steadytrain.safety.failure_record`; the names both sides
 agree on are in `steadytrain.run_files` and `steadytrain.run_events`, below both.
+
+This package's names are its public face; other layers import nothing else of it (a forbidden
+contract in pyproject.toml): `checkpoint_step(run_dir)` is the progress the supervisor counts
+(the step of the newest committed checkpoint), for a program that drives it (the demo).
 """
 
 from steadytrain.supervisor.options import SupervisorOptions, resolve_run_dir
+from steadytrain.supervisor.progress import checkpoint_step
 from steadytrain.supervisor.restart_loop import Supervisor
 
-__all__ = ["Supervisor", "SupervisorOptions", "resolve_run_dir"]
+__all__ = ["Supervisor", "SupervisorOptions", "checkpoint_step", "resolve_run_dir"]

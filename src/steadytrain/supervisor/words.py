@@ -1,19 +1,15 @@
 """The supervisor's console words: how a child's end is named in the restart line, counts and
-seconds as the lines print them, the memory savers' names, and the advice of its last word when a
-run does not fit."""
+seconds as the lines print them, the memory savers' names (`steadytrain.run_savers`'), and the
+advice of its last word when a run does not fit."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+from steadytrain.run_savers import saver_words
 from steadytrain.supervisor.child_exit import HANG, ChildExit
 
-SAVER_NAMES = {
-    "activation_checkpointing": "activation checkpointing",
-    "activation_offload": "activation checkpointing with its inputs offloaded to host memory",
-    "chunked_loss": "the chunked loss",
-}
 GENERAL_ADVICE = (
     "shorter sequences, 16-bit weights (precision: bf16, or a fine-tune's bf16: true), a smaller "
     "model or LoRA rank, closing other programs that hold memory, or a machine with more memory; "
@@ -22,7 +18,8 @@ GENERAL_ADVICE = (
 
 
 def saver_name(name: str) -> str:
-    return SAVER_NAMES.get(name, name)
+    """A memory saver as the registry (`steadytrain.run_savers`) words it."""
+    return saver_words(name)
 
 
 def short(death: ChildExit) -> str:

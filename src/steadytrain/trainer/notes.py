@@ -80,9 +80,7 @@ def arithmetic_event(
         order = f"the DataLoader's {type(source.loader.sampler).__name__}"
     else:
         order = f"shuffled each epoch (seed {cfg.seed or 0})" if cfg.shuffle else "in order"
-    clipping = (
-        "off" if cfg.max_grad_norm is None else f"at gradient norm {cfg.max_grad_norm}"
-    )
+    clipping = "off" if cfg.max_grad_norm is None else f"at gradient norm {cfg.max_grad_norm}"
     share = -(-batch // world_size)  # the largest rank's share
     accumulation = f"micro-batch {micro} × {-(-share // micro)} accumulated to {batch}"
     if world_size > 1:

@@ -12,13 +12,13 @@ import torch
 
 from steadytrain.config import TrainConfig
 from steadytrain.engine.batching import batch_len, split_batch, to_device
-from steadytrain.engine.side_pass import side_pass
+from steadytrain.engine.side_pass import side_pass, trial_pass
 from steadytrain.engine.step import check_loss_output
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
-from steadytrain.memory.savers import Savers, one_sample_norms, trial_pass
+from steadytrain.memory.savers import Savers, one_sample_norms
 from steadytrain.trainer.data import DataSource, batch_at
 from steadytrain.trainer.parts import RunParts
 from steadytrain.user_state import select

@@ -24,6 +24,7 @@ from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.device.budget import cpu_headroom
 from steadytrain.errors import DiskFullError, RunDiskFullError, RunNotWritableError, is_disk_full
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 STOP_CODES = (0, 130, 143)
 
@@ -136,7 +137,7 @@ class CheckpointWriter(Callback):
             self._settle(block=True)  # the capture reuses host buffers a save may still read
             self.best.save(state.step, self.capture(state, False))
         self.record(
-            "best_checkpoint",
+            Record.BEST_CHECKPOINT,
             {
                 "step": state.step,
                 "metric": state.best_metric,
@@ -180,4 +181,4 @@ class CheckpointWriter(Callback):
     def _committed(self, step: int, mode: str, stall: float, why_sync: str | None = None) -> None:
         """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest."""
         info = {"step": step, "mode": mode, "stall_s": round(stall, 4)}
-        self.record("checkpoint", info | ({"why_sync": why_sync} if why_sync else {}))
+        self.record(Record.CHECKPOINT, info | ({"why_sync": why_sync} if why_sync else {}))

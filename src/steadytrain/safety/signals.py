@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from steadytrain.errors import SIGNAL_EXITS, Stopped
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 EXIT_CODES = {signal.SIGINT: SIGNAL_EXITS["SIGINT"], signal.SIGTERM: SIGNAL_EXITS["SIGTERM"]}
 
@@ -70,7 +71,7 @@ class SignalStop(Callback):
 
     def _log_new(self, state: TrainState) -> None:
         for signum in self.received[self._logged :]:
-            self.record("signal", {"signal": signal.Signals(signum).name, "step": state.step})
+            self.record(Record.SIGNAL, {"signal": signal.Signals(signum).name, "step": state.step})
         self._logged = len(self.received)
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:

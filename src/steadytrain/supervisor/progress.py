@@ -57,8 +57,8 @@ def last_micro_batch_size(
 ) -> int | None:
     """micro_batch_size of the last complete line of RUN_DIR/metrics.jsonl, read from its tail
     (the file grows by a line per step). A torn last line (the child was killed mid-write) is
-    skipped. With `file` events.jsonl and `event` `Record.OOM`: that of the last out-of-memory event
-    (a child that exits 76 records one before it has written any metrics line)."""
+    skipped. With `file` events.jsonl and `event` `Record.OOM`: that of the last out-of-memory
+    event (a child that exits 76 records one before it has written any metrics line)."""
     if run_dir is None:
         return None
     for record in reversed(run_jsonl.tail(run_dir / file, METRICS_TAIL_BYTES)):

@@ -1,7 +1,7 @@
 """The events both sides of `steadytrain run` agree on: the child (the Trainer, the watchdog, the
 integrations) appends them to RUN_DIR/events.jsonl, the supervisor appends its own beside them and
 reads the child's back. The one writer of an event line for a process that does not hold the file
-open, and the names of the records the supervisor decides on. Standard library only: the
+open; the records' names are `steadytrain.records.Record`'s. Standard library only: the
 supervisor imports it, and nothing of torch; below the trainer, safety and the supervisor, so
 none of them imports another for it."""
 
@@ -11,16 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
-
-ERROR_EVENT = "error"
-"""Written by a failed `Trainer.fit()` (`safety.failure_record`): the error and its signature; the
-supervisor stops when two attempts in a row record the same one at the same step."""
-EXIT_EVENT = "exit"
-"""Written by a rank of a torchrun group whose fit() ends by an error (`safety.failure_record`):
-the supervisor reads which rank failed first."""
-SAVERS_EVENT = "memory_savers"
-"""The child's record, at each supervised start, of the memory savers in force and those left
-(`safety.supervised`); the supervisor reads it after an OS memory kill at micro-batch 1."""
 
 
 def append_event(run_dir: Path, record: dict[str, Any]) -> None:

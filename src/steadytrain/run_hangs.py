@@ -21,6 +21,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import NOFOLLOW, open_in_run, refuse_link
 from steadytrain.errors import RunDiskFullError
+from steadytrain.records import Record
 
 
 def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
@@ -104,7 +105,7 @@ def adopt_backstop_dumps(
             **(extra or {}),
         }
         with contextlib.suppress(Exception):
-            record("hang", info)
+            record(Record.HANG, info)
     return made
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from steadytrain.errors import StateNotRestoredError
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 ACCELERATOR_RTOL = 1e-3
 
@@ -47,7 +48,7 @@ class ContinuityCheck(Callback):
         metrics = info["metrics"]
         if metrics["micro_batch_size"] != self.micro:
             self.record(
-                "continuity",
+                Record.CONTINUITY,
                 {
                     "step": state.step,
                     "checked": False,
@@ -75,7 +76,7 @@ class ContinuityCheck(Callback):
                     else "would have been; going on (continuity_strict: true stops here instead)"
                 )
             )
-        self.record("continuity", event)
+        self.record(Record.CONTINUITY, event)
         if not same and self.strict:
             raise StateNotRestoredError(
                 f"state not fully restored: {found}. The data, the model or its random state "

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
+from steadytrain.records import Record
+
 LEFTOVER = re.compile(r"^\.(staging|deleting|latest)-(?:.*-)?(\d+)-[0-9a-f]+(?:\.tmp)?$")
 
 # Names in flight in this process (staging, deleting, pointer temp): leftover cleaning skips them.
@@ -52,9 +54,9 @@ def clean_leftovers(entries: Iterable[os.DirEntry], log: Callable[[str, dict], N
         except FileNotFoundError:
             continue  # removed meanwhile by another cleaner
         except OSError as exc:
-            log("checkpoint_leftover_failed", {"path": entry.path, "error": str(exc)})
+            log(Record.CHECKPOINT_LEFTOVER_FAILED, {"path": entry.path, "error": str(exc)})
             continue
         log(
-            "checkpoint_leftover_removed",
+            Record.CHECKPOINT_LEFTOVER_REMOVED,
             {"path": entry.path, "kind": {"latest": "pointer-temp"}.get(kind, kind)},
         )

@@ -31,6 +31,7 @@ from steadytrain.checkpoint.state import (
 )
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.errors import CheckpointError
+from steadytrain.records import Record
 
 
 @dataclasses.dataclass
@@ -118,7 +119,7 @@ class RunState:
             except CheckpointError as exc:
                 problems = [(str(exc).strip().splitlines() or [""])[0]]
                 record(
-                    "checkpoint_skipped",
+                    Record.CHECKPOINT_SKIPPED,
                     {"checkpoint": path.name, "path": str(path), "problems": problems},
                 )
                 refused[path.name] = problems

@@ -62,6 +62,7 @@ from steadytrain.checkpoint.manifest import (
 )
 from steadytrain.checkpoint.payload import Payload, all_tensors, check_payload, payload_bytes
 from steadytrain.errors import CheckpointError, DiskFullError, RunNotWritableError
+from steadytrain.records import Record
 
 _stores_with_saves: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
 
@@ -179,12 +180,12 @@ class CheckpointStore:
                 if not problems:
                     if payload.shards is not None:
                         payload.shards(None)  # the other ranks learn there is nothing to write
-                    self._log("checkpoint_exists", {"step": step, "checkpoint": name})
+                    self._log(Record.CHECKPOINT_EXISTS, {"step": step, "checkpoint": name})
                     newest = self.committed()[-1][1]
                     if newest == final and self._read_pointer(quiet=True) != name:
                         self._write_pointer(name)
                     return final
-                self._log("checkpoint_replaced", {"checkpoint": name, "problems": problems})
+                self._log(Record.CHECKPOINT_REPLACED, {"checkpoint": name, "problems": problems})
                 replacing = True
             staging = self._stage(step, name, payload)
             try:
@@ -201,7 +202,7 @@ class CheckpointStore:
             try:
                 self._write_pointer(name)
             except OSError as exc:  # committed anyway; latest() does not need the pointer
-                self._log("checkpoint_pointer_failed", {"checkpoint": name, "error": str(exc)})
+                self._log(Record.CHECKPOINT_POINTER_FAILED, {"checkpoint": name, "error": str(exc)})
             self._retain(final)
             return final
 
@@ -325,10 +326,10 @@ class CheckpointStore:
             os.rename(path, doomed)
             fault("during-retention")
             shutil.rmtree(doomed)
-            self._log("checkpoint_deleted", {"checkpoint": path.name, "reason": reason})
+            self._log(Record.CHECKPOINT_DELETED, {"checkpoint": path.name, "reason": reason})
         except OSError as exc:
             self._log(
-                "checkpoint_delete_failed",
+                Record.CHECKPOINT_DELETE_FAILED,
                 {"checkpoint": path.name, "path": str(doomed), "error": str(exc)},
             )
         finally:
@@ -374,13 +375,15 @@ class CheckpointStore:
             if step_of(entry.name) is not None and not entry.is_dir(follow_symlinks=False):
                 what = "a symlink" if entry.is_symlink() else "not a folder"
                 problems = [f"{entry.name} is {what}; checkpoints are plain folders, refused"]
-                self._log("checkpoint_skipped", {"checkpoint": entry.name, "problems": problems})
+                self._log(
+                    Record.CHECKPOINT_SKIPPED, {"checkpoint": entry.name, "problems": problems}
+                )
                 failures.append((entry.name, problems))
         committed = self.committed()
         names = {path.name for _, path in committed}
         if pointer is not None and pointer not in names:
             self._log(
-                "checkpoint_pointer_ignored",
+                Record.CHECKPOINT_POINTER_IGNORED,
                 {"pointer": pointer, "reason": "names no committed checkpoint folder"},
             )
         for step, path in reversed(committed):
@@ -391,7 +394,7 @@ class CheckpointStore:
             if not problems:
                 if pointer is not None and pointer != path.name and pointer in names:
                     self._log(
-                        "checkpoint_pointer_ignored",
+                        Record.CHECKPOINT_POINTER_IGNORED,
                         {
                             "pointer": pointer,
                             "using": path.name,
@@ -400,7 +403,7 @@ class CheckpointStore:
                     )
                 return step, path
             self._log(
-                "checkpoint_skipped",
+                Record.CHECKPOINT_SKIPPED,
                 {"checkpoint": path.name, "path": str(path), "problems": problems},
             )
             failures.append((path.name, problems))
@@ -460,7 +463,7 @@ class CheckpointStore:
 
         def ignored(reason: str, pointer: str | None) -> None:
             if not quiet:
-                self._log("checkpoint_pointer_ignored", {"pointer": pointer, "reason": reason})
+                self._log(Record.CHECKPOINT_POINTER_IGNORED, {"pointer": pointer, "reason": reason})
 
         return read_pointer(self.root, ignored)
 

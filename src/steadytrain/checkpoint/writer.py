@@ -30,6 +30,7 @@ from steadytrain.errors import (
     is_disk_full,
 )
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 STOP_CODES = (0, *SIGNAL_EXITS.values())  # finished, or stopped by a signal
 
@@ -142,7 +143,7 @@ class CheckpointWriter(Callback):
             self._settle(block=True)  # the capture reuses host buffers a save may still read
             self.best.save(state.step, self.capture(state, False))
         self.record(
-            "best_checkpoint",
+            Record.BEST_CHECKPOINT,
             {
                 "step": state.step,
                 "metric": state.best_metric,
@@ -186,4 +187,4 @@ class CheckpointWriter(Callback):
     def _committed(self, step: int, mode: str, stall: float, why_sync: str | None = None) -> None:
         """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest."""
         info = {"step": step, "mode": mode, "stall_s": round(stall, 4)}
-        self.record("checkpoint", info | ({"why_sync": why_sync} if why_sync else {}))
+        self.record(Record.CHECKPOINT, info | ({"why_sync": why_sync} if why_sync else {}))

@@ -43,6 +43,7 @@ from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain.errors import BadInputError, DemoFailed
 from steadytrain.recipes.options import DemoOptions
+from steadytrain.records import Record
 
 STEPS = 7
 SEQ = 128
@@ -486,7 +487,7 @@ class Demo:
 
     def _read_plan(self, events: list[dict]) -> None:
         """The plan the fine-tune made before its first step (micro_batch_size auto)."""
-        plan = next((e for e in events if e.get("event") == "plan"), None)
+        plan = next((e for e in events if e.get("event") == Record.PLAN), None)
         if plan is not None:
             self.summary["plan"] = {
                 key: plan.get(key)
@@ -505,13 +506,13 @@ class Demo:
         restarted = False
         for event in events:
             name = event.get("event")
-            if name == "restart":
+            if name == Record.RESTART:
                 restarted = True
                 interruption.restarts += 1
-            elif name == "resume" and restarted and interruption.resumed_at_step is None:
+            elif name == Record.RESUME and restarted and interruption.resumed_at_step is None:
                 interruption.resumed_at_step = event.get("step")
             elif (
-                name == "continuity"
+                name == Record.CONTINUITY
                 and interruption.resumed_at_step is not None
                 and interruption.continuity is None
             ):

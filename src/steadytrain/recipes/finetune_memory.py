@@ -19,6 +19,7 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
 from steadytrain.memory.settings import DEVICE_TYPES, Settings, from_options
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
+from steadytrain.records import Record
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash"}
 PLAN_CHECKPOINTING = {True: "on", False: "off", "auto": "auto", "offload": "offload"}
@@ -229,7 +230,9 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     if not written.is_file():
         return []
     config = FinetuneConfig.from_dict(json.loads(written.read_text()), source=str(written))
-    starts = [e for e in read_jsonl(folder / run_files.EVENTS) if e.get("event") == "fit_start"]
+    starts = [
+        e for e in read_jsonl(folder / run_files.EVENTS) if e.get("event") == Record.FIT_START
+    ]
     start = starts[-1] if starts else {}
     budget = start.get("budget")
     if budget is None:

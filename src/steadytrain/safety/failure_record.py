@@ -16,7 +16,8 @@ from steadytrain import run_files
 from steadytrain._durable import open_in_run, write_all
 from steadytrain.device import is_oom
 from steadytrain.errors import UserCodeError, user_code_error
-from steadytrain.run_events import ERROR_EVENT, EXIT_EVENT, append_event
+from steadytrain.records import Record
+from steadytrain.run_events import append_event
 
 
 def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:
@@ -55,7 +56,7 @@ def record_exit(run_dir: Path, exc: BaseException, process_group: dict | None = 
         step = getattr(exc, "steadytrain_step", getattr(cause, "steadytrain_step", None))
     record = {
         "time": time.time(),
-        "event": EXIT_EVENT,
+        "event": Record.EXIT,
         "step": step,
         "exit_code": code if isinstance(code, int) else 1,
         "reason": f"{type(exc).__name__}: {text[0] if text else ''}"[:500],
@@ -90,7 +91,7 @@ def record_error(
     error = exc.error if isinstance(exc, UserCodeError) else f"{type(exc).__name__}: {exc}"
     record = {
         "time": time.time(),
-        "event": ERROR_EVENT,
+        "event": Record.ERROR,
         "step": step,
         "exit_code": getattr(exc, "exit_code", 1),
         "error": error.splitlines()[0][:500] if error else type(exc).__name__,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 from steadytrain.safety.leaks import (
     LEAK_CAUSES,
     Leak,
@@ -183,7 +184,7 @@ class MemoryWatch(Callback):
         if kinds:
             text += f" Largest live tensors: {describe_tensors(kinds)}."
         self.record(
-            "leak",
+            Record.LEAK,
             {
                 "counter": leak.counter,
                 "step": state.step,
@@ -225,7 +226,7 @@ class MemoryWatch(Callback):
                 "out of swap before the OS kills the process; the effective batch stays "
                 f"{state.effective_batch_size}"
             )
-            self.record("swap", info)
+            self.record(Record.SWAP, info)
         elif not self._warned_at_one:
             self._warned_at_one = True
             info["action"] = "none"
@@ -234,7 +235,7 @@ class MemoryWatch(Callback):
                 "(close other programs), shorten sequences, lower precision or use a smaller "
                 "model; the OS may kill this run (a checkpoint resumes it)"
             )
-            self.record("swap", info)
+            self.record(Record.SWAP, info)
         if self.empty_cache == "auto":
             self._maybe_empty_cache(state, memory, "thrashing")
 
@@ -251,7 +252,7 @@ class MemoryWatch(Callback):
         after = self.device.memory().reserved
         freed = reserved - after if after is not None else None
         self.record(
-            "cache",
+            Record.CACHE,
             {
                 "why": why,
                 "step": state.step,

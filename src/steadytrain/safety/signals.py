@@ -27,6 +27,7 @@ from steadytrain._terminal import detach_gone, say
 from steadytrain.engine.workers import defer_worker_deaths
 from steadytrain.errors import SIGNAL_EXITS, Stopped
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 EXIT_CODES = {
     getattr(signal, name): code for name, code in SIGNAL_EXITS.items() if hasattr(signal, name)
@@ -84,7 +85,7 @@ class SignalStop(Callback):
 
     def _log_new(self, state: TrainState) -> None:
         for signum in self.received[self._logged :]:
-            self.record("signal", {"signal": signal.Signals(signum).name, "step": state.step})
+            self.record(Record.SIGNAL, {"signal": signal.Signals(signum).name, "step": state.step})
         self._logged = len(self.received)
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder
 from steadytrain.errors import SteadytrainError
+from steadytrain.records import Record
 from steadytrain.run_files import ENV_START_WATCH  # set by `steadytrain run` for its child
 from steadytrain.run_hangs import adopt_backstop_dumps, new_hang_file, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
@@ -133,7 +134,7 @@ class StartWatch:
             "exit_code": HANG_EXIT,
         }
         with contextlib.suppress(Exception):
-            _record_event(self.run_dir)("hang", info)
+            _record_event(self.run_dir)(Record.HANG, info)
         end_process(
             f"steadytrain: hang {BEFORE_FIT}: no progress for {stalled:.0f} s since the "
             f"process imported steadytrain (limit {self.limit:.0f} s, steadytrain run "

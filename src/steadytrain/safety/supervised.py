@@ -14,7 +14,7 @@ from typing import Any
 
 from steadytrain import run_files
 from steadytrain.errors import BadInputError
-from steadytrain.run_events import SAVERS_EVENT
+from steadytrain.records import Record
 
 
 def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:
@@ -51,9 +51,9 @@ def savers_from_supervisor(
             "attempt with no smaller micro-batch left)"
         )
         for info in savers.climb_to(asked, reason):
-            record("memory_saver", {"step": step, **info})
+            record(Record.MEMORY_SAVER, {"step": step, **info})
     record(
-        SAVERS_EVENT,
+        Record.MEMORY_SAVERS,
         {"step": step, "in_force": savers.in_force(), "left": savers.left(), "asked": asked},
     )
 

@@ -56,6 +56,7 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
 from steadytrain.safety.hang_files import stacks_in, write_heartbeat, write_report
@@ -397,7 +398,7 @@ class HangWatchdog(HangLimits, Callback):
             "memory": memory.to_dict() if memory is not None else None,
         }
         with contextlib.suppress(Exception):
-            self.record("hang", info)
+            self.record(Record.HANG, info)
         if exiting:
             self._exit(stalled, phase, step, path)
 

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
-from steadytrain.run_events import ERROR_EVENT
+from steadytrain.records import Record
 from steadytrain.supervisor.progress import Since, attempt_records
 
-FIT_END_EVENT = "fit_end"  # the Trainer's last record of a fit: its reason and exit code
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
 LOW_AVAILABLE = 0.20
 """Memory counts as high when less than this share of the machine's memory was available at the
@@ -98,7 +97,7 @@ def last_error(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     for record in reversed(attempt_records(Path(run_dir) / run_files.EVENTS, since)):
-        if record.get("event") == ERROR_EVENT:
+        if record.get("event") == Record.ERROR:
             return record
     return None
 
@@ -111,7 +110,7 @@ def ended_run(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     for record in reversed(attempt_records(Path(run_dir) / run_files.EVENTS, since)):
-        if record.get("event") != FIT_END_EVENT:
+        if record.get("event") != Record.FIT_END:
             continue
         code = record.get("exit_code")
         return record if isinstance(code, int) and code != 0 else None
@@ -130,9 +129,9 @@ def same_failure(error: dict[str, Any] | None, before: dict[str, Any] | None) ->
 
 # ---- which rank of a torchrun group failed -------------------------------------------------
 
-ENDS = ("oom", "hang", "error", "exit", "fit_end")
+ENDS = (Record.OOM, Record.HANG, Record.ERROR, Record.EXIT, Record.FIT_END)
 """The records that say how a rank's attempt ended (the last one of the attempt counts)."""
-RECOVERED = ("shrink",)
+RECOVERED = (Record.SHRINK,)
 """After an `oom`, the rank went on: that oom says nothing about how the attempt ended."""
 STOPPED_CODES = (130, 143)  # torchrun stops the other ranks with SIGTERM when one fails
 SHRINK_CODE = 76  # errors.SHRINK_EXIT: out of memory, restart with a smaller micro-batch
@@ -160,7 +159,7 @@ class RankEnd:
         from counts as 76: out of memory, restart smaller); None when unknown."""
         if self.record is None:
             return None
-        if self.record.get("event") == "oom":
+        if self.record.get("event") == Record.OOM:
             return SHRINK_CODE
         code = self.record.get("exit_code")
         return code if isinstance(code, int) and not isinstance(code, bool) else None
@@ -175,7 +174,9 @@ class RankEnd:
         hung or died), stopped by the signal torchrun sends the others, or out of memory on
         another rank (its oom event's phase is "rank N")."""
         record = self.record or {}
-        other_oom = record.get("event") == "oom" and str(record.get("phase")).startswith("rank ")
+        other_oom = record.get("event") == Record.OOM and str(record.get("phase")).startswith(
+            "rank "
+        )
         return bool(record.get("collective")) or self.exit_code in STOPPED_CODES or other_oom
 
     def describe(self) -> str:
@@ -196,12 +197,12 @@ class RankEnd:
             )
         name, step = record.get("event"), record.get("step")
         at = f" after step {step}" if step is not None else ""
-        if name == "hang":
+        if name == Record.HANG:
             where = record.get("collective") or record.get("phase")
             dump = record.get("file")
             stacks = f", stacks in {self._relative(dump)}" if dump else ""
             return f"{who}: hang in {where}{at} (exit {self.exit_code}){stacks}"
-        if name == "oom":
+        if name == Record.OOM:
             return f"{who}: out of memory{at} ({record.get('error') or 'no message'})"
         reason = record.get("reason") or record.get("error") or name
         waited = f" in {record['collective']}" if record.get("collective") else ""
@@ -231,7 +232,7 @@ def rank_ends(run_dir: Path | None, since: Since) -> list[RankEnd]:
     }
     world = max((rank + 1 for rank, found in records.items() if found), default=1)
     for found in records.values():
-        for start in (r for r in found if r.get("event") == "fit_start"):
+        for start in (r for r in found if r.get("event") == Record.FIT_START):
             group = start.get("process_group")
             if isinstance(group, dict) and isinstance(group.get("world_size"), int):
                 world = max(world, group["world_size"])

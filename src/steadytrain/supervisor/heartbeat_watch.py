@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steadytrain.records import Record
 from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
 from steadytrain.supervisor.child_exit import HANG
 from steadytrain.supervisor.options import SupervisorOptions
@@ -152,7 +153,7 @@ class HeartbeatWatch:
         )
         if not made:
             self.record(
-                "hang",
+                Record.HANG,
                 hang.beat.get("step"),
                 phase=hang.beat.get("phase"),
                 pid=hang.pid,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files, run_jsonl
-from steadytrain.run_events import SAVERS_EVENT
+from steadytrain.records import Record
 
 METRICS_TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few metrics lines, however long the run
 _STEP_NAME = re.compile(r"step-(\d+)")
@@ -40,10 +40,10 @@ def progress_step(run_dir: Path | None) -> int | None:
     one. Reads the whole file (a line per event, not per step)."""
     steps = [checkpoint_step(run_dir)]
     if run_dir is not None:
-        for event in _events(run_dir, b'"checkpoint"'):
+        for event in _events(run_dir, f'"{Record.CHECKPOINT}"'.encode()):
             step = event.get("step")
             if (
-                event.get("event") == "checkpoint"
+                event.get("event") == Record.CHECKPOINT
                 and isinstance(step, int)
                 and not isinstance(step, bool)
             ):
@@ -53,12 +53,12 @@ def progress_step(run_dir: Path | None) -> int | None:
 
 
 def last_micro_batch_size(
-    run_dir: Path | None, file: str = run_files.METRICS, event: str | None = None
+    run_dir: Path | None, file: str = run_files.METRICS, event: Record | None = None
 ) -> int | None:
     """micro_batch_size of the last complete line of RUN_DIR/metrics.jsonl, read from its tail
     (the file grows by a line per step). A torn last line (the child was killed mid-write) is
-    skipped. With `file` events.jsonl and `event` "oom": that of the last out-of-memory event
-    (a child that exits 76 records one before it has written any metrics line)."""
+    skipped. With `file` events.jsonl and `event` `Record.OOM`: that of the last out-of-memory
+    event (a child that exits 76 records one before it has written any metrics line)."""
     if run_dir is None:
         return None
     for record in reversed(run_jsonl.tail(run_dir / file, METRICS_TAIL_BYTES)):
@@ -134,9 +134,9 @@ def savers_record(run_dir: Path | None, since: Since) -> dict[str, Any] | None:
         return None
     start = since.offset(run_dir / run_files.EVENTS) if isinstance(since, AttemptStart) else 0
     found = None
-    for event in _events(run_dir, SAVERS_EVENT.encode(), start):
+    for event in _events(run_dir, Record.MEMORY_SAVERS.encode(), start):
         if (
-            event.get("event") == SAVERS_EVENT
+            event.get("event") == Record.MEMORY_SAVERS
             and (isinstance(since, AttemptStart) or at_or_after(event, since))
             and isinstance(event.get("in_force"), list)
             and isinstance(event.get("left"), list)

@@ -54,6 +54,7 @@ from typing import Any, TextIO
 
 from steadytrain._terminal import say
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
+from steadytrain.records import Record
 from steadytrain.run_events import append_event
 from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
 from steadytrain.supervisor.attempt_end import (
@@ -238,7 +239,7 @@ class Supervisor:
     ) -> None:
         """The `restart` event and the two lines that say why and what the next attempt gets."""
         self._record(
-            "restart",
+            Record.RESTART,
             step,
             attempt=self.restarts,
             exit_code=returncode,
@@ -372,7 +373,7 @@ class Supervisor:
         asked = len(savers["in_force"]) + 1
         self._escalations.append(f"{saver_name(saver)} (attempt {self.restarts + 2})")
         self._record(
-            "memory_escalation",
+            Record.MEMORY_ESCALATION,
             step,
             saver=saver,
             in_force=savers["in_force"],
@@ -408,7 +409,7 @@ class Supervisor:
             f"from {resume}"
         )
         self._record(
-            "supervisor_end",
+            Record.SUPERVISOR_END,
             step,
             exit_code=DOES_NOT_FIT_EXIT,
             restarts=self.restarts,
@@ -429,7 +430,7 @@ class Supervisor:
         )
         self._say(reason + where)
         self._record(
-            "supervisor_gave_up",
+            Record.SUPERVISOR_GAVE_UP,
             step,
             exit_code=GAVE_UP,
             restarts=self.restarts,
@@ -440,10 +441,12 @@ class Supervisor:
         return GAVE_UP
 
     def _end(self, code: int, step: int | None, reason: str) -> int:
-        self._record("supervisor_end", step, exit_code=code, restarts=self.restarts, reason=reason)
+        self._record(
+            Record.SUPERVISOR_END, step, exit_code=code, restarts=self.restarts, reason=reason
+        )
         return code
 
-    def _record(self, event: str, step: int | None, **fields: Any) -> None:
+    def _record(self, event: Record, step: int | None, **fields: Any) -> None:
         if self.options.run_dir is None:
             return
         try:
@@ -452,7 +455,7 @@ class Supervisor:
             )
         except (OSError, RunDiskFullError) as exc:  # a full disk must not stop the supervising
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            final = event in ("supervisor_end", "supervisor_gave_up")  # the run has ended
+            final = event in (Record.SUPERVISOR_END, Record.SUPERVISOR_GAVE_UP)  # the run has ended
             after = "it is not recorded" if final else "the run goes on without it"
             self._say(f"{first}; {after} (the {event} event)")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from steadytrain import run_files
 from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
+from steadytrain.records import Record
 from steadytrain.supervisor.child_exit import SHRINK, ChildExit
 from steadytrain.supervisor.progress import Since, last_micro_batch_size, savers_record
 
@@ -23,7 +24,7 @@ def smaller_micro_batch(
     known = [last_micro_batch_size(run_dir), cap]
     if death is not None and death.returncode == SHRINK:
         folder = death.rank.folder if death.rank is not None else run_dir
-        known.append(last_micro_batch_size(folder, run_files.EVENTS, "oom"))
+        known.append(last_micro_batch_size(folder, run_files.EVENTS, Record.OOM))
     known = [v for v in known if v is not None]
     return (HALVING.next(min(known)) or 1) if known else None
 

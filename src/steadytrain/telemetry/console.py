@@ -22,6 +22,7 @@ from rich.text import Text
 from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState
+from steadytrain.records import Record
 from steadytrain.run_hangs import print_aside
 
 BAR_REFRESH_PER_SECOND = 4
@@ -100,7 +101,7 @@ class ConsoleLog(Callback):
         From another thread (the hang watchdog) the line is printed by a daemon thread of its
         own: the loop's thread may be stuck holding the console (a blocked stderr), and the
         watchdog must not wait for it. A signal is left out: its handler has said what it does."""
-        if name == "signal":
+        if name == Record.SIGNAL:
             return
         line = describe_note(name, info)
         if threading.current_thread() is self._loop_thread:
@@ -150,7 +151,7 @@ class ErrorsOnly(ConsoleLog):
     train in lockstep on the same global batch, so their lines would be the same), this rank
     prints only what is its own: a hang it detected. Its exceptions reach stderr as usual."""
 
-    SHOWN = ("hang",)
+    SHOWN = (Record.HANG,)
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         self._loop_thread = threading.current_thread()
@@ -338,17 +339,17 @@ def step_split(m: dict[str, Any]) -> str:
 
 def describe_note(name: str, info: dict) -> str:
     """One line for an event recorded outside the loop."""
-    if name == "checkpoint":
+    if name == Record.CHECKPOINT:
         return (
             f"checkpoint at step {info.get('step')} ({info.get('mode')}, loop held "
             f"{_ms(info.get('stall_s'))})"
         )
-    if name == "resume":
+    if name == Record.RESUME:
         return (
             f"resumed from {info.get('checkpoint')} at step {info.get('step')}, micro-batch "
             f"{info.get('micro_batch_size')}"
         )
-    if name == "plan":
+    if name == Record.PLAN:
         micro, steps = info.get("micro_batch_size"), info.get("accumulation")
         line = (
             f"plan: micro-batch {micro} × {steps} (effective batch "
@@ -359,7 +360,7 @@ def describe_note(name: str, info: dict) -> str:
             f"{format_bytes(info.get('limit'))} allowed"
         )
         return "\n".join([line, *(f"  - {reason}" for reason in info.get("reasons") or [])])
-    if name == "estimate":
+    if name == Record.ESTIMATE:
         return (
             f"estimate ({info.get('source')}): peak {format_bytes(info.get('peak'))}, total "
             f"{format_bytes(info.get('total'))} at micro-batch {info.get('micro_batch_size')}"

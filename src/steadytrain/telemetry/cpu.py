@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from steadytrain.device.cpu_load import CpuLoad, CpuMeter
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 
 SLOW = 1.5  # a step this many times the typical step time is a slow one
 WARMUP = 5  # the first steps (allocation, planning, caches) are no baseline
@@ -65,7 +66,7 @@ class CpuContention(Callback):
         if self._said_at is not None and now - self._said_at < REPEAT_S:
             return
         self._said_at = now
-        self.record("cpu_contention", self._info(state.step, step_time, typical, load))
+        self.record(Record.CPU_CONTENTION, self._info(state.step, step_time, typical, load))
 
     def _info(self, step: int, step_time: float, typical: float, load: CpuLoad) -> dict:
         advice = load.advised_threads

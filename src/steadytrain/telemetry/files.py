@@ -17,6 +17,7 @@ from pathlib import Path
 from steadytrain import run_files
 from steadytrain.errors import RunDiskFullError
 from steadytrain.events import Callback, Control, TrainState
+from steadytrain.records import Record
 from steadytrain.run_jsonl import JsonlFile
 from steadytrain.run_jsonl import read as read_jsonl
 
@@ -41,7 +42,7 @@ class RunFiles(Callback):
         self.events.write({"time": time.time(), "event": name, **info})
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event("fit_start", state, info)
+        self.event(Record.FIT_START, state, info)
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         # Step k's line is written once step k+1 is queued, so reading its loss does not make
@@ -67,16 +68,16 @@ class RunFiles(Callback):
         self.metrics.write({**row, **info["metrics"]})
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event("oom", state, info)
+        self.event(Record.OOM, state, info)
 
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event("shrink", state, info)
+        self.event(Record.SHRINK, state, info)
 
     def on_memory_saver(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event("memory_saver", state, info)
+        self.event(Record.MEMORY_SAVER, state, info)
 
     def on_epoch_end(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event("epoch_end", state, info)
+        self.event(Record.EPOCH_END, state, info)
 
     def close(self) -> None:
         """Close both files (a later record reopens them)."""
@@ -86,7 +87,7 @@ class RunFiles(Callback):
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
         try:
             self._write_pending()
-            self.event("fit_end", state, info)
+            self.event(Record.FIT_END, state, info)
         except RunDiskFullError:
             if not info.get("exit_code"):
                 raise

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from steadytrain.errors import BadInputError
+from steadytrain.records import Record
 from steadytrain.telemetry.run_reading import GIB, Run, as_number, is_int, memory_counters
 
 INSTALL_HINT = "pip install 'steadytrain[report]'"
@@ -29,23 +30,23 @@ class Style:
 
 # Known event kinds, in the order of the events strip. Colours are kept apart from the series
 # colours below so that a mark never reads as data.
-EVENT_STYLES: dict[str, Style] = {
-    "oom": Style("#d62728", "X", "out of memory", True, "-"),
-    "shrink": Style("#ff7f0e", "v", "micro-batch shrink", True, (0, (2, 3))),
-    "micro_batch_cap": Style("#fdae6b", "v", "micro-batch cap (supervisor)", True),
-    "memory_saver": Style("#bcbd22", "s", "memory saver on", True),
-    "checkpoint": Style("#2ca02c", "^", "checkpoint", False),
-    "resume": Style("#17becf", ">", "resume", True, (0, (5, 5))),
-    "killed": Style("#000000", "x", "killed (no fit_end)", True, ":"),
-    "restart": Style("#000000", "D", "died here, restarted (supervisor)", True, (5, (5, 5))),
-    "supervisor_gave_up": Style("#000000", "P", "supervisor gave up", True),
-    "signal": Style("#9467bd", "o", "signal (stop)", True),
-    "hang": Style("#8c564b", "h", "hang", True),
-    "leak": Style("#e377c2", "*", "memory leak", True),
-    "swap": Style("#7f7f7f", "p", "swapping", True),
-    "cache": Style("#c7c7c7", ".", "cache released", False),
-    "fit_start": Style("#999999", "|", "attempt start", False),
-    "fit_end": Style("#999999", "|", "attempt end", False),
+EVENT_STYLES: dict[Record, Style] = {
+    Record.OOM: Style("#d62728", "X", "out of memory", True, "-"),
+    Record.SHRINK: Style("#ff7f0e", "v", "micro-batch shrink", True, (0, (2, 3))),
+    Record.MICRO_BATCH_CAP: Style("#fdae6b", "v", "micro-batch cap (supervisor)", True),
+    Record.MEMORY_SAVER: Style("#bcbd22", "s", "memory saver on", True),
+    Record.CHECKPOINT: Style("#2ca02c", "^", "checkpoint", False),
+    Record.RESUME: Style("#17becf", ">", "resume", True, (0, (5, 5))),
+    Record.KILLED: Style("#000000", "x", "killed (no fit_end)", True, ":"),
+    Record.RESTART: Style("#000000", "D", "died here, restarted (supervisor)", True, (5, (5, 5))),
+    Record.SUPERVISOR_GAVE_UP: Style("#000000", "P", "supervisor gave up", True),
+    Record.SIGNAL: Style("#9467bd", "o", "signal (stop)", True),
+    Record.HANG: Style("#8c564b", "h", "hang", True),
+    Record.LEAK: Style("#e377c2", "*", "memory leak", True),
+    Record.SWAP: Style("#7f7f7f", "p", "swapping", True),
+    Record.CACHE: Style("#c7c7c7", ".", "cache released", False),
+    Record.FIT_START: Style("#999999", "|", "attempt start", False),
+    Record.FIT_END: Style("#999999", "|", "attempt end", False),
 }
 OTHER_STYLE = Style("#bbbbbb", "o", "other", False)
 
@@ -91,7 +92,7 @@ def _mark_events(ax, events: list[dict], x_of, seen: set[str]) -> None:
     artist per kind however long the run; each kind is named once in the legend of a figure."""
     transform = ax.get_xaxis_transform()
     for name, style in EVENT_STYLES.items():
-        if name in ("fit_start", "fit_end"):
+        if name in (Record.FIT_START, Record.FIT_END):
             continue
         xs = [x for e in events if e["event"] == name and (x := x_of(e)) is not None]
         if not xs:
@@ -191,7 +192,7 @@ def plot_step_time(run: Run):
         ("step_time", "step time", STEP_TIME_COLOR, "-"),
         ("data_time", "waiting for data", DATA_TIME_COLOR, "-"),
         # only checkpoint steps carry it: points, as a line would have nothing to join
-        ("checkpoint_time", "checkpoint stall", EVENT_STYLES["checkpoint"].color, ""),
+        ("checkpoint_time", "checkpoint stall", EVENT_STYLES[Record.CHECKPOINT].color, ""),
     ):
         points = [(r["step"], v) for r in run.steps if (v := as_number(r.get(key))) is not None]
         if points:
@@ -231,7 +232,7 @@ def plot_memory_events(run: Run):
         return None if t is None or run.start is None else (t - run.start) / scale
 
     starts = sorted(
-        x for e in run.events if e["event"] == "fit_start" and (x := x_of(e)) is not None
+        x for e in run.events if e["event"] == Record.FIT_START and (x := x_of(e)) is not None
     )
 
     def series(

@@ -15,6 +15,7 @@ from typing import Any
 
 from steadytrain import run_files, run_jsonl
 from steadytrain.errors import BadInputError
+from steadytrain.records import Record
 
 GIB = 2**30
 
@@ -110,7 +111,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     )
     redone, resumed = _attempts_redone(events, lines)
     run.lost_steps = max(len(lines) - len(last), redone)
-    run.resumes = max(run.counts["resume"], resumed)
+    run.resumes = max(run.counts[Record.RESUME], resumed)
     run.status = _status(events)
     return run
 
@@ -126,7 +127,7 @@ def _attempts_redone(events: list[dict], lines: list[dict]) -> tuple[int, int]:
     starts = sorted(
         t
         for e in events
-        if e["event"] == "fit_start"
+        if e["event"] == Record.FIT_START
         if (t := as_number(e.get("time"))) is not None
     )
 
@@ -141,7 +142,7 @@ def _attempts_redone(events: list[dict], lines: list[dict]) -> tuple[int, int]:
         firsts.setdefault(index, line["step"])
         reached[index] = max(reached.get(index, 0), line["step"])
     for event in events:
-        if event["event"] == "checkpoint" and is_int(event.get("step")):
+        if event["event"] == Record.CHECKPOINT and is_int(event.get("step")):
             index = attempt(event)
             reached[index] = max(reached.get(index, 0), event["step"])
     lost = resumed = 0
@@ -183,7 +184,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 # Written by the next attempt before its own fit_start (it restores, then starts): when an attempt
 # died, these belong to the one after it.
-BEFORE_START = ("resume", "resume_override", "micro_batch_cap", "memory_savers")
+BEFORE_START = (Record.RESUME, Record.RESUME_OVERRIDE, Record.MICRO_BATCH_CAP, Record.MEMORY_SAVERS)
 
 
 def _place_restarts(events: list[dict], lines: list[dict]) -> None:
@@ -192,7 +193,7 @@ def _place_restarts(events: list[dict], lines: list[dict]) -> None:
     (the resume is drawn at the resume step by its own event)."""
     for event in events:
         when = as_number(event.get("time"))
-        if event["event"] != "restart" or when is None:
+        if event["event"] != Record.RESTART or when is None:
             continue
         before = [r for r in lines if (as_number(r.get("time")) or math.inf) <= when]
         if before:
@@ -203,11 +204,14 @@ def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
     """Add a `killed` event where an attempt ended without fit_end and nothing else says why.
     It is placed at the last metrics line the attempt wrote; without one, at its last event that
     has a step (an oom in the first step), else at its fit_start."""
-    starts = [i for i, e in enumerate(events) if e["event"] == "fit_start"]
+    starts = [i for i, e in enumerate(events) if e["event"] == Record.FIT_START]
     derived = []
     for here, following in itertools.pairwise(starts):
         between = events[here + 1 : following]
-        if any(e["event"] in ("fit_end", "restart", "supervisor_gave_up") for e in between):
+        if any(
+            e["event"] in (Record.FIT_END, Record.RESTART, Record.SUPERVISOR_GAVE_UP)
+            for e in between
+        ):
             continue
         begin, end = as_number(events[here].get("time")), as_number(events[following].get("time"))
         if begin is None or end is None:
@@ -218,7 +222,7 @@ def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
         derived.append(
             {
                 "time": last["time"],
-                "event": "killed",
+                "event": Record.KILLED,
                 "step": last.get("step"),
                 "reason": "the attempt ended without fit_end: killed (SIGKILL, the OS "
                 "out-of-memory killer) or the machine stopped; placed at its last step",
@@ -231,7 +235,7 @@ def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
 def _device(events: list[dict], lines: list[dict]) -> str:
     """cuda, mps or cpu: from the last fit_start, else from which counters the metrics carry."""
     for event in reversed(events):
-        if event["event"] == "fit_start" and isinstance(event.get("device"), str):
+        if event["event"] == Record.FIT_START and isinstance(event.get("device"), str):
             kind = event["device"].split(":")[0]
             if kind in MEMORY_COUNTERS:
                 return kind
@@ -244,17 +248,19 @@ def _device(events: list[dict], lines: list[dict]) -> str:
 
 def _status(events: list[dict]) -> str:
     """How the last attempt ended, from the events after its fit_start."""
-    last_start = max((i for i, e in enumerate(events) if e["event"] == "fit_start"), default=-1)
-    ends = ("fit_end", "supervisor_end", "supervisor_gave_up")
+    last_start = max(
+        (i for i, e in enumerate(events) if e["event"] == Record.FIT_START), default=-1
+    )
+    ends = (Record.FIT_END, Record.SUPERVISOR_END, Record.SUPERVISOR_GAVE_UP)
     after = {e["event"]: e for e in events[last_start + 1 :] if e["event"] in ends}
-    if "supervisor_gave_up" in after:
-        return f"the supervisor gave up (exit {after['supervisor_gave_up'].get('exit_code')})"
-    if "fit_end" in after:
-        end = after["fit_end"]
+    if Record.SUPERVISOR_GAVE_UP in after:
+        return f"the supervisor gave up (exit {after[Record.SUPERVISOR_GAVE_UP].get('exit_code')})"
+    if Record.FIT_END in after:
+        end = after[Record.FIT_END]
         return f"{end.get('reason') or 'ended'} (exit {end.get('exit_code')})"
-    if "supervisor_end" in after:
-        return f"supervisor: {after['supervisor_end'].get('reason')}"
-    errors = [e for e in events[last_start + 1 :] if e["event"] == "error"]
+    if Record.SUPERVISOR_END in after:
+        return f"supervisor: {after[Record.SUPERVISOR_END].get('reason')}"
+    errors = [e for e in events[last_start + 1 :] if e["event"] == Record.ERROR]
     if errors:  # an error before fit_start (the plan, the data) or one that left no fit_end
         return _error_status(errors[-1], started=last_start >= 0)
     if last_start < 0:
@@ -278,7 +284,7 @@ def find_estimate(run_dir: Path, events: list[dict]) -> dict[str, Any] | None:
     report plots) and may carry `micro_batch_size`. None when there is none: the summary then
     leaves the estimate row out rather than show an empty comparison."""
     for event in reversed(events):
-        if event["event"] == "estimate" and as_number(event.get("peak")) is not None:
+        if event["event"] == Record.ESTIMATE and as_number(event.get("peak")) is not None:
             return event
     try:
         with run_jsonl.open_regular(run_dir / run_files.ESTIMATE) as file:  # a pipe: OSError
@@ -344,7 +350,7 @@ def budget(run: Run) -> float | None:
     values = [v for r in run.lines if (v := as_number(r.get("mem_budget"))) is not None]
     if values:
         return values[-1]
-    starts = [as_number(e.get("budget")) for e in run.events if e["event"] == "fit_start"]
+    starts = [as_number(e.get("budget")) for e in run.events if e["event"] == Record.FIT_START]
     return next((b for b in reversed(starts) if b is not None), None)
 
 
@@ -374,12 +380,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
             f"{run.lost_steps} (steps recorded before a crash and computed again after resuming)",
         )
     )
-    killed = run.counts["killed"]
+    killed = run.counts[Record.KILLED]
     rows.append(
         (
             "restarts",
-            f"{run.counts['restart']} by the supervisor; {run.resumes} resume(s) from "
-            f"a checkpoint; {run.counts['fit_start']} attempt(s)"
+            f"{run.counts[Record.RESTART]} by the supervisor; {run.resumes} resume(s) from "
+            f"a checkpoint; {run.counts[Record.FIT_START]} attempt(s)"
             + (f"; {killed} attempt(s) killed without fit_end" if killed else ""),
         )
     )
@@ -421,7 +427,7 @@ def continuity_differences(run: Run) -> list[dict[str, Any]]:
     return [
         e
         for e in run.events
-        if e.get("event") == "continuity" and e.get("checked") and not e.get("equal")
+        if e.get("event") == Record.CONTINUITY and e.get("checked") and not e.get("equal")
     ]
 
 
@@ -456,10 +462,10 @@ def summary_line(run: Run) -> str:
     last = run.steps[-1]["step"] if run.steps else 0
     parts = [
         f"{last} steps",
-        f"{run.counts['oom']} out-of-memory",
-        f"{run.counts['shrink']} shrink(s)",
+        f"{run.counts[Record.OOM]} out-of-memory",
+        f"{run.counts[Record.SHRINK]} shrink(s)",
         f"{run.resumes} resume(s)",
-        f"{run.counts['restart']} restart(s)",
+        f"{run.counts[Record.RESTART]} restart(s)",
         f"{run.lost_steps} lost step(s)",
     ]
     if skipped := fp16_skipped(run):
@@ -472,19 +478,19 @@ def summary_line(run: Run) -> str:
 
 def _planned_steps(run: Run) -> int | None:
     for event in reversed(run.events):
-        if event["event"] == "fit_start" and isinstance(event.get("config"), dict):
+        if event["event"] == Record.FIT_START and isinstance(event.get("config"), dict):
             value = event["config"].get("max_steps")
             return value if is_int(value) else None
     return None
 
 
 def _oom_text(run: Run) -> str:
-    shrinks = [e for e in run.events if e["event"] == "shrink"]
+    shrinks = [e for e in run.events if e["event"] == Record.SHRINK]
     path = ""
     if shrinks:
         sizes = [shrinks[0].get("old"), *(e.get("new") for e in shrinks)]
         path = "; micro-batch " + " → ".join(str(s) for s in sizes)
-    return f"{run.counts['oom']} event(s), {len(shrinks)} shrink(s){path}"
+    return f"{run.counts[Record.OOM]} event(s), {len(shrinks)} shrink(s){path}"
 
 
 def gib(value: float) -> str:

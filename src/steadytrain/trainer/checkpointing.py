@@ -38,13 +38,14 @@ from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
 from steadytrain.config import TrainConfig
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.events import TrainState
+from steadytrain.records import Record
 from steadytrain.safety.supervised import micro_cap_from_supervisor
 from steadytrain.safety.watchdog import allowance, startup_phase
 from steadytrain.trainer.data import order_identity
 from steadytrain.trainer.parts import RunParts
 from steadytrain.trainer.program import Program
 
-Record = Callable[[str, dict], None]
+RecordFn = Callable[[str, dict], None]
 
 
 class Checkpointing:
@@ -52,7 +53,7 @@ class Checkpointing:
     reads samples); what that fingerprint checks by type only is in `notes`. `record` writes
     the resume's records into events.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, program: Program, parts: RunParts, record: Record):
+    def __init__(self, cfg: TrainConfig, program: Program, parts: RunParts, record: RecordFn):
         self.cfg, self.program, self.parts, self.record = cfg, program, parts, record
         self.notes: list[str] = []
         self.run_state = self._run_state()
@@ -68,11 +69,11 @@ class Checkpointing:
             found = self.run_state.resume(self.store, self.cfg.resume_overrides, record)
         if found is not None:
             for difference in found.overridden:
-                record("resume_override", {"step": found.step, "change": difference})
+                record(Record.RESUME_OVERRIDE, {"step": found.step, "change": difference})
             if self.run_state.ranks.rng_note is not None:
-                record("note", {"step": found.step, "message": self.run_state.ranks.rng_note})
+                record(Record.NOTE, {"step": found.step, "message": self.run_state.ranks.rng_note})
             record(
-                "resume",
+                Record.RESUME,
                 {
                     "step": found.step,
                     "checkpoint": found.path.name,
@@ -84,14 +85,14 @@ class Checkpointing:
         if cap is not None and cap < parts.state.micro_batch_size:
             reason = f"{run_files.ENV_MAX_MICRO_BATCH}={cap} (supervisor)"
             record(
-                "micro_batch_cap",
+                Record.MICRO_BATCH_CAP,
                 {"old": parts.state.micro_batch_size, "new": cap, "reason": reason},
             )
             parts.state.micro_batch_size = cap
         return found
 
     def writer(
-        self, record: Record, probe_next_loss: Callable[[TrainState], float | None]
+        self, record: RecordFn, probe_next_loss: Callable[[TrainState], float | None]
     ) -> CheckpointWriter:
         """The checkpoint writer: every save_every_steps, in the background where it may. Each
         checkpoint holds the next step's loss from `probe_next_loss`, which a resume from it

@@ -37,6 +37,7 @@ from steadytrain.errors import (
     UserCodeError,
 )
 from steadytrain.events import Callback
+from steadytrain.records import Record
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.supervised import announce_run_dir, savers_from_supervisor
@@ -230,7 +231,7 @@ class Trainer:
                 with startup_phase("compile"):
                     compile_event = compile_blocks(parts.model, parts.device.type)
             if compiled:
-                planned.events.append(("compile", compile_event))
+                planned.events.append((Record.COMPILE, compile_event))
             planned.events += start_events(cfg, program.data, parts, notes)
             writer = checkpointing.writer(record, passes.probe_next_loss)
             display = [console, tensorboard]

@@ -15,6 +15,7 @@ from steadytrain.config import TrainConfig
 from steadytrain.device import Device
 from steadytrain.engine import OptimizerBatchSampler
 from steadytrain.events import TrainState
+from steadytrain.records import Record
 from steadytrain.trainer.data import DataSource
 
 if TYPE_CHECKING:  # the parts are built with this module's warning
@@ -33,11 +34,11 @@ def start_events(
     """The `note` events (`notes` given, then dropout's and the budget's) and the `arithmetic`
     event, recorded at the run's start."""
     notes = [*notes, dropout_note(parts.model, cfg), budget_note(parts.device)]
-    events = [("note", {"message": n}) for n in notes if n is not None]
+    events = [(Record.NOTE, {"message": n}) for n in notes if n is not None]
     arithmetic = arithmetic_event(
         cfg, source, parts.sampler, parts.state, parts.precision.name, parts.group.world_size
     )
-    return [*events, ("arithmetic", arithmetic)]
+    return [*events, (Record.ARITHMETIC, arithmetic)]
 
 
 def budget_note(device: Device) -> str | None:

@@ -19,6 +19,7 @@ from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms
+from steadytrain.records import Record
 from steadytrain.trainer.data import DataSource, batch_at
 from steadytrain.trainer.parts import RunParts
 from steadytrain.user_state import select
@@ -100,7 +101,9 @@ class Passes:
             )
         )
         estimate = chosen.estimate_event()
-        return [("plan", chosen.to_event())] + ([("estimate", estimate)] if estimate else [])
+        return [(Record.PLAN, chosen.to_event())] + (
+            [(Record.ESTIMATE, estimate)] if estimate else []
+        )
 
     def probe_next_loss(self, state: TrainState) -> float | None:
         """The loss the next step will report, computed now without changing anything, so that a

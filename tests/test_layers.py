@@ -1,7 +1,8 @@
-"""The structure DESIGN.md promises, enforced: the layer order of imports (import-linter's layers
-contract in pyproject.toml) and the size rule (no function over 60 lines, no module over 500
-lines, unless the code says why in one line). Each check is also run on a small synthetic case
-that breaks it, so a check that could never fail would be caught here."""
+"""The structure DESIGN.md promises, enforced: the layer order of imports and the forbidden
+arrows (import-linter's contracts in pyproject.toml), and each package's docstring naming its
+modules. Each check is also run on a small synthetic case that breaks it, so a check that could
+never fail would be caught here. There is no line-count rule: a module is as long as its one
+concern needs (STYLE.md, "Size is not structure")."""
 
 from __future__ import annotations
 
@@ -18,10 +19,6 @@ from importlinter.application.use_cases import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "steadytrain"
-MAX_FUNCTION_LINES = 60
-MAX_MODULE_LINES = 500
-LONG_FUNCTION = re.compile(r"^\s*# long: \S")
-LONG_MODULE = re.compile(r"^# long-module: \S")
 
 
 # -- layers -----------------------------------------------------------------------------------
@@ -208,73 +205,48 @@ def test_the_real_contract_fails_on_recipes_reading_the_supervisor_s_internals(
     assert "toyreal.recipes -> toyreal.supervisor.progress" in report
 
 
-# -- sizes ------------------------------------------------------------------------------------
+# -- each package says what is in it ---------------------------------------------------------
 
 
-def size_problems(source: str, name: str) -> list[str]:
-    """Functions over MAX_FUNCTION_LINES without `# long: <reason>` on the line directly above
-    their `def` (or above their first decorator), and a module over MAX_MODULE_LINES without
-    `# long-module: <reason>` in its first 5 lines."""
-    lines = source.splitlines()
+def package_listing_problems(package: Path, name: str) -> list[str]:
+    """A package whose `__init__` docstring does not name each of its modules and subpackages
+    (by name, as a word: `store`, `store.py`), or names a `.py` file it does not have: its
+    docstring is where a newcomer learns what is where, and it must not drift."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
     problems = []
-    if len(lines) > MAX_MODULE_LINES and not any(LONG_MODULE.match(x) for x in lines[:5]):
-        problems.append(
-            f"{name}: {len(lines)} lines (over {MAX_MODULE_LINES}); split it, or say why in "
-            "a '# long-module: <reason>' line within the first 5 lines"
-        )
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
-        length = node.end_lineno - node.lineno + 1
-        if length <= MAX_FUNCTION_LINES:
-            continue
-        starts = {node.lineno, *(d.lineno for d in node.decorator_list)}
-        above = [lines[start - 2] for start in starts if start >= 2]
-        if not any(LONG_FUNCTION.match(line) for line in above):
-            problems.append(
-                f"{name}:{node.lineno} {node.name}: {length} lines (over {MAX_FUNCTION_LINES}); "
-                "split it, or say why in a '# long: <reason>' line directly above the def"
-            )
+    members = sorted(
+        [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+        + [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    )
+    missing = [m for m in members if not re.search(rf"(?<![\w.]){re.escape(m)}\b", doc)]
+    if missing:
+        problems.append(f"{name}: its docstring does not name {', '.join(missing)}")
+    gone = [f for f in re.findall(r"\b(\w+)\.py\b", doc) if f not in members]
+    if gone:
+        problems.append(f"{name}: its docstring names {', '.join(gone)}.py, which it does not have")
     return problems
 
 
-def test_functions_and_modules_are_short_or_say_why():
+def test_each_package_docstring_lists_its_modules():
     problems = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        problems += size_problems(path.read_text(), str(path.relative_to(ROOT)))
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        problems += package_listing_problems(init.parent, str(init.parent.relative_to(ROOT)))
     assert not problems, "\n".join(problems)
 
 
-def _function(lines: int, above: str = "") -> str:
-    body = "".join(f"    x{i} = {i}\n" for i in range(lines - 1))
-    return f"{above}def f():\n{body}"
-
-
-def test_the_size_rule_fails_on_a_long_function_or_module_without_a_reason():
-    assert size_problems(_function(MAX_FUNCTION_LINES), "ok.py") == []
-    assert size_problems(_function(MAX_FUNCTION_LINES + 1), "long.py") == [
-        "long.py:1 f: 61 lines (over 60); split it, or say why in a '# long: <reason>' line "
-        "directly above the def"
+def test_the_listing_check_fails_on_a_module_left_out_or_one_named_that_is_gone(tmp_path):
+    package = tmp_path / "toy"
+    package.mkdir()
+    (package / "store.py").write_text("")
+    (package / "writer.py").write_text("")
+    (package / "__init__.py").write_text(
+        '"""A toy.\n\nstore.py  the store\nwriter    the writer\n"""\n'
+    )
+    assert package_listing_problems(package, "toy") == []
+    (package / "reader.py").write_text("")
+    assert package_listing_problems(package, "toy") == ["toy: its docstring does not name reader"]
+    (package / "reader.py").unlink()
+    (package / "__init__.py").write_text('"""store.py, writer, resume.py"""\n')
+    assert package_listing_problems(package, "toy") == [
+        "toy: its docstring names resume.py, which it does not have"
     ]
-    marked = _function(MAX_FUNCTION_LINES + 1, "# long: one table, read top to bottom\n")
-    assert size_problems(marked, "marked.py") == []
-    assert size_problems(_function(MAX_FUNCTION_LINES + 1, "# long:\n"), "empty.py") != []
-    far = _function(MAX_FUNCTION_LINES + 1, "# long: a reason\n\n")
-    assert size_problems(far, "far.py") != [], "the reason must be directly above the def"
-    decorated = _function(MAX_FUNCTION_LINES + 1, "# long: a reason\n@staticmethod\n")
-    assert size_problems(decorated, "decorated.py") == []
-    method = "class C:\n" + textwrap.indent(_function(MAX_FUNCTION_LINES + 1), "    ")
-    assert len(size_problems(method, "method.py")) == 1
-
-    module = "".join(f"x{i} = {i}\n" for i in range(MAX_MODULE_LINES + 1))
-    assert len(size_problems(module, "big.py")) == 1
-    assert size_problems('"""Doc."""\n# long-module: one table\n' + module, "big.py") == []
-    late = "\n" * 5 + "# long-module: too late\n" + module
-    assert len(size_problems(late, "late.py")) == 1
-
-
-@pytest.mark.parametrize("mark", ["# long: a reason", "    # long: a reason"])
-def test_the_reason_line_may_be_indented_with_its_def(mark):
-    source = "class C:\n" + textwrap.indent(_function(MAX_FUNCTION_LINES + 1), "    ")
-    source = source.replace("    def f", f"{mark}\n    def f")
-    assert size_problems(source, "c.py") == []

@@ -1,4 +1,3 @@
-# long-module: every setting is a field with its documentation and the reason for its default
 """The one validated config tree. Each field's description is its documentation and its default's
 reason; `docs/config.md` is generated from this file (`python -m steadytrain.config > docs/config.md`)
 and a test keeps the two equal.

@@ -163,7 +163,6 @@ class _Job:
         return modes
 
 
-# long: the public entry point; its docstring documents each of its dozen keywords
 def plan(
     run: RunPass,
     device: Device,

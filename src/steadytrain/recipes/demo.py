@@ -1,4 +1,3 @@
-# long-module: one script of seven steps, each a method of `Demo`, read top to bottom
 """`steadytrain demo`: the whole product in about a minute, offline.
 
 Nothing is downloaded. The demo builds a tiny Llama-style model with random weights and a

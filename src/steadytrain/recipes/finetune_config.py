@@ -1,4 +1,3 @@
-# long-module: every fine-tune field with its docs, and the Hugging Face name tables
 """The `steadytrain finetune` config: the names people already write in Hugging Face
 `TrainingArguments` (and in peft / bitsandbytes blocks), validated like `TrainConfig` and mapped
 onto it.

@@ -216,7 +216,6 @@ RANK_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22")
 """Ranks 1, 2, ... under torchrun, dashed beside rank 0's lines."""
 
 
-# long: one figure drawn top to bottom: memory lines, the budget, then the event marks
 def plot_memory_events(run: Run):
     """Memory over wall-clock time, every line kept (a resumed stretch shows twice, as it ran),
     the budget as a line, and below it one row per event kind on the same time axis."""

@@ -145,7 +145,6 @@ def _write(run: Run, html_path: Path, png_dir: Path, root: Path) -> Report:
     return Report(html=html_path, pngs=pngs, summary=summary_line(run))
 
 
-# long: the page template, in the order the page reads
 def render_html(run: Run, images: dict[str, bytes]) -> str:
     e = html.escape
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

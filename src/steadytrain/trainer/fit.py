@@ -178,7 +178,6 @@ class Trainer:
         group.settle()  # a fit that ended well: no rank tears down mid-collective
         return result
 
-    # long: the assembly of a run, read as one sequence in the order its parts are called
     def _fit_locked(self, run_dir: Path, group: Group, as_found: AsFound) -> FitResult:
         """The run assembled and run: each component built once, handed its parts, called in
         this order."""

@@ -40,7 +40,6 @@ class Passes:
         self.cfg, self.loss_fn, self.user_state = cfg, loss_fn, user_state
         self.data, self.parts = data, parts
 
-    # long: the trial passes, the plan over them and the savers it chose, one side pass
     def plan(self, compiled: bool = False, eager=None) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace

@@ -50,9 +50,15 @@ from steadytrain.checkpoint.manifest import (
 )
 from steadytrain.device.host import HostDevice
 from steadytrain.device.oom import is_oom, oom_kind
-from steadytrain.errors import SHRINK_EXIT
 from steadytrain.events import divisor_at_most
-from steadytrain.integrations.core import Options, capped_micro, halve_or_give_up, restart_smaller
+from steadytrain.integrations.core import (
+    SHRINK,
+    Options,
+    capped_micro,
+    halve_or_give_up,
+    max_micro_batch,
+    restart_smaller,
+)
 from steadytrain.integrations.guard import RunGuard, library_frame
 from steadytrain.integrations.keras_state import plain, rng_state, set_rng_state, unplain
 from steadytrain.safety.signals import stop_exit
@@ -107,6 +113,7 @@ class SteadytrainCallback(_Base):
     # -- start and end -----------------------------------------------------------------------
 
     def on_train_begin(self, logs=None) -> None:
+        max_micro_batch()  # a cap set by hand that is no micro-batch: exit 2 before the start
         guard = self.guard
         params = self.params or {}
         guard.state.steps_per_epoch = params.get("steps") or 0
@@ -201,7 +208,7 @@ class SteadytrainCallback(_Base):
             self.guard,
             exc,
             f"steadytrain: out of memory in the compiled step ({_backend()}, {oom_kind(exc)}) at "
-            f"{batch}; exiting {SHRINK_EXIT} so that `steadytrain run` restarts from the newest "
+            f"{batch}; exiting {SHRINK} so that `steadytrain run` restarts from the newest "
             "verified checkpoint with STEADYTRAIN_MAX_MICRO_BATCH at half of it (pass "
             "`max_micro_batch()` to fit as batch_size)",
         )

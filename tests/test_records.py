@@ -46,7 +46,6 @@ NOT_YET_CONVERTED = {
     "integrations/huggingface.py",
     "integrations/keras.py",
     "integrations/lightning.py",
-    "integrations/manifest.py",
 }
 
 

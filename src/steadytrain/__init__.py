@@ -1,5 +1,6 @@
 """steadytrain: a training run on a memory-constrained machine finishes."""
 
+from steadytrain import run_env as _run_env
 from steadytrain._version import __version__
 from steadytrain.config import TrainConfig
 from steadytrain.entry import entrypoint
@@ -13,7 +14,7 @@ from steadytrain.errors import (
 )
 from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
 
-if __import__("os").environ.get("STEADYTRAIN_START_WATCH"):  # under `steadytrain run`
+if _run_env.start_watch() is not None:  # under `steadytrain run`, which asks for the watch
     from steadytrain.safety.watchdog import watch_from_start
 
     watch_from_start()  # a hang before fit() is caught too

@@ -15,6 +15,7 @@ import stat
 import sys
 from pathlib import Path
 
+from steadytrain import run_env
 from steadytrain.errors import (
     NOT_WRITABLE_ERRNOS,
     BadInputError,
@@ -391,7 +392,7 @@ def _swap(a: Path, b: Path) -> bool:
 
 
 def fault(phase: str) -> None:
-    if os.environ.get("STEADYTRAIN_FAULT_INJECT") != phase:
+    if run_env.fault_inject() != phase:
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,6 +1,7 @@
 """The run directory's names: every file and folder a run writes, and the environment variables
 the supervisor and its child agree on. One place, so the writer (trainer, callbacks), the readers
-(report, supervisor, demo) and the docs cannot drift apart. Events layer: imports nothing.
+(report, supervisor, demo) and the docs cannot drift apart. Events layer: imports nothing but the
+environment variables' names (`run_env`).
 
     RUN_DIR/
       config.json            CONFIG          the resolved config
@@ -33,6 +34,17 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
+
+# The variables the supervisor sets in its child's environment: named, and read, in run_env.
+from steadytrain.run_env import (
+    ENV_ANNOUNCE_FD,
+    ENV_MAX_MICRO_BATCH,
+    ENV_MEMORY_SAVERS,
+    ENV_RESTART,
+    ENV_RUN_DIR,
+    ENV_START_WATCH,
+    ENV_SUPERVISED,
+)
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -138,21 +150,6 @@ def top(run_dir: str | os.PathLike) -> Path:
         return run_dir.parent.parent
     return run_dir
 
-
-# The supervisor sets these in its child's environment.
-ENV_SUPERVISED = "STEADYTRAIN_SUPERVISED"  # "1": a supervisor restarts this process
-ENV_RESTART = "STEADYTRAIN_RESTART"  # how many times the supervisor has restarted it
-ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"  # cap after the OS killed it for memory
-ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"  # where the supervisor looks for progress
-ENV_MEMORY_SAVERS = "STEADYTRAIN_MEMORY_SAVERS"  # rungs of the saver ladder to have in force
-# JSON {"run_dir": ..., "limit_s": ...} when the run directory is known: a process that imports
-# steadytrain with it set watches itself for a hang from then on (safety.start_watch).
-ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
-# "FD:INODE", a pipe's write end open in the child until the supervisor learns where the run
-# writes (also beside a given --run-dir: a script's own run_dir may differ): a Trainer writes its
-# run_dir there, one line, when fit() starts, if the file at FD is that pipe
-# (safety.supervised.announce_run_dir).
-ENV_ANNOUNCE_FD = "STEADYTRAIN_ANNOUNCE_FD"
 
 __all__ = [
     "ADAPTERS",

@@ -1,6 +1,7 @@
 """The checkpoint concern, one owner (DESIGN.md's "checkpoint" layer).
 
 store.py        the store: a checkpoint folder committed atomically, verified on load, the last K kept
+manifest.py     the manifest of hashes and its check, also of a library's save (no torch)
 state.py        what a checkpoint holds: named stateful objects, saved and loaded by one pair
 ranks.py        one rank or many: the same state, each rank's RNG streams and DCP shards
 identity.py     the run's identity, checked before a checkpoint is loaded

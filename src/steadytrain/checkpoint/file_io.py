@@ -4,7 +4,7 @@ Every byte goes through `_write` (tests replace it to inject ENOSPC or slow writ
 `FileSink`, which counts and hashes it and fsyncs the file when it closes: the size and sha256
 the manifest lists come from the write itself, not from reading the file again. Tensors go into
 safetensors files streamed from their own memory (`safetensors_parts`), objects through
-torch.save into a sink (`write_object`); `sha256_file` reads a file back to verify it. The fault
+torch.save into a sink (`write_object`); `manifest.sha256_file` reads a file back to verify it. The fault
 injection of the crash tests is here too: `fault(phase)` fires at the store's save phases.
 """
 
@@ -23,9 +23,10 @@ from typing import Any, BinaryIO
 
 import torch
 
+from steadytrain import run_env
 from steadytrain._durable import sync as sync_fd
 
-FAULT_ENV = "STEADYTRAIN_FAULT_INJECT"
+FAULT_ENV = run_env.ENV_FAULT_INJECT
 FAULT_PHASES = (
     "mid-write",
     "before-manifest",
@@ -34,8 +35,6 @@ FAULT_PHASES = (
     "during-retention",
     "replace-dir",  # _durable.replace_dir: an export's or a merge's swap
 )
-_CHUNK = 8 * 1024 * 1024
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 # safetensors dtype names (safetensors/src/tensor.rs `Dtype`)
 _ST_DTYPES = {
@@ -165,7 +164,7 @@ _fault_lock = threading.Lock()
 
 
 def fault(phase: str) -> None:
-    spec = os.environ.get(FAULT_ENV)
+    spec = run_env.fault_inject()
     if not spec:
         return
     name, _, nth = spec.partition(":")
@@ -221,17 +220,6 @@ def write_object(path: Path, obj: Any) -> dict[str, Any]:
         raise
     sink.close()
     return {"sha256": sink.hash.hexdigest(), "bytes": sink.bytes}
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    with os.fdopen(fd, "rb", buffering=0) as handle:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while n := handle.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 def json_bytes(value: Any) -> memoryview:

@@ -1,4 +1,7 @@
-"""What a committed checkpoint folder is, and the check of one before anything in it is read.
+"""What a committed checkpoint is, and the check of one before anything in it is read: the one
+manifest of hashes, for the checkpoints steadytrain's store writes and those another library
+writes under an integration. Imports no torch: a Keras run on TensorFlow hashes and verifies its
+checkpoints with it.
 
     checkpoints/step-00000250/   the payload's files + MANIFEST.json (size and sha256 of each)
     checkpoints/latest           names the newest committed folder (a hint, verified)
@@ -7,23 +10,34 @@
 the step, the files every checkpoint of the run holds, no file missing or added, each file's
 size and sha256. Nothing that is a link, or whose real path leaves the checkpoints folder, is
 read (`check_path`). `read_pointer` reads `latest` back the same way.
+
+A library's save (Hugging Face's ``checkpoint-N/`` folder, Lightning's ``.ckpt`` file, the Keras
+callback's files, a file a `RunGuard` loop saved) is not known to be whole until steadytrain has
+hashed it: `write_library_manifest` writes the same table of files (``file_entry``) last
+(temporary file, fsync, rename, fsync of the folder), so a checkpoint without one, or whose files
+no longer match it (`library_problems`, the same comparison as `verify`'s: `file_problems`), is
+one a kill cut short or something changed, and it is never resumed from. A folder's is
+``FOLDER/steadytrain-manifest.json``; a file's is the sidecar ``FILE.steadytrain-manifest.json``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from steadytrain import run_files
+from steadytrain._durable import sync, write_atomic
 from steadytrain._units import format_bytes
 from steadytrain._version import __version__
-from steadytrain.checkpoint.file_io import sha256_file
 from steadytrain.errors import CheckpointError
+from steadytrain.records import Record
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -38,6 +52,59 @@ is_os_clutter = run_files.is_os_clutter  # no checkpoint file is named so (`FILE
 
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256, read in chunks, never through a link."""
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    with os.fdopen(fd, "rb", buffering=0) as handle:
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        while n := handle.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's line of a manifest: its size and sha256, read back from the disk."""
+    return {"sha256": sha256_file(path), "bytes": os.lstat(path).st_size}
+
+
+def file_problems(
+    listed: dict[str, Any],
+    present: dict[str, Path],
+    check: Callable[[Path], None] | None = None,
+) -> list[str]:
+    """What differs between a manifest's files (`listed`: name -> its entry) and those found
+    (`present`: name -> path): a file missing or added, a size, a sha256 ([]: they match).
+    `check(path)` may refuse a file before it is read (raises `Refused`)."""
+    problems = []
+    missing = sorted(set(listed) - set(present))
+    extra = sorted(set(present) - set(listed))
+    if missing or extra:
+        problems.append(
+            f"files differ from the manifest: missing {missing or 'none'}, extra {extra or 'none'}"
+        )
+    for name in sorted(set(listed) & set(present)):
+        file, expected = present[name], listed[name]
+        try:
+            if check is not None:
+                check(file)
+            size = os.lstat(file).st_size
+            if not isinstance(expected, dict) or size != expected.get("bytes"):
+                said = expected.get("bytes") if isinstance(expected, dict) else None
+                problems.append(
+                    f"{name}: size {size} bytes, manifest says {said} (truncated or overwritten)"
+                )
+            elif sha256_file(file) != expected.get("sha256"):
+                problems.append(f"{name}: sha256 differs from the manifest (content changed)")
+        except Refused as exc:
+            problems.append(str(exc))
+        except OSError as exc:
+            problems.append(f"{name}: cannot be read ({exc})")
+    return problems
 
 
 def dir_name(step: int) -> str:
@@ -93,30 +160,8 @@ def verify(
         problems.append(f"{MANIFEST}: lists no files; a checkpoint holds its state files")
     elif needed:
         problems.append(f"{MANIFEST}: does not list {needed}, which a checkpoint of this run holds")
-    present = {n for n in os.listdir(folder) if n != MANIFEST and not is_os_clutter(n)}
-    missing = sorted(set(listed) - present)
-    extra = sorted(present - set(listed))
-    if missing or extra:
-        problems.append(
-            f"files differ from the manifest: missing {missing or 'none'}, extra {extra or 'none'}"
-        )
-    for name in sorted(set(listed) & present):
-        file = folder / name
-        expected = listed[name]
-        try:
-            check_path(file, root, directory=False)
-            size = os.lstat(file).st_size
-            if size != expected["bytes"]:
-                problems.append(
-                    f"{name}: size {size} bytes, manifest says {expected['bytes']} "
-                    "(truncated or overwritten)"
-                )
-            elif sha256_file(file) != expected["sha256"]:
-                problems.append(f"{name}: sha256 differs from the manifest (content changed)")
-        except Refused as exc:
-            problems.append(str(exc))
-        except OSError as exc:
-            problems.append(f"{name}: cannot be read ({exc})")
+    present = {n: folder / n for n in os.listdir(folder) if n != MANIFEST and not is_os_clutter(n)}
+    problems += file_problems(listed, present, lambda f: check_path(f, root, directory=False))
     return manifest, problems
 
 
@@ -206,3 +251,95 @@ def read_pointer(root: Path, ignored: Callable[[str, str | None], None]) -> str 
         ignored("not a checkpoint folder name (step-NNNNNNNN)", raw.decode("ascii", "replace"))
         return None
     return text
+
+
+# -- a checkpoint another library wrote (an integration's) -----------------------------------
+
+LIBRARY_MANIFEST = "steadytrain-manifest.json"
+SIDECAR_SUFFIX = "." + LIBRARY_MANIFEST
+
+
+def library_manifest_path(target: Path) -> Path:
+    """Where the manifest of a library's checkpoint `target` is: inside a folder, beside a file."""
+    target = Path(target)
+    if target.is_dir():
+        return target / LIBRARY_MANIFEST
+    return target.with_name(target.name + SIDECAR_SUFFIX)
+
+
+def _library_files(target: Path) -> dict[str, Path]:
+    if target.is_file():
+        return {target.name: target}
+    return {
+        str(path.relative_to(target)): path
+        for path in sorted(target.rglob("*"))
+        if path.is_file()
+        and path.name != LIBRARY_MANIFEST
+        and not path.name.startswith(".")  # a save in progress, or the OS's (.DS_Store, ._NAME)
+        and not is_os_clutter(path.name)  # Explorer's Thumbs.db, desktop.ini
+    }
+
+
+def write_library_manifest(target: Path, step: int, extra: dict[str, Any] | None = None) -> Path:
+    """Hash every file of `target` (a folder or one file) and commit the manifest beside them."""
+    target = Path(target)
+    files = _library_files(target)
+    for path in files.values():  # the library may not have flushed its files to the disk
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            sync(fd)
+        finally:
+            os.close(fd)
+    manifest = {
+        "step": step,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "steadytrain": __version__,
+        "files": {name: file_entry(path) for name, path in files.items()},
+        **(extra or {}),
+    }
+    final = library_manifest_path(target)
+    write_atomic(final, json.dumps(manifest, indent=1), root=target.parent)
+    return final
+
+
+def read_library_manifest(target: Path) -> dict[str, Any] | None:
+    """The manifest of a library's checkpoint, or None where it is missing or unreadable."""
+    try:
+        manifest = json.loads(library_manifest_path(target).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def library_problems(target: Path) -> list[str]:
+    """What is wrong with a library's checkpoint `target` against its manifest ([]: verifies)."""
+    target = Path(target)
+    if not target.exists():
+        return [f"{target}: missing"]
+    manifest = read_library_manifest(target)
+    if manifest is None or not isinstance(manifest.get("files"), dict):
+        name = library_manifest_path(target).name
+        return [f"{name}: missing or unreadable (the save did not finish)"]
+    return file_problems(manifest["files"], _library_files(target))
+
+
+def newest_verified(
+    candidates: Iterable[tuple[int, Path]], record: Callable[[str, dict], None]
+) -> tuple[int, Path] | None:
+    """The newest (step, library checkpoint) that verifies; each newer one that does not is
+    recorded as a ``checkpoint_skipped`` event with its reasons."""
+    for step, path in sorted(candidates, key=lambda c: (c[0], str(c[1])), reverse=True):
+        found = library_problems(path)
+        if not found:
+            return step, path
+        record(
+            Record.CHECKPOINT_SKIPPED, {"step": step, "checkpoint": str(path), "problems": found}
+        )
+    return None
+
+
+def remove_library_manifest(target: Path) -> None:
+    """Forget a checkpoint the library deleted (its sidecar would otherwise outlive it)."""
+    path = library_manifest_path(target)
+    if path.name.endswith(SIDECAR_SUFFIX):
+        path.unlink(missing_ok=True)

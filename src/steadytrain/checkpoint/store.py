@@ -43,7 +43,6 @@ from steadytrain.checkpoint.file_io import (
     fault,
     json_bytes,
     safetensors_parts,
-    sha256_file,
     write_object,
     write_parts,
 )
@@ -55,6 +54,7 @@ from steadytrain.checkpoint.manifest import (
     POINTER,
     SHARD_FILE,
     dir_name,
+    file_entry,
     file_kind,
     read_pointer,
     step_of,
@@ -256,10 +256,7 @@ class CheckpointStore:
         for name in sorted(set(os.listdir(staging)) - set(own)):
             if not (FILE_NAME.match(name) or SHARD_FILE.match(name)):
                 raise ValueError(f"a shard writer left {name!r} in {staging}; refused")
-            found[name] = {
-                "sha256": sha256_file(staging / name),
-                "bytes": (staging / name).stat().st_size,
-            }
+            found[name] = file_entry(staging / name)
         return found
 
     def _write_file(

@@ -38,41 +38,31 @@ from typing import Any
 from steadytrain import run_files
 from steadytrain._durable import make_folder, write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
-from steadytrain.config import TrainConfig
+from steadytrain.checkpoint.manifest import (
+    LIBRARY_MANIFEST,
+    newest_verified,
+    read_library_manifest,
+    write_library_manifest,
+)
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
-from steadytrain.errors import DOES_NOT_FIT_EXIT
-from steadytrain.errors import SHRINK_EXIT as SHRINK
 from steadytrain.events import Control, Dispatcher, Event, StepMetrics, TrainState
-from steadytrain.events import divisor_at_most as divisor_at_most  # the callbacks import it here
-from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_RESTART
+from steadytrain.integrations.core import (
+    DEFAULTS,
+    DOES_NOT_FIT,
+    SHRINK,
+    max_micro_batch,
+    restart_count,
+    restart_smaller,
+)
 from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import stop_exit
 from steadytrain.safety.supervised import announce_run_dir
 from steadytrain.trainer.callbacks import DefaultCallbacks, watch_settings
 
-DOES_NOT_FIT = DOES_NOT_FIT_EXIT
-DEFAULTS = {
-    name: TrainConfig.model_fields[name].default
-    for name in ("hang_timeout", "hang_action", "memory_watch", "memory_budget")
-}
-"""The watch settings' defaults of `RunGuard` and the callbacks built on it: the Trainer's own
-(`TrainConfig`), read from it, so a default changed there changes here too."""
 OPTIMIZER_STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adafactor": 1, "lion": 1, "rmsprop": 1}
 """Parameter-sized tensors of state per trainable parameter (SGD: its momentum; Adam: two
 moments); an optimizer not listed counts as Adam."""
-
-
-def max_micro_batch() -> int | None:
-    """The micro-batch cap `steadytrain run` sets after an out-of-memory, or None."""
-    text = os.environ.get(ENV_MAX_MICRO_BATCH, "")
-    return int(text) if text.isdigit() and int(text) >= 1 else None
-
-
-def restart_count() -> int:
-    """How many times `steadytrain run` restarted this command (0: first attempt or unsupervised)."""
-    text = os.environ.get(ENV_RESTART, "0")
-    return int(text) if text.isdigit() else 0
 
 
 def module_sizes(module) -> tuple[int, int, int]:
@@ -164,9 +154,7 @@ class RunGuard:
     def __exit__(self, kind, exc, tb) -> None:
         if exc is not None and is_oom(exc):
             self.out_of_memory(exc)
-            self.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
-            print(self.shrink_message(), file=sys.stderr, flush=True)
-            raise SystemExit(SHRINK) from exc
+            restart_smaller(self, exc)  # exit 76
         if exc is not None:
             first = (str(exc).strip().splitlines() or [""])[0]
             self.finish(f"{type(exc).__name__}: {first}", getattr(exc, "code", 1) or 1)
@@ -305,22 +293,18 @@ class RunGuard:
     def checkpoint_saved(self, path: str | os.PathLike, step: int) -> None:
         """Hash the checkpoint the program just wrote (a folder or a file) into its manifest,
         and record a ``checkpoint`` event; only such checkpoints are resumed from."""
-        from steadytrain.integrations.manifest import write_manifest
-
         with watchdog_module.allowance("checkpoint manifest"):
-            write_manifest(Path(path), step)
+            write_library_manifest(Path(path), step)
         self.record("checkpoint", {"step": step, "checkpoint": str(path)})
 
     def newest_checkpoint(self, pattern: str = f"{run_files.CHECKPOINTS}/*") -> Path | None:
         """The newest checkpoint (by the step in its manifest) among RUN_DIR/`pattern` that
         verifies; each newer one that does not is recorded as ``checkpoint_skipped``."""
-        from steadytrain.integrations.manifest import MANIFEST_NAME, newest_verified, read_manifest
-
         candidates = []
         for path in self.run_dir.glob(pattern):
-            if path.name.endswith(MANIFEST_NAME) or path.name.startswith("."):
+            if path.name.endswith(LIBRARY_MANIFEST) or path.name.startswith("."):
                 continue  # a manifest, or a save in progress
-            manifest = read_manifest(path)
+            manifest = read_library_manifest(path)
             step = manifest.get("step") if manifest else None
             candidates.append((step if isinstance(step, int) else -1, path))
         found = newest_verified(candidates, self.record)

@@ -29,18 +29,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from steadytrain.checkpoint.manifest import newest_verified
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
-from steadytrain.events import HALVING
-from steadytrain.integrations.guard import (
-    DEFAULTS,
-    DOES_NOT_FIT,
-    SHRINK,
-    RunGuard,
-    divisor_at_most,
-    max_micro_batch,
-    module_sizes,
-)
-from steadytrain.integrations.manifest import newest_verified
+from steadytrain.integrations.core import Options, capped_micro, halve_or_give_up
+from steadytrain.integrations.guard import RunGuard, module_sizes
 from steadytrain.safety.signals import stop_exit
 
 try:
@@ -64,21 +56,15 @@ class SteadytrainCallback(_Base):
 
     def __init__(
         self,
-        hang_timeout: float | str = DEFAULTS["hang_timeout"],
-        hang_action: str = DEFAULTS["hang_action"],
-        memory_watch: bool = DEFAULTS["memory_watch"],
-        auto_resume: bool = True,
-        memory_budget: str | float = DEFAULTS["memory_budget"],
+        hang_timeout: float | str = Options.hang_timeout,
+        hang_action: str = Options.hang_action,
+        memory_watch: bool = Options.memory_watch,
+        auto_resume: bool = Options.auto_resume,
+        memory_budget: str | float = Options.memory_budget,
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Hugging Face needs transformers installed")
-        self.options = {
-            "hang_timeout": hang_timeout,
-            "hang_action": hang_action,
-            "memory_watch": memory_watch,
-            "memory_budget": memory_budget,
-        }
-        self.auto_resume = auto_resume
+        self.options = Options(hang_timeout, hang_action, memory_watch, memory_budget, auto_resume)
         self.trainer = None
         self.guard: RunGuard | None = None
         self.asked_micro = self.asked_accumulation = self.micro = 0
@@ -105,15 +91,15 @@ class SteadytrainCallback(_Base):
     def _train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         trainer = self.trainer
         output_dir = Path(trainer.args.output_dir)
-        self.guard = RunGuard(output_dir, **self.options, device=trainer.args.device.type)
-        if resume_from_checkpoint in (None, True) and self.auto_resume:
+        self.guard = RunGuard(output_dir, **self.options.watch(), device=trainer.args.device.type)
+        if resume_from_checkpoint in (None, True) and self.options.auto_resume:
             found = newest_verified(_checkpoints(output_dir), self.guard.record)
             resume_from_checkpoint = str(found[1]) if found else None
         else:
             resume_from_checkpoint = _verified_instead(
                 resume_from_checkpoint, output_dir, self.guard.record
             )
-        self.micro = divisor_at_most(self.effective_batch, max_micro_batch() or self.asked_micro)
+        self.micro = capped_micro(self.effective_batch, self.asked_micro)
         self.guard.state.micro_batch_size = self.micro
         self.guard.state.effective_batch_size = self.effective_batch
         config = {"library": "transformers", "training_arguments": trainer.args.to_dict()}
@@ -157,26 +143,13 @@ class SteadytrainCallback(_Base):
                 raise
             guard.out_of_memory(exc)
             progressed = trainer.state.global_step != step_before
-            smaller = HALVING.next(self.micro, self.effective_batch)
-            if smaller is None:
-                guard.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
-                print(
-                    "steadytrain: out of memory at micro-batch 1: the model does not fit even "
-                    "one sample; shorter sequences, a smaller model or lower precision would help",
-                    file=sys.stderr,
-                )
-                raise SystemExit(DOES_NOT_FIT) from exc
-            if not trainer.args.auto_find_batch_size or progressed:
-                guard.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
-                print(guard.shrink_message(), file=sys.stderr, flush=True)
-                raise SystemExit(SHRINK) from exc
-            old, self.micro = self.micro, smaller
-            guard.state.micro_batch_size = self.micro
-            reason = "out of memory; Hugging Face's auto_find_batch_size retries"
-            memory = guard.device.memory().to_dict()
-            accumulation = self.effective_batch // self.micro
-            guard.record(
-                "shrink", HALVING.record(old, smaller, reason, memory, accumulation=accumulation)
+            self.micro = halve_or_give_up(  # exit 3 at micro-batch 1; exit 76 if not redone here
+                guard,
+                exc,
+                self.micro,
+                self.effective_batch,
+                redo_here=bool(trainer.args.auto_find_batch_size) and not progressed,
+                reason="out of memory; Hugging Face's auto_find_batch_size retries",
             )
             set_rng_state(rng)
             raise RuntimeError(f"{oom_kind(exc)}: {ACCELERATE_OOM_TEXT}") from exc

@@ -43,19 +43,24 @@ import numpy as np
 
 from steadytrain import run_files
 from steadytrain._durable import make_folder, sync_dir, write_atomic
+from steadytrain.checkpoint.manifest import (
+    newest_verified,
+    read_library_manifest,
+    write_library_manifest,
+)
 from steadytrain.device.host import HostDevice
 from steadytrain.device.oom import is_oom, oom_kind
-from steadytrain.events import HALVING
-from steadytrain.integrations.guard import (
-    DOES_NOT_FIT,
+from steadytrain.events import divisor_at_most
+from steadytrain.integrations.core import (
     SHRINK,
-    RunGuard,
-    divisor_at_most,
-    library_frame,
+    Options,
+    capped_micro,
+    halve_or_give_up,
     max_micro_batch,
+    restart_smaller,
 )
+from steadytrain.integrations.guard import RunGuard, library_frame
 from steadytrain.integrations.keras_state import plain, rng_state, set_rng_state, unplain
-from steadytrain.integrations.manifest import newest_verified, read_manifest, write_manifest
 from steadytrain.safety.signals import stop_exit
 
 try:
@@ -77,11 +82,11 @@ class SteadytrainCallback(_Base):
         run_dir: str | os.PathLike,
         save_every_epochs: int = 1,
         keep_last: int = 2,
-        hang_timeout: float | str = "auto",
-        hang_action: str = "exit",
-        memory_watch: bool = True,
-        auto_resume: bool = True,
-        memory_budget: str | float = "auto",
+        hang_timeout: float | str = Options.hang_timeout,
+        hang_action: str = Options.hang_action,
+        memory_watch: bool = Options.memory_watch,
+        auto_resume: bool = Options.auto_resume,
+        memory_budget: str | float = Options.memory_budget,
     ):
         if _Base is object:
             raise ImportError(
@@ -91,13 +96,10 @@ class SteadytrainCallback(_Base):
         super().__init__()
         self.run_dir = Path(run_dir)
         self.save_every_epochs, self.keep_last = save_every_epochs, keep_last
-        self.auto_resume = auto_resume
+        self.options = Options(hang_timeout, hang_action, memory_watch, memory_budget, auto_resume)
         self.guard = RunGuard(
             self.run_dir,
-            hang_timeout=hang_timeout,
-            hang_action=hang_action,
-            memory_watch=memory_watch,
-            memory_budget=memory_budget,
+            **self.options.watch(),
             device="auto" if _backend() == "torch" else "cpu",
         )
         if _backend() != "torch":  # the host's memory, read without torch
@@ -111,6 +113,7 @@ class SteadytrainCallback(_Base):
     # -- start and end -----------------------------------------------------------------------
 
     def on_train_begin(self, logs=None) -> None:
+        max_micro_batch()  # a cap set by hand that is no micro-batch: exit 2 before the start
         guard = self.guard
         params = self.params or {}
         guard.state.steps_per_epoch = params.get("steps") or 0
@@ -199,19 +202,16 @@ class SteadytrainCallback(_Base):
     def _out_of_memory(self, exc: BaseException) -> None:
         """A compiled step (TensorFlow, JAX) ran out of memory: record it and exit 76, so that
         `steadytrain run` restarts from the newest checkpoint with half the batch as the cap."""
-        guard = self.guard
-        guard.out_of_memory(exc)
-        guard.finish(f"out of memory: {oom_kind(exc)}", SHRINK)
+        self.guard.out_of_memory(exc)
         batch = f"batch {self.batch}" if self.batch else "this batch"
-        print(
+        restart_smaller(
+            self.guard,
+            exc,
             f"steadytrain: out of memory in the compiled step ({_backend()}, {oom_kind(exc)}) at "
             f"{batch}; exiting {SHRINK} so that `steadytrain run` restarts from the newest "
             "verified checkpoint with STEADYTRAIN_MAX_MICRO_BATCH at half of it (pass "
             "`max_micro_batch()` to fit as batch_size)",
-            file=sys.stderr,
-            flush=True,
         )
-        raise SystemExit(SHRINK) from exc
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         self.guard.end_epoch(epoch)
@@ -238,7 +238,7 @@ class SteadytrainCallback(_Base):
             self.model.save_weights(str(staging / WEIGHTS_FILE))
             state = {"epoch": next_epoch, "step": step, **plain(rng_state(self.model))}
             write_atomic(staging / STATE_FILE, json.dumps(state), root=staging)
-            write_manifest(staging, step)
+            write_library_manifest(staging, step)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(staging, final)
@@ -254,11 +254,11 @@ class SteadytrainCallback(_Base):
                 shutil.rmtree(old, ignore_errors=True)
 
     def _resume(self) -> None:
-        if not self.auto_resume or not self.checkpoints.is_dir():
+        if not self.options.auto_resume or not self.checkpoints.is_dir():
             return
         candidates = []
         for path in self.checkpoints.glob("step-*"):
-            manifest = read_manifest(path) if path.is_dir() else None
+            manifest = read_library_manifest(path) if path.is_dir() else None
             step = manifest.get("step") if manifest else None
             candidates.append((step if isinstance(step, int) else -1, path))
         found = newest_verified(candidates, self.guard.record)
@@ -304,7 +304,7 @@ class _SplitStep:
         size = next(i for i in tree.flatten(x) if i is not None).shape[0]
         callback.batch = size
         if callback.micro is None:
-            callback.micro = divisor_at_most(size, max_micro_batch() or size)
+            callback.micro = capped_micro(size)
         from steadytrain.device.rng import get_rng_state
 
         rng = get_rng_state()
@@ -323,18 +323,7 @@ class _SplitStep:
         guard.out_of_memory(exc)
         self.model.zero_grad()
         gc.collect()
-        smaller = HALVING.next(micro, size)
-        if smaller is None:
-            guard.finish("does not fit even at micro-batch 1", DOES_NOT_FIT)
-            print(
-                "steadytrain: out of memory at micro-batch 1: the model does not fit even one "
-                "sample; a smaller model, shorter inputs or lower precision would help",
-                file=sys.stderr,
-            )
-            raise SystemExit(DOES_NOT_FIT) from exc
-        callback.micro = guard.state.micro_batch_size = smaller
-        memory = guard.device.memory().to_dict()
-        guard.record("shrink", HALVING.record(micro, smaller, "out of memory", memory))
+        callback.micro = halve_or_give_up(guard, exc, micro, size, redo_here=True)  # or exit 3
         from steadytrain.device.rng import set_rng_state
 
         set_rng_state(rng)

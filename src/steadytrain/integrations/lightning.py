@@ -19,29 +19,21 @@ is installed, ``lightning`` first). What it does to the trainer:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from steadytrain import run_files
-from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
-from steadytrain.integrations.guard import (
-    DEFAULTS,
-    SHRINK,
-    RunGuard,
-    divisor_at_most,
-    library_frame,
-    max_micro_batch,
-    module_sizes,
-)
-from steadytrain.integrations.manifest import (
+from steadytrain.checkpoint.manifest import (
     newest_verified,
-    read_manifest,
-    remove_manifest,
-    write_manifest,
+    read_library_manifest,
+    remove_library_manifest,
+    write_library_manifest,
 )
+from steadytrain.device import get_rng_state, is_oom, set_rng_state
+from steadytrain.integrations.core import Options, capped_micro, restart_smaller
+from steadytrain.integrations.guard import RunGuard, library_frame, module_sizes
 from steadytrain.safety.signals import stop_exit
 
 try:
@@ -61,21 +53,15 @@ class SteadytrainCallback(_Base):
 
     def __init__(
         self,
-        hang_timeout: float | str = DEFAULTS["hang_timeout"],
-        hang_action: str = DEFAULTS["hang_action"],
-        memory_watch: bool = DEFAULTS["memory_watch"],
-        auto_resume: bool = True,
-        memory_budget: str | float = DEFAULTS["memory_budget"],
+        hang_timeout: float | str = Options.hang_timeout,
+        hang_action: str = Options.hang_action,
+        memory_watch: bool = Options.memory_watch,
+        auto_resume: bool = Options.auto_resume,
+        memory_budget: str | float = Options.memory_budget,
     ):
         if _Base is object:
             raise ImportError("SteadytrainCallback for Lightning needs lightning installed")
-        self.options = {
-            "hang_timeout": hang_timeout,
-            "hang_action": hang_action,
-            "memory_watch": memory_watch,
-            "memory_budget": memory_budget,
-        }
-        self.auto_resume = auto_resume
+        self.options = Options(hang_timeout, hang_action, memory_watch, memory_budget, auto_resume)
         self.guard: RunGuard | None = None
         self.asked_micro = self.micro = 0
         self.asked_accumulation = 1
@@ -87,12 +73,14 @@ class SteadytrainCallback(_Base):
         if stage != "fit" or self.guard is not None:
             return
         run_dir = Path(trainer.default_root_dir)
-        self.guard = RunGuard(run_dir, **self.options, device=trainer.strategy.root_device.type)
+        self.guard = RunGuard(
+            run_dir, **self.options.watch(), device=trainer.strategy.root_device.type
+        )
         connector = trainer._checkpoint_connector
         resume_start = connector.resume_start
 
         def resume_from_verified(checkpoint_path=None, *args, **kwargs):
-            if checkpoint_path is None and self.auto_resume:
+            if checkpoint_path is None and self.options.auto_resume:
                 found = newest_verified(_checkpoints(run_dir), self.guard.record)
                 if found is not None:
                     checkpoint_path = str(found[1])
@@ -107,12 +95,12 @@ class SteadytrainCallback(_Base):
             save(checkpoint, path, *args, **kwargs)
             if Path(path).is_file():
                 step = int(checkpoint.get("global_step", trainer.global_step))
-                write_manifest(Path(path), step, {"epoch": checkpoint.get("epoch")})
+                write_library_manifest(Path(path), step, {"epoch": checkpoint.get("epoch")})
                 self.guard.record("checkpoint", {"step": step, "checkpoint": str(path)})
 
         def remove_with_manifest(path, *args, **kwargs):
             remove(path, *args, **kwargs)
-            remove_manifest(Path(path))
+            remove_library_manifest(Path(path))
 
         io.save_checkpoint, io.remove_checkpoint = save_with_manifest, remove_with_manifest
         self.asked_accumulation = trainer.accumulate_grad_batches
@@ -121,7 +109,7 @@ class SteadytrainCallback(_Base):
         source.dataloader = lambda: self._rebatch(trainer, request())
 
     def _rebatch(self, trainer, loader):
-        """Serve the same samples `max_micro_batch()` at a time (at most), with the
+        """Serve the same samples `core.max_micro_batch()` at a time (at most), with the
         accumulation raised so the optimizer still sees the batch asked for."""
         from torch.utils.data import DataLoader
 
@@ -130,7 +118,7 @@ class SteadytrainCallback(_Base):
             return loader  # a batch sampler or iterable of the user's: left as it is
         self.asked_micro = size
         effective = size * self.asked_accumulation
-        self.micro = divisor_at_most(size, max_micro_batch() or size)
+        self.micro = capped_micro(size)
         if self.micro == size:
             return loader
         trainer.accumulate_grad_batches = effective // self.micro
@@ -224,9 +212,7 @@ class SteadytrainCallback(_Base):
             return
         if is_oom(exception):
             guard.out_of_memory(exception)
-            guard.finish(f"out of memory: {oom_kind(exception)}", SHRINK)
-            print(guard.shrink_message(), file=sys.stderr, flush=True)
-            raise SystemExit(SHRINK) from exception
+            restart_smaller(guard, exception)  # exit 76: Lightning cannot change a fit's batch
         first = (str(exception).strip().splitlines() or [""])[0]
         guard.finish(f"{type(exception).__name__}: {first}", 1)
 
@@ -247,7 +233,7 @@ class SteadytrainCallback(_Base):
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for path in run_dir.rglob("*.ckpt"):
-        manifest = read_manifest(path)
+        manifest = read_library_manifest(path)
         step = manifest.get("step") if manifest else None
         found.append((step if isinstance(step, int) else -1, path))
     return found

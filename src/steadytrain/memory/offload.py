@@ -37,7 +37,6 @@ on, after the model's own switch turned checkpointing on.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -46,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from steadytrain import run_env
+
 if TYPE_CHECKING:
     from steadytrain.memory.choice import Mode
     from steadytrain.memory.probe import Fit
@@ -53,9 +54,9 @@ if TYPE_CHECKING:
 OFFLOAD = "offload"
 """The `activation_checkpointing` value (config, `TrainState`, `Mode`) for offloaded inputs."""
 
-STREAM_SWITCH = "STEADYTRAIN_OFFLOAD_STREAM"
-"""Environment variable: "0" copies on the compute stream, serialized (read at each pack, so
-one process can time both)."""
+STREAM_SWITCH = run_env.ENV_OFFLOAD_STREAM
+"""Environment variable: "0" copies on the compute stream, serialized (read at each pack through
+`run_env`, so one process can time both)."""
 
 
 class _Plain:
@@ -127,7 +128,7 @@ def _copier(device: torch.device) -> _Plain:
     """How an input on `device` goes to host memory and back."""
     if device.type == "cpu":
         return _PLAIN
-    if device.type != "cuda" or os.environ.get(STREAM_SWITCH, "1") == "0":
+    if device.type != "cuda" or not run_env.offload_stream():
         return _SERIAL
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = _SideStream(device)

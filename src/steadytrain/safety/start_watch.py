@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import multiprocessing
 import os
 import sys
@@ -19,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
+from steadytrain import run_env, run_files
 from steadytrain._durable import make_folder
 from steadytrain.errors import SteadytrainError
 from steadytrain.records import Record
@@ -162,14 +161,14 @@ def watch_from_start(environ: Any = os.environ) -> StartWatch | None:
     environment, so that processes this one starts (data workers, tools) do not watch
     themselves. Nothing in a multiprocessing child or when the variable is not there."""
     global _start_watch
-    text = environ.pop(ENV_START_WATCH, None)
-    if not text or _start_watch is not None or multiprocessing.parent_process() is not None:
+    spec = run_env.start_watch(environ)
+    environ.pop(ENV_START_WATCH, None)
+    if spec is None or _start_watch is not None or multiprocessing.parent_process() is not None:
         return None
+    run_dir, limit = spec
     try:
-        spec = json.loads(text)
-        run_dir, limit = Path(spec["run_dir"]), float(spec["limit_s"])
         rank = int(environ.get("RANK", "0") or 0)
-    except (ValueError, KeyError, TypeError):
+    except ValueError:
         return None
     own = run_dir if rank == 0 else run_dir / run_files.RANKS / f"rank-{rank}"
     watch = StartWatch(own, limit, rank)

@@ -2,7 +2,8 @@
 environment (the micro-batch cap after a memory kill, how many memory savers to turn on) and
 what it tells the supervisor (its run directory, through ENV_ANNOUNCE_FD; the savers in force, as
 a `memory_savers` event). The supervisor's side reads these back (`steadytrain.supervisor`); the
-names both use are in `steadytrain.run_files` and `steadytrain.run_events`."""
+names both use are in `steadytrain.run_env` (which reads every variable) and
+`steadytrain.run_events`."""
 
 from __future__ import annotations
 
@@ -12,23 +13,14 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain.errors import BadInputError
+from steadytrain import run_env, run_files
 from steadytrain.records import Record
 
 
 def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:
     """The child's side: `steadytrain run` sets this after a memory kill, to start the
-    restarted run smaller."""
-    value = environ.get(run_files.ENV_MAX_MICRO_BATCH)
-    if not value:
-        return None
-    try:
-        return max(1, int(value))
-    except ValueError:
-        raise BadInputError(
-            f"{run_files.ENV_MAX_MICRO_BATCH}: {value!r} is not a whole number"
-        ) from None
+    restarted run smaller (`run_env.max_micro_batch`: a bad value is exit 2)."""
+    return run_env.max_micro_batch(environ)
 
 
 def savers_from_supervisor(
@@ -42,9 +34,9 @@ def savers_from_supervisor(
     ENV_MEMORY_SAVERS asks (the OS killed an earlier attempt at micro-batch 1), recording a
     `memory_saver` event for each one turned on; then record which are in force and which are
     left (`memory_savers`), which the supervisor reads when this attempt is killed too."""
-    if environ.get(run_files.ENV_SUPERVISED) != "1":
+    if not run_env.supervised(environ):
         return
-    asked = _count(environ.get(run_files.ENV_MEMORY_SAVERS))
+    asked = run_env.memory_savers(environ) or None
     if asked:
         reason = (
             f"{run_files.ENV_MEMORY_SAVERS}={asked} (supervisor: the OS killed an earlier "
@@ -58,14 +50,6 @@ def savers_from_supervisor(
     )
 
 
-def _count(text: str | None) -> int | None:
-    try:
-        value = int(text) if text else None
-    except ValueError:
-        return None
-    return value if value and value >= 1 else None
-
-
 def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> None:
     """Tell a supervising `steadytrain run` where this run writes (the child's side of
     ENV_ANNOUNCE_FD, "FD:INODE"); nothing happens when no supervisor asked, or where the file
@@ -75,13 +59,14 @@ def announce_run_dir(run_dir: str | os.PathLike, environ: Any = os.environ) -> N
     The path goes as the file system's own bytes (a name that is not UTF-8 too), one line; a
     path holding a newline cannot be one line, so it is not announced (the supervisor then says
     so and asks for --run-dir) rather than announced cut short."""
-    fd, _, inode = environ.get(run_files.ENV_ANNOUNCE_FD, "").partition(":")
-    if not (fd.isdigit() and inode.isdigit()):
+    asked = run_env.announce_fd(environ)
+    if asked is None:
         return
+    fd, inode = asked
     path = os.fsencode(os.path.abspath(run_dir))
     if b"\n" in path:
         return
     with contextlib.suppress(OSError):  # closed, or the supervisor went away: nobody to tell
-        found = os.fstat(int(fd))
-        if stat.S_ISFIFO(found.st_mode) and found.st_ino == int(inode):
-            os.write(int(fd), path + b"\n")
+        found = os.fstat(fd)
+        if stat.S_ISFIFO(found.st_mode) and found.st_ino == inode:
+            os.write(fd, path + b"\n")

@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from steadytrain import run_env
 from steadytrain.errors import BadInputError
-from steadytrain.run_files import ENV_RUN_DIR
 
 
 @dataclass(frozen=True)
@@ -82,5 +82,5 @@ def _file_on_the_way(path: Path) -> Path | None:
 def resolve_run_dir(value: str | os.PathLike | None, environ: Mapping[str, str]) -> Path | None:
     """--run-dir, else $STEADYTRAIN_RUN_DIR, else None (progress cannot be seen)."""
     if value is None:
-        value = environ.get(ENV_RUN_DIR) or None
-    return None if value is None else Path(value)
+        return run_env.run_dir(environ)
+    return Path(value)

@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from steadytrain import run_env
 from steadytrain._terminal import say
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
 from steadytrain.records import Record
@@ -103,6 +104,10 @@ class Supervisor:
             raise BadInputError("give the command to supervise after --: steadytrain run -- CMD")
         self.command = list(command)
         self.environ = dict(os.environ if environ is None else environ)
+        # A cap or a saver count set by hand is the first attempt's (refused here, exit 2, when
+        # it is not a number the child would take: `run_env`, the child's reader too).
+        self._first_cap = run_env.max_micro_batch(self.environ)
+        self._first_savers = run_env.memory_savers(self.environ) or None
         self.out = out if out is not None else sys.stderr
         self.oom_kill_count = oom_kill_count
         self.restarts = 0
@@ -133,8 +138,7 @@ class Supervisor:
                 self.child.signal(signal.SIGTERM)  # we are failing: let the child save
 
     def _supervise(self) -> int:
-        max_micro = _positive_int(self.environ.get(ENV_MAX_MICRO_BATCH))
-        savers_asked = _positive_int(self.environ.get(ENV_MEMORY_SAVERS))
+        max_micro, savers_asked = self._first_cap, self._first_savers
         no_progress = 0  # failures in a row without a newer checkpoint
         delay = self.options.backoff_initial
         error_before: dict[str, Any] | None = None  # the error the attempt before recorded
@@ -495,11 +499,3 @@ class Supervisor:
 
     def _say(self, text: str) -> None:
         say(f"steadytrain run: {text}", self.out)  # a closed terminal does not end us
-
-
-def _positive_int(text: str | None) -> int | None:
-    try:
-        value = int(text) if text else None
-    except ValueError:
-        return None
-    return value if value and value >= 1 else None

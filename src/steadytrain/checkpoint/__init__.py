@@ -1,15 +1,21 @@
 """The checkpoint concern, one owner (DESIGN.md's "checkpoint" layer).
 
-store.py        the store: a checkpoint folder committed atomically, verified on load, the last K kept
-manifest.py     the manifest of hashes and its check, also of a library's save (no torch)
+run_state.py    a run's checkpoint as one object: its states saved and loaded, and the resume
+                decision (the newest checkpoint that verifies, is this run's and loads)
 state.py        what a checkpoint holds: named stateful objects, saved and loaded by one pair
-ranks.py        one rank or many: the same state, each rank's RNG streams and DCP shards
+ranks.py        one rank or many: the same states, each rank's RNG streams and DCP shards
+writer.py       the callback that writes checkpoints (when, sync or in the background)
+store.py        the store: a checkpoint folder committed atomically, verified on load, last K kept
+payload.py      what one checkpoint holds as files, checked before it is saved, and its size on disk
+manifest.py     what a committed checkpoint folder is (MANIFEST.json), verified before it is read;
+                also a library's save (steadytrain-manifest.json); no torch
+file_io.py      every byte of a checkpoint file written, hashed, fsynced and read back
+host.py         host copies of the tensors for a background write, checked to read back
+leftovers.py    what killed saves leave in the checkpoints folder, and its removal
 identity.py     the run's identity, checked before a checkpoint is loaded
 fingerprint.py  the data fingerprint, part of the identity
-writer.py       the callback that writes checkpoints (when, sync or in the background)
 continuity.py   the callback that checks the first resumed step's loss
-resume.py       the resume decision: the newest checkpoint that verifies, is this run's and loads
 export.py       a checkpoint's trainable tensors into a rebuilt model (the adapter export)
 
-It imports neither the engine's loop nor safety, telemetry or memory (tests/test_layers.py).
+It imports neither the engine's loop nor safety, telemetry or memory (tests/test_layers).
 """

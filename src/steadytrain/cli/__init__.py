@@ -1,5 +1,17 @@
 """The `steadytrain` command: one entry point, thin over the layers.
 
+This module builds the command (`app`, `main`) and the commands that need no module of their own;
+the others:
+
+__main__.py           `python -m steadytrain.cli`: the `steadytrain` command
+options.py            command-line options generated from dataclasses (the settings of estimate
+                      and plan, the doctor's and each recipe's options)
+memory_commands.py    `steadytrain estimate` and `steadytrain plan`: a table or JSON
+finetune_commands.py  `steadytrain finetune --dry-run` and `steadytrain config FILE` on a
+                      fine-tune config: what it would do, loading and training nothing
+run_locate.py         where the command `steadytrain run` supervises writes its run
+readable.py           a console whose tables stay whole when the output is piped or redirected
+
 Errors a user can cause (`SteadytrainError`) print their message and exit with their code, never
 a traceback; anything else is a bug and exits 1 with the traceback.
 """

@@ -2,11 +2,29 @@
 allocation); `probe` measures real passes at a few small micro-batch sizes; `plan` chooses the
 micro-batch, accumulation and activation checkpointing from those measurements.
 
-The modules, in the order they build on each other: `settings` (what the run will do),
-`model_shape` (config and parameter counts), `activations`, `estimate`; `probe`, `choice` (the
-candidates and the winner), `finalists` (CUDA's timed finalists), `analytic` (the estimate in
-the planner's terms), `plan` (bound, probe, choose, explain), `config_plan` (a plan from a config
-alone, for `steadytrain plan`)."""
+The modules, in the order they build on each other:
+
+settings.py      what the run will do: the options of `steadytrain estimate` and `plan`
+model_shape.py   a model's Hugging Face config and exact parameter counts (meta device)
+layout.py        how a decoder family's layer is built, read off its config
+activations.py   the activation bytes of Llama-style decoder layers, op by op
+families.py      the activation formulas of the decoder families beyond Llama's
+compiled.py      what a compiled decoder layer keeps for backward, per family
+measured.py      activations of a family the formulas do not know, measured on the meta device
+estimate.py      the estimate: how much memory a run needs, from the config alone
+advice.py        what would make a run fit: every knob not yet set, tried with the estimator
+probe.py         real passes at a few small sizes, fitted to peak and seconds per sample
+choice.py        the candidates (each size of each mode) and the winner, with the why
+finalists.py     CUDA's timed finalists: each mode measured at its own finalist size
+analytic.py      the estimate in the planner's terms (linear in the micro-batch per mode)
+plan_record.py   the plan as a record (`Plan`) and its bound (`Room`)
+plan.py          the plan: bound, probe, choose, explain
+config_plan.py   a plan from a config alone, for `steadytrain plan`
+savers.py        the memory savers: activation checkpointing and the chunked loss
+offload.py       activation checkpointing whose kept inputs live in host memory (CUDA)
+chunked_loss.py  next-token cross-entropy without all logits at once
+fused_loss.py    the output layer and the cross-entropy in one fused pass (CUDA)
+"""
 
 import importlib
 from typing import Any

@@ -107,7 +107,7 @@ def test_offload_leaves_every_layer_input_but_two_in_host_memory():
 def test_offload_is_refused_where_host_memory_is_the_devices(device_type):
     with pytest.raises(BadInputError, match=f"--offload: needs a GPU.*on {device_type}"):
         estimate(tiny(), Settings(offload=True, device_type=device_type))
-    with pytest.raises(BadInputError, match="--checkpointing: 'offload' needs a GPU"):
+    with pytest.raises(BadInputError, match="--activation-checkpointing: 'offload' needs a GPU"):
         Settings(activation_checkpointing="offload", device_type=device_type).check("plan")
     Settings(activation_checkpointing="offload", device_type="cuda").check("plan")
 

@@ -183,8 +183,9 @@ def test_a_memory_size_without_a_unit_is_refused_naming_the_unit(trained, capsys
     code, err = cli(capsys, "estimate", str(trained / "tiny"), "--memory", "16")
     assert code == 2, err
     assert "--memory: '16' has no unit" in err and "'16GiB'" in err, err
-    with pytest.raises(ConfigError, match="a fraction of usable memory is a number"):
-        TrainConfig(run_dir=str(trained / "r"), effective_batch_size=1, memory_budget="0.8")
+    # One grammar with `estimate --memory-budget 0.8` (issue 39): '0.8' is the fraction, as 0.8.
+    fraction = TrainConfig(run_dir=str(trained / "r"), effective_batch_size=1, memory_budget="0.8")
+    assert fraction.memory_budget == 0.8 and fraction.budget_bytes_or_fraction() == 0.8
 
 
 # -- a file where a folder belongs, and values written in another trainer's shape ---------------

@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from steadytrain._durable import write_atomic
-from steadytrain._units import DEFAULT_BUDGET_FRACTION, parse_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, budget_spec, parse_memory_budget
 from steadytrain.config_explain import (
     RULES,
     TRAINER_NAMES,
@@ -56,8 +56,6 @@ RunDefiningField = Literal[
 
 MAX_COUNT = 2**31 - 1
 """The most a count of the config (effective_batch_size, max_steps, save_every_steps) may be."""
-MAX_BUDGET_BYTES = 2**50
-"""The largest memory_budget size, 1 PiB: more than any machine has, far below int64 overflow."""
 
 EARLIER_NAMES = {
     "evaluate_every_steps": "eval_every_steps",
@@ -164,8 +162,10 @@ class TrainConfig(BaseModel):
     memory_budget: Literal["auto"] | str | float = Field(
         "auto",
         description="Memory the run may use: a size with its unit ('12GiB', '16GB'; GB is 1000³ "
-        "bytes, GiB 1024³; a bare '16' is refused, not read as 16 bytes) or a fraction of the device's usable memory (0.8). 'auto' is "
-        f"{DEFAULT_BUDGET_FRACTION} of it. Usable: "
+        "bytes, GiB 1024³; a bare '16' is refused, not read as 16 bytes) or a fraction of the "
+        "device's usable memory (0.8, as a number or as text). 'auto' is "
+        f"{DEFAULT_BUDGET_FRACTION} of it. The same words as `steadytrain estimate` and `plan` "
+        "take in --memory-budget. Usable: "
         "CUDA total memory (or the per-process fraction cap), MPS recommended_max_memory, CPU "
         "what the process holds plus the least headroom among free RAM, RLIMIT_AS and the "
         "cgroup limit. A size below what the process already holds with the model in place is "
@@ -419,34 +419,13 @@ class TrainConfig(BaseModel):
             )
         return value
 
-    @field_validator("memory_budget")
+    @field_validator("memory_budget", mode="before")
     @classmethod
-    def _budget_spec(cls, value: str | float) -> str | float:
-        if isinstance(value, str) and value != "auto":
-            try:
-                size = parse_bytes(value)
-            except ValueError as exc:
-                if "has no unit" in str(exc):  # '16': gigabytes meant; '0.8': a fraction
-                    raise ValueError(
-                        f"{exc}; a fraction of usable memory is a number, 0.8, not text"
-                    ) from None
-                raise ValueError(f"must be {RULES['memory_budget']}") from None
-            if size <= 0:
-                raise ValueError(
-                    "a size must be more than 0 bytes; a fraction is written as a number like "
-                    "0.8, not as text"
-                )
-            if size > MAX_BUDGET_BYTES:
-                raise ValueError(
-                    "a size must be at most 1024TiB, more memory than any machine has; write "
-                    "the memory the run may use, like '12GiB', or 'auto'"
-                )
-        elif isinstance(value, float) and not 0 < value <= 1:
-            raise ValueError(
-                "a number is a fraction of the device's usable memory and must be more than 0 and "
-                "at most 1; write a size with its unit, like '12GiB', for bytes"
-            )
-        return value
+    def _budget_spec(cls, value: Any) -> str | float:
+        # The one grammar of a memory budget (_units.parse_memory_budget), as estimate and plan
+        # read --memory-budget: a size keeps its spelling, a fraction (0.8 or '0.8') is a number.
+        parsed = parse_memory_budget(value)
+        return value if isinstance(parsed, int) else parsed
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
@@ -467,11 +446,7 @@ class TrainConfig(BaseModel):
 
     def budget_bytes_or_fraction(self) -> int | float:
         """memory_budget as bytes (int) or as a fraction of usable memory (float)."""
-        if self.memory_budget == "auto":
-            return DEFAULT_BUDGET_FRACTION
-        if isinstance(self.memory_budget, str):
-            return parse_bytes(self.memory_budget)
-        return float(self.memory_budget)
+        return budget_spec(self.memory_budget)
 
     # -- loading and saving ------------------------------------------------------------------
 

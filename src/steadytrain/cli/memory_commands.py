@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from steadytrain._units import format_bytes, format_count
+from steadytrain._units import budget_spec, format_bytes, format_count
 from steadytrain.cli.options import settings_command
 from steadytrain.cli.readable import readable_console
 from steadytrain.errors import BadInputError
@@ -65,13 +65,16 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
     settings = from_options("estimate", given)
     settings.check("estimate")
-    budget, source, resolved = resolve_target(settings)
-    if "memory_budget" in own:
-        source = f"memory_budget: {own['memory_budget']}"
+    budget, source, resolved = resolve_target(
+        settings, "memory_budget:" if "memory_budget" in own else "--memory-budget"
+    )
     model_config = load_config(model)
     result = estimate(model_config, resolved, model_name=model)
     result.budget, result.budget_source = budget, source
-    if settings.memory_budget is not None and settings.device_type is None:
+    sized = settings.memory_budget is not None and isinstance(
+        budget_spec(settings.memory_budget), int
+    )
+    if sized and settings.device_type is None:  # a size may be another machine's
         result.notes.append(
             f"planned for a {resolved.device_type} device (this machine's); pass --device-type "
             "mps or cuda when the other machine differs"
@@ -86,16 +89,13 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
 
 def _run_target(config: Any, given: dict[str, Any]) -> dict[str, Any]:
     """A fine-tune config's own budget and device where the command line gives none: its
-    `memory_budget` as a size, and its `device` where it names a device type."""
+    `memory_budget` (a size, or a fraction resolved as --memory-budget's; `auto` is the
+    command's own default), and its `device` where it names a device type."""
     from steadytrain.memory.settings import DEVICE_TYPES
 
     train = config.to_train_config()
     found: dict[str, Any] = {}
-    if (
-        given.get("memory_budget", given.get("memory")) is None
-        and isinstance(train.memory_budget, str)
-        and train.memory_budget != "auto"
-    ):
+    if given.get("memory_budget", given.get("memory")) is None and train.memory_budget != "auto":
         found["memory_budget"] = train.memory_budget
     device = train.device.split(":")[0]
     if given.get("device_type") is None and device in DEVICE_TYPES:
@@ -203,20 +203,27 @@ def compile_before_plan(model, device_type: str):
     return eager
 
 
-def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
+def resolve_target(
+    settings: Settings, label: str = "--memory-budget"
+) -> tuple[int | None, str, Settings]:
     """(budget, where it comes from, the settings for the target's device type and whether it
-    compiles). --memory wins over this device's budget (planning for another machine);
-    --device-type over this device's type; --compile/--no-compile over a run's `compile: auto`
-    on the target's device type (`compile_wanted`: CUDA with Triton installed here);
-    --fused-loss/--no-fused-loss over what a run's chunked loss computes there (the fused kernel
-    on CUDA where Liger Kernel is installed here)."""
-    from steadytrain._units import parse_bytes
+    compiles). --memory-budget wins over this device's budget: a size as it is (planning for
+    another machine), a fraction or auto of the target device's usable memory, as a run resolves
+    its memory_budget (`_budget_device`); --device-type over this device's type;
+    --compile/--no-compile over a run's `compile: auto` on the target's device type
+    (`compile_wanted`: CUDA with Triton installed here); --fused-loss/--no-fused-loss over what a
+    run's chunked loss computes there (the fused kernel on CUDA where Liger Kernel is installed
+    here). `label` names the budget's source: the flag, or a fine-tune config's key."""
     from steadytrain.device import resolve_device
     from steadytrain.engine.compiling import compile_wanted
     from steadytrain.memory.fused_loss import fused_available
 
     memory, device_type = settings.memory_budget, settings.device_type
-    device = None if memory is not None and device_type is not None else resolve_device("auto")
+    spec = None if memory is None else budget_spec(memory)
+    if isinstance(spec, float):
+        device = _budget_device(device_type, spec, f"{label} {memory}")
+    else:
+        device = None if spec is not None and device_type is not None else resolve_device("auto")
     target = device_type or device.type
     compiled, fused = settings.compiled, settings.fused_loss
     resolved = dataclasses.replace(
@@ -225,9 +232,40 @@ def resolve_target(settings: Settings) -> tuple[int | None, str, Settings]:
         compiled=compile_wanted("auto", target) if compiled is None else compiled,
         fused_loss=fused_available(target) if fused is None else fused,
     )
-    if memory is not None:
-        return parse_bytes(memory), f"--memory {memory}", resolved
+    if isinstance(spec, int):
+        return spec, f"{label} {memory}", resolved
+    if spec is not None:
+        usable = format_bytes(device.usable)
+        return (
+            device.budget,
+            f"{label} {memory}: {spec:g} of usable memory ({usable}) on {device.torch_device} "
+            f"({device.name})",
+            resolved,
+        )
     return device.budget, f"{device.torch_device} budget ({device.name})", resolved
+
+
+def _budget_device(device_type: str | None, fraction: float, given: str):
+    """The device whose usable memory a fraction (or auto) of it is taken of: the target device
+    type on this machine, as a run resolves its memory_budget; refused, exit 2, where this
+    machine has no such device (it cannot say how much memory another machine has)."""
+    from steadytrain.device import resolve_device
+    from steadytrain.errors import DeviceUnavailableError
+
+    try:
+        device = resolve_device(device_type or "auto", fraction)
+    except DeviceUnavailableError as exc:
+        raise BadInputError(
+            f"{given}: a fraction of usable memory is taken of the {device_type} device the run "
+            f"will train on, and this machine has none to measure ({exc}); give the memory the "
+            "run may use there as a size, like --memory-budget 12GiB"
+        ) from None
+    if device.usable is None:
+        raise BadInputError(
+            f"{given}: the usable memory of {device.torch_device} ({device.name}) is unknown "
+            "here, so a fraction of it cannot be taken; give a size, like --memory-budget 12GiB"
+        )
+    return device
 
 
 def render_estimate(result: Estimate, console=None, advice: list[str] | None = None) -> None:
@@ -283,7 +321,7 @@ def render_estimate(result: Estimate, console=None, advice: list[str] | None = N
             )
             render_advice(advice or [], console)
     else:
-        console.print(f"budget unknown ({result.budget_source}); pass --memory 16GiB")
+        console.print(f"budget unknown ({result.budget_source}); pass --memory-budget 16GiB")
     for note in result.notes:
         console.print(f"note: {note}")
 

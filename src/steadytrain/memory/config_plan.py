@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
+from steadytrain._units import DEFAULT_BUDGET_FRACTION, budget_spec, format_bytes
 from steadytrain.device import resolve_device
 from steadytrain.errors import BadInputError
 from steadytrain.memory.analytic import Analytic
@@ -171,7 +171,9 @@ def _probe_plan(
     from steadytrain.memory.savers import MemorySavers
 
     memory = settings.memory_budget
-    device = resolve_device("auto", parse_bytes(memory) if memory else DEFAULT_BUDGET_FRACTION)
+    device = resolve_device(
+        "auto", DEFAULT_BUDGET_FRACTION if memory is None else budget_spec(memory)
+    )
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     model = _random_model(config, settings, dtypes[settings.weights_dtype], device.torch_device)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -8,7 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from steadytrain._units import parse_bytes
+from steadytrain._options import Alias, aliases_of
+from steadytrain._units import parse_memory_budget
 from steadytrain.errors import BadInputError
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -46,11 +47,12 @@ def option(
     commands: tuple[str, ...] = BOTH,
     required: bool = False,
     cli_default: Any = dataclasses.MISSING,
+    aliases: tuple[Alias, ...] = (),
 ) -> Any:
     """A settings field and its command-line option. `flag` defaults to the field's name in
     kebab case; `cli_default` is the option's default where it differs from the field's
     (device_type: None on the command line means this machine's device), or a dict of them by
-    command."""
+    command; `aliases` are its earlier flags (`steadytrain._options.Alias`), kept working."""
     return field(
         default=default,
         metadata={
@@ -59,6 +61,7 @@ def option(
             "commands": commands,
             "required": required,
             "cli_default": default if cli_default is dataclasses.MISSING else cli_default,
+            "aliases": aliases,
         },
     )
 
@@ -69,14 +72,17 @@ class Settings:
     `steadytrain plan` or both; `estimate()` reads the model's side of it."""
 
     micro_batch_size: int = option(
-        1, "Samples per forward/backward.", flag="--micro-batch", commands=("estimate",)
+        1,
+        "Samples per forward/backward.",
+        commands=("estimate",),
+        aliases=(Alias("--micro-batch"),),
     )
     effective_batch_size: int = option(
         1,
         "Samples per optimizer step (kept whatever the micro-batch).",
-        flag="--effective-batch",
         commands=("plan",),
         required=True,
+        aliases=(Alias("--effective-batch"),),
     )
     seq: int = option(1024, "Tokens per sample.")
     precision: str = option("fp32", "Autocast dtype: fp32 (none), bf16 or fp16.")
@@ -92,22 +98,28 @@ class Settings:
     lora_dropout: float = option(0.0, "LoRA dropout.")
     load_in_4bit: bool = option(False, "NF4 base (QLoRA, bitsandbytes, CUDA).")
     checkpointing: bool = option(
-        False, "Activation checkpointing of every decoder layer.", commands=("estimate",)
+        False, "Activation checkpointing of every decoder layer.", commands=()
     )
+    """What the estimate counts: set from `activation_checkpointing` (on or offload)."""
     offload: bool = option(
         False,
-        "Activation checkpointing with each layer's kept input in pinned host memory (a run's "
-        "activation_checkpointing: offload; CUDA only); implies --checkpointing.",
-        commands=("estimate",),
+        "Activation checkpointing with each layer's kept input in pinned host memory.",
+        commands=(),
     )
     """The layer inputs checkpointing keeps wait in host memory until the backward
-    (memory/offload.py): the estimate leaves them out of the device's peak."""
+    (memory/offload.py): the estimate leaves them out of the device's peak. Set from
+    `activation_checkpointing: offload`."""
     activation_checkpointing: str = option(
         "auto",
-        "Activation checkpointing: auto (the plan decides), on, off or offload (on, each "
-        "layer's kept input in pinned host memory; CUDA only).",
-        flag="--checkpointing",
-        commands=("plan",),
+        "Activation checkpointing, as a run's activation_checkpointing: auto (the plan decides; "
+        "the estimate counts a run's start, without), on, off or offload (on, each layer's kept "
+        "input in pinned host memory; CUDA only).",
+        cli_default={"estimate": "off", "plan": "auto"},
+        aliases=(
+            Alias("--checkpointing", "on", commands=("estimate",)),
+            Alias("--offload", "offload", commands=("estimate",)),
+            Alias("--checkpointing", commands=("plan",)),
+        ),
     )
     optimizer: str = option("adamw", "adamw, adamw8bit, sgd or sgd-momentum.")
     attention: str = option("sdpa", "sdpa, flash or eager.")
@@ -120,7 +132,11 @@ class Settings:
     )
     """It decides sdpa's kernel and the dropout mask's size."""
     memory_budget: str | None = option(
-        None, "Plan for this much memory (16GiB) instead of this device's budget.", flag="--memory"
+        None,
+        "The memory the run may use, in a run's memory_budget words: a size (16GiB), a fraction "
+        "of the target device's usable memory (0.8) or auto (0.9 of it); default: this "
+        "device's budget.",
+        aliases=(Alias("--memory"),),
     )
     probe: bool | None = option(
         None,
@@ -150,8 +166,8 @@ class Settings:
         None,
         "Share of the room above what is in use the peak may take (default 0.9 CUDA, 0.75 MPS "
         "and CPU).",
-        flag="--margin",
         commands=("plan",),
+        aliases=(Alias("--margin"),),
     )
     chunked_loss: bool = option(
         False, "The loss a chunk of tokens at a time (large vocabularies).", commands=("estimate",)
@@ -176,6 +192,12 @@ class Settings:
     def __post_init__(self) -> None:
         if self.offload and not self.checkpointing:  # offload is a way of checkpointing
             object.__setattr__(self, "checkpointing", True)
+        object.__setattr__(self, "_typed", {})  # field -> the earlier flag it was given as
+
+    def _flag(self, name: str) -> str:
+        """The flag a problem of field `name` names: the earlier one the user typed (set by
+        `from_options`), else the field's own."""
+        return self._typed.get(name) or flag_of(name)
 
     def check(self, command: str = "estimate") -> None:
         """Every problem of `command`'s options at once, each naming the flag, what was found
@@ -188,7 +210,7 @@ class Settings:
     def _problems(self) -> list[tuple[str, str]]:
         """(field, problem) for every rule this settings breaks, whichever command reads it."""
         found = [
-            (name, f"{flag_of(name)}: {value!r} is not one of {', '.join(allowed)}")
+            (name, f"{self._flag(name)}: {value!r} is not one of {', '.join(allowed)}")
             for name, value, allowed in (
                 ("precision", self.precision, tuple(PRECISIONS)),
                 ("weights_dtype", self.weights_dtype, tuple(PRECISIONS)),
@@ -214,7 +236,7 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 found.append(
-                    (name, f"{flag_of(name)}: {getattr(self, name)} is not positive; {hint}")
+                    (name, f"{self._flag(name)}: {getattr(self, name)} is not positive; {hint}")
                 )
         return found + self._offload_problems() + self._lora_and_budget_problems()
 
@@ -227,17 +249,14 @@ class Settings:
             f"needs a GPU with memory of its own (CUDA); on {self.device_type} host memory is "
             "the same memory, so a copy there frees nothing"
         )
-        found = []
-        if self.offload:
-            found.append(("offload", f"--offload: {why}; use --checkpointing"))
-        if self.activation_checkpointing == "offload":
-            found.append(
-                (
-                    "activation_checkpointing",
-                    f"--checkpointing: 'offload' {why}; use --checkpointing on",
-                )
-            )
-        return found
+        if not self.offload and self.activation_checkpointing != "offload":
+            return []
+        flag = self._flag("activation_checkpointing")
+        if self.activation_checkpointing != "offload":  # Settings(offload=True): the estimate's
+            flag = "--offload"
+        said = f"{flag}:" if flag == "--offload" else f"{flag}: 'offload'"
+        own = flag_of("activation_checkpointing")
+        return [("activation_checkpointing", f"{said} {why}; use {own} on")]
 
     def _lora_and_budget_problems(self) -> list[tuple[str, str]]:
         found = []
@@ -268,22 +287,15 @@ class Settings:
             found.append(
                 (
                     "plan_margin",
-                    f"--margin: {self.plan_margin} is outside (0, 1]; 0.9 means 90% of the room",
+                    f"{self._flag('plan_margin')}: {self.plan_margin} is outside (0, 1]; 0.9 means "
+                    "90% of the room",
                 )
             )
         if self.memory_budget is not None:
             try:
-                budget = parse_bytes(self.memory_budget)
-            except ValueError as exc:
-                found.append(("memory_budget", f"--memory: {exc}"))
-            else:
-                if budget <= 0:
-                    found.append(
-                        (
-                            "memory_budget",
-                            f"--memory: {self.memory_budget!r} is not positive; write it like '16GiB'",
-                        )
-                    )
+                parse_memory_budget(self.memory_budget)
+            except ValueError as exc:  # the config's own words for the same value
+                found.append(("memory_budget", f"{self._flag('memory_budget')}: {exc}"))
         return found
 
     @property
@@ -295,20 +307,15 @@ class Settings:
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     def estimate_fields(self) -> dict[str, Any]:
-        """The fields `estimate` reads, for its JSON."""
-        return {f.name: getattr(self, f.name) for f in options("estimate")}
+        """The fields `estimate` reads, for its JSON: its options, and the checkpointing they
+        come to."""
+        shown = {f.name: getattr(self, f.name) for f in options("estimate")}
+        return {**shown, "checkpointing": self.checkpointing, "offload": self.offload}
 
 
-ALIASES = {
-    "micro_batch": "micro_batch_size",
-    "effective_batch": "effective_batch_size",
-    "memory": "memory_budget",
-    "margin": "plan_margin",
-    "probe_device": "probe",
-}
-"""Earlier keyword names of the commands' Python functions, kept working."""
-PLAN_ALIASES = {"checkpointing": "activation_checkpointing"}
-"""`plan`'s --checkpointing (auto, on, off) is the field activation_checkpointing."""
+PYTHON_ALIASES = {"probe_device": "probe"}
+"""Earlier keyword names of the commands' Python functions that were never flags; the earlier
+flags' names (`micro_batch`, `memory`, ...) come from each field's `Alias`es."""
 
 
 def options(command: str) -> list[dataclasses.Field]:
@@ -328,15 +335,46 @@ def flag_of(name: str) -> str:
     return (meta["flag"] or "--" + name.replace("_", "-")).split("/")[0]
 
 
+def aliases(command: str) -> dict[str, tuple[str, Alias | None]]:
+    """Earlier keyword -> (the field, its `Alias`) for `command`'s options."""
+    found: dict[str, tuple[str, Alias | None]] = {
+        old: (new, None) for old, new in PYTHON_ALIASES.items()
+    }
+    for f in options(command):
+        found |= {a.keyword: (f.name, a) for a in aliases_of(f, command)}
+    return found
+
+
 def from_options(command: str, given: dict[str, Any]) -> Settings:
-    """Settings from `command`'s options by field name (or an earlier name in `ALIASES`); the
-    options not given take their command-line defaults."""
-    aliases = {**ALIASES, **(PLAN_ALIASES if command == "plan" else {})}
+    """Settings from `command`'s options by field name or an earlier flag's name (`aliases`:
+    `memory` for memory_budget; a bare flag's, `checkpointing=True` for the estimate, sets its
+    value, and False leaves the option as it is); the options not given take their
+    command-line defaults. For the estimate, `activation_checkpointing` becomes the
+    checkpointing it counts."""
+    earlier = aliases(command)
     shown = {f.name: f for f in options(command)}
     values = {name: cli_default_of(f, command) for name, f in shown.items()}
+    typed = {}
     for key, value in given.items():
-        name = aliases.get(key, key)
+        name, alias = earlier.get(key, (key, None))
         if name not in shown:
             raise BadInputError(f"{command}: no option {key!r}; the options are {', '.join(shown)}")
+        if alias is not None and alias.bare:
+            if not value:
+                continue
+            value = alias.value
         values[name] = value
-    return Settings(**values)
+        if alias is not None:
+            typed[name] = alias.flag
+        else:
+            typed.pop(name, None)
+    missing = [f for f in shown.values() if f.metadata["required"] and f.name not in typed | given]
+    if missing:
+        names = ", ".join(flag_of(f.name) for f in missing)
+        raise BadInputError(f"{command}: missing {names}; {missing[0].metadata['help']}")
+    if command == "estimate":
+        mode = values["activation_checkpointing"]
+        values |= {"checkpointing": mode in ("on", "offload"), "offload": mode == "offload"}
+    settings = Settings(**values)
+    settings._typed.update(typed)
+    return settings

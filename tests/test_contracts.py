@@ -9,10 +9,12 @@ import os
 import pytest
 
 import steadytrain
-from steadytrain import _durable, errors, run_files
-from steadytrain._durable import replace_dir, sync_tree, write_atomic
+from steadytrain import errors
 from steadytrain.entry import entrypoint
 from steadytrain.errors import BadInputError, OptimizerStateTouched, SteadytrainError
+from steadytrain.run import durable as _durable
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import replace_dir, sync_tree, write_atomic
 
 
 def test_write_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):

@@ -20,12 +20,14 @@ import torch
 from disks import fill, mount_or_skip, tmpfs
 from script_helpers import Data, loss_fn
 
-from steadytrain import TrainConfig, Trainer, _durable, run_files
+from steadytrain import TrainConfig, Trainer
 from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError, RunNotWritableError
 from steadytrain.recipes.finetune import TRAINING_CONFIG, export_final
 from steadytrain.recipes.finetune_config import FinetuneConfig
+from steadytrain.run import durable as _durable
+from steadytrain.run import files as run_files
 
 EXPORTED = sorted(["adapter_model.safetensors", "tokenizer.json", TRAINING_CONFIG])
 

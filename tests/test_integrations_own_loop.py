@@ -21,6 +21,8 @@ from integration_helpers import (
     stop_with_sigterm,
 )
 
+from steadytrain import TrainConfig
+from steadytrain.integrations import RunGuard
 from steadytrain.telemetry.files import read_jsonl
 
 SCRIPT = "own_loop.py"
@@ -129,3 +131,24 @@ def test_runguard_and_the_trainer_record_events_in_one_order(tmp_path: Path):
         names = [e["event"] for e in events(run_dir)]
         assert names.index("hang") < names.index("fit_start"), (run_dir.name, names)
         assert events(run_dir, "hang")[0]["pid"] == 999999
+
+
+@pytest.mark.parametrize(
+    ("given", "spec"), [("0.8", 0.8), (0.5, 0.5), ("auto", 0.9), ("1GiB", 2**30)]
+)
+def test_runguard_takes_a_memory_budget_in_the_config_s_grammar(tmp_path: Path, given, spec):
+    """The one grammar of a memory budget: a fraction as text (a script's argument, an
+    environment variable) or as a number, a size, or auto, as TrainConfig takes them."""
+    assert RunGuard(tmp_path / "run", memory_budget=given).budget_spec == spec
+
+
+@pytest.mark.parametrize("given", ["12", "1.5", "abc"])
+def test_runguard_refuses_a_memory_budget_naming_it_with_the_config_s_words(tmp_path: Path, given):
+    from steadytrain.errors import BadInputError
+
+    with pytest.raises(BadInputError) as refused:
+        RunGuard(tmp_path / "run", memory_budget=given)
+    with pytest.raises(Exception) as config_says:
+        TrainConfig(run_dir=str(tmp_path), effective_batch_size=1, memory_budget=given)
+    assert str(refused.value).startswith("memory_budget: ")
+    assert str(refused.value).removeprefix("memory_budget: ") in str(config_says.value)

@@ -1,4 +1,4 @@
-"""The run directory's JSON-lines files have one writer and one reader (steadytrain.run_jsonl):
+"""The run directory's JSON-lines files have one writer and one reader (steadytrain.run.jsonl):
 the trainer's RunFiles and the supervisor's appends share events.jsonl, and whichever comes
 after a torn line, every complete line reads back, through every reader."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from steadytrain.events import TrainState
-from steadytrain.run_events import append_event
-from steadytrain.run_jsonl import tail
+from steadytrain.run.events import append_event
+from steadytrain.run.jsonl import tail
 from steadytrain.supervisor.progress import progress_step
 from steadytrain.telemetry.files import RunFiles, read_jsonl
 

@@ -22,10 +22,11 @@ from conftest import WORKLOADS
 from disks import fill, tmpfs
 from script_helpers import Data, loss_fn
 
-from steadytrain import TrainConfig, Trainer, run_files
+from steadytrain import TrainConfig, Trainer
 from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.errors import BadInputError
+from steadytrain.run import files as run_files
 from steadytrain.telemetry.files import read_jsonl
 
 BAD_INPUT = 2

@@ -2,7 +2,7 @@
 writes (the file, or a folder on the way) is refused, never written through; the run stops with
 exit 2 naming the link, and the link's target keeps its bytes.
 
-The paths come from `run_files.WRITTEN`, the list the one writer (`steadytrain._durable`)
+The paths come from `run_files.WRITTEN`, the list the one writer (`steadytrain.run.durable`)
 serves; `test_a_run_writes_only_the_listed_paths` fails when a run writes a path that list does
 not name, so a new file is covered here as soon as it exists.
 """
@@ -20,9 +20,10 @@ import torch
 from conftest import WORKLOADS
 from script_helpers import Data
 
-from steadytrain import TrainConfig, Trainer, run_files
-from steadytrain._durable import make_folder, open_in_run, write_atomic
+from steadytrain import TrainConfig, Trainer
 from steadytrain.errors import BadInputError
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, open_in_run, write_atomic
 from steadytrain.safety.lock import RunLock
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "steadytrain"
@@ -213,14 +214,15 @@ def test_the_supervisor_stops_a_run_whose_hangs_folder_is_a_link(tmp_path):
 
 # Writes that are not a run directory's file, or have a writer of their own, with the reason.
 ALLOWED = {
-    "_durable.py": "the writer itself",
+    "run/durable.py": "the writer itself",
+    "_terminal.py": "os.devnull, where a stream whose terminal is gone writes",
     "device/system.py": "/proc/self/clear_refs",
     "device/selftest.py": "a temporary folder of its own",
     "checkpoint/store.py": "the checkpoint store: its own folder, checked, files made O_EXCL",
     "checkpoint/file_io.py": "the checkpoint store's files, made O_EXCL in its checked folder",
     "safety/lock.py": "the lock: O_NOFOLLOW, a hard link refused, its folder via make_folder",
     "checkpoint/state.py": "torch.save into the checkpoint store's sink",
-    "config.py": "TrainConfig.dump: write_atomic into the file's own folder",
+    "config/__init__.py": "TrainConfig.dump: write_atomic into the file's own folder",
 }
 
 

@@ -1,4 +1,4 @@
-"""Every record name of events.jsonl comes from the registry (`steadytrain.records.Record`), the
+"""Every record name of events.jsonl comes from the registry (`steadytrain.run.records.Record`), the
 way composer's test pins every callback to an event: a writer and a reader cannot drift apart.
 
 The check reads every module of the package with `ast` and reports a record name spelled as a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "steadytrain"
@@ -290,7 +290,7 @@ def test_every_record_name_comes_from_the_registry():
             continue
         problems += [f"{name}:{finding}" for finding in bare_record_names(source)]
     assert not problems, (
-        "record names spelled as bare strings; use steadytrain.records.Record (register a new "
+        "record names spelled as bare strings; use steadytrain.run.records.Record (register a new "
         "one there, with what writes it and its fields):\n" + "\n".join(problems)
     )
 

@@ -1,4 +1,4 @@
-"""The memory savers' registry (`steadytrain.run_savers`): every part that names a saver reads
+"""The memory savers' registry (`steadytrain.run.savers`): every part that names a saver reads
 it, so a saver added there (with its implementation) is climbed by the ladder, named by the
 supervisor, counted in a `memory_savers` record and listed in the docs' table; the entries agree
 with what they point at (the implementation, the estimate's flag, the fine-tune config's key)."""
@@ -15,7 +15,6 @@ import pytest
 import torch
 from test_estimate import tiny
 
-from steadytrain import run_savers
 from steadytrain.events import TrainState
 from steadytrain.memory import savers as memory_savers
 from steadytrain.memory.advice import FLAGS, knobs
@@ -23,6 +22,7 @@ from steadytrain.memory.choice import Mode
 from steadytrain.memory.savers import MemorySavers, Rung
 from steadytrain.memory.settings import Settings, flag_of
 from steadytrain.recipes.finetune_config import FinetuneConfig
+from steadytrain.run import savers as run_savers
 from steadytrain.safety.supervised import savers_from_supervisor
 from steadytrain.supervisor.words import saver_name
 
@@ -61,7 +61,7 @@ def test_the_docs_table_of_savers_is_the_registry_s():
     assert found is not None, f"{DOCS}: the <!-- savers --> table is missing"
     assert found.group(1) == run_savers.markdown_table(), (
         f"{DOCS}: the table of savers differs from the registry; paste "
-        "steadytrain.run_savers.markdown_table() between its markers"
+        "steadytrain.run.savers.markdown_table() between its markers"
     )
 
 
@@ -93,7 +93,7 @@ def test_the_plan_s_modes_have_one_field_per_registered_saver():
 
 def test_the_registry_imports_without_torch():
     """The supervisor reads it, and the supervisor never loads torch."""
-    code = "import sys, steadytrain.run_savers; sys.exit('torch' in sys.modules)"
+    code = "import sys, steadytrain.run.savers; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

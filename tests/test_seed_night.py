@@ -246,7 +246,7 @@ def test_the_announcement_goes_only_to_the_supervisor_s_own_pipe(tmp_path):
     rank) may hold a file of its own at that number: nothing is written to it, whether the
     variable names the number alone, another inode, or the file's own inode; the pipe it names
     gets the run dir."""
-    from steadytrain.run_files import ENV_ANNOUNCE_FD
+    from steadytrain.run.files import ENV_ANNOUNCE_FD
     from steadytrain.safety.supervised import announce_run_dir
 
     with open(tmp_path / "own-file", "wb") as own:

@@ -28,8 +28,8 @@ import torch
 from disks import tmpfs
 
 from steadytrain.errors import BadInputError
-from steadytrain.run_events import append_event
-from steadytrain.run_files import ENV_START_WATCH
+from steadytrain.run.events import append_event
+from steadytrain.run.files import ENV_START_WATCH
 from steadytrain.supervisor import Supervisor, SupervisorOptions
 from steadytrain.supervisor.attempt_end import RankEnd, failed_rank, rank_ends
 from steadytrain.supervisor.child_exit import ChildExit

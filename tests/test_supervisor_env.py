@@ -1,5 +1,5 @@
 """What `steadytrain run` tells its child through the environment means one thing wherever it is
-read (`steadytrain.run_env`): the micro-batch cap under the Trainer, under a loop of the user's
+read (`steadytrain.run.env`): the micro-batch cap under the Trainer, under a loop of the user's
 own (`RunGuard` with `max_micro_batch()`), under the Hugging Face callback and in the supervisor;
 and the manifest of an integration's checkpoint is checked by the checkpoint package's rules."""
 
@@ -21,7 +21,7 @@ from steadytrain.checkpoint.manifest import library_problems, verify
 from steadytrain.checkpoint.store import CheckpointStore
 from steadytrain.cli import main as cli_main
 from steadytrain.integrations import RunGuard, max_micro_batch
-from steadytrain.run_files import ENV_MAX_MICRO_BATCH
+from steadytrain.run.files import ENV_MAX_MICRO_BATCH
 from steadytrain.telemetry.files import read_jsonl
 
 BAD = ("0", "abc", "-1")
@@ -131,7 +131,7 @@ def test_the_integrations_core_and_the_manifest_import_no_torch():
     """A Keras run on TensorFlow has no torch: what the integrations share must not need it."""
     code = (
         "import sys, steadytrain.integrations, steadytrain.integrations.core, "
-        "steadytrain.checkpoint.manifest, steadytrain.run_env; print('torch' in sys.modules)"
+        "steadytrain.checkpoint.manifest, steadytrain.run.env; print('torch' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

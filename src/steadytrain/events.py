@@ -28,7 +28,7 @@ change it), ``control`` is how a callback asks the loop for something, ``info`` 
 is particular to that event (documented on `Event`). Callbacks keep their own state.
 
 `StepMetrics` is the row every ``on_step_end`` receives (``info["metrics"]``), one line of
-metrics.jsonl. `Record` (from `steadytrain.records`) names every record of events.jsonl.
+metrics.jsonl. `Record` (from `steadytrain.run.records`) names every record of events.jsonl.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from steadytrain.errors import UserCodeError
-from steadytrain.records import Record as Record  # the record registry, in the events layer
+from steadytrain.run.records import Record as Record  # the record registry, in the events layer
 
 
 class Event(str, enum.Enum):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from steadytrain.errors import StateNotRestoredError
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 ACCELERATOR_RTOL = 1e-3
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from steadytrain import run_files
 from steadytrain.checkpoint.state import MODEL_FILE, load_model_tensors
 from steadytrain.checkpoint.store import MANIFEST, CheckpointStore
 from steadytrain.errors import BadInputError
+from steadytrain.run import files as run_files
 
 
 def is_checkpoint_folder(path: Path) -> bool:

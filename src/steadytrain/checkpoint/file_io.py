@@ -23,8 +23,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from steadytrain import run_env
-from steadytrain._durable import sync as sync_fd
+from steadytrain.run import env as run_env
+from steadytrain.run.durable import sync as sync_fd
 
 FAULT_ENV = run_env.ENV_FAULT_INJECT
 FAULT_PHASES = (

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import psutil
 
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 LEFTOVER = re.compile(r"^\.(staging|deleting|latest)-(?:.*-)?(\d+)-[0-9a-f]+(?:\.tmp)?$")
 

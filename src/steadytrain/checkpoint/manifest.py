@@ -32,12 +32,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import sync, write_atomic
 from steadytrain._units import format_bytes
 from steadytrain._version import __version__
 from steadytrain.errors import CheckpointError
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import sync, write_atomic
+from steadytrain.run.records import Record
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"

@@ -31,7 +31,7 @@ from steadytrain.checkpoint.state import (
 )
 from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.errors import CheckpointError
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 
 @dataclasses.dataclass

@@ -35,8 +35,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, sync_dir
 from steadytrain._units import format_bytes
 from steadytrain._version import __version__
 from steadytrain.checkpoint.file_io import (
@@ -62,7 +60,9 @@ from steadytrain.checkpoint.manifest import (
 )
 from steadytrain.checkpoint.payload import Payload, all_tensors, check_payload, payload_bytes
 from steadytrain.errors import CheckpointError, DiskFullError, RunNotWritableError
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, sync_dir
+from steadytrain.run.records import Record
 
 _stores_with_saves: weakref.WeakSet[CheckpointStore] = weakref.WeakSet()
 

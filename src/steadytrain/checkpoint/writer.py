@@ -30,7 +30,7 @@ from steadytrain.errors import (
     is_disk_full,
 )
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 STOP_CODES = (0, *SIGNAL_EXITS.values())  # finished, or stopped by a signal
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import typer
 
-from steadytrain import run_files
 from steadytrain.recipes.finetune_config import FinetuneConfig, load_config_file
 from steadytrain.recipes.finetune_resume import held_run
+from steadytrain.run import files as run_files
 
 # Keys only a fine-tune config has: a file holding one of them is read as a fine-tune config,
 # except one whose only such key is output_dir beside effective_batch_size (a TrainConfig's

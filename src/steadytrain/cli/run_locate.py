@@ -4,7 +4,7 @@ before it starts, so progress and restarts are counted in the right folder witho
 A fine-tune (``steadytrain finetune --config FILE [--set k=v]`` or ``python -m
 steadytrain.recipes.finetune ...``) writes to its config's ``output_dir``. Any other command using
 ``Trainer`` announces its ``run_dir`` to the supervisor when `fit()` starts
-(`steadytrain.run_files.ENV_ANNOUNCE_FD`).
+(`steadytrain.run.files.ENV_ANNOUNCE_FD`).
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from steadytrain import run_files
 from steadytrain.device.core import wait_on_host
 from steadytrain.errors import BadInputError, RankOutOfMemory, SteadytrainError
+from steadytrain.run import files as run_files
 
 
 def _unwatched(name: str) -> contextlib.AbstractContextManager:

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from steadytrain import run_env
 from steadytrain.config import TrainConfig
 from steadytrain.device.oom import oom_kind
 from steadytrain.errors import DOES_NOT_FIT_EXIT, SHRINK_EXIT, BadInputError
 from steadytrain.events import HALVING, divisor_at_most
-from steadytrain.records import Record
+from steadytrain.run import env as run_env
+from steadytrain.run.records import Record
 
 if TYPE_CHECKING:
     from steadytrain.integrations.guard import RunGuard

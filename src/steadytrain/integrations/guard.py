@@ -35,9 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, write_atomic
-from steadytrain._units import DEFAULT_BUDGET_FRACTION, format_bytes, parse_bytes
+from steadytrain._units import budget_spec, format_bytes
 from steadytrain.checkpoint.manifest import (
     LIBRARY_MANIFEST,
     newest_verified,
@@ -45,6 +43,7 @@ from steadytrain.checkpoint.manifest import (
     write_library_manifest,
 )
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
+from steadytrain.errors import BadInputError
 from steadytrain.events import Control, Dispatcher, Event, StepMetrics, TrainState
 from steadytrain.integrations.core import (
     DEFAULTS,
@@ -54,6 +53,8 @@ from steadytrain.integrations.core import (
     restart_count,
     restart_smaller,
 )
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, write_atomic
 from steadytrain.safety import watchdog as watchdog_module
 from steadytrain.safety.memory_watch import MemoryWatch
 from steadytrain.safety.signals import stop_exit
@@ -373,9 +374,11 @@ class RunGuard:
 
 
 def _budget_spec(value: str | float) -> int | float:
-    if value == "auto":
-        return DEFAULT_BUDGET_FRACTION
-    return parse_bytes(value) if isinstance(value, str) else value
+    """`memory_budget` in the one grammar every setting of it uses (`12GiB`, `0.8`, `auto`)."""
+    try:
+        return budget_spec(value)
+    except ValueError as exc:
+        raise BadInputError(f"memory_budget: {exc}") from None
 
 
 def _saved_model_config(path: Path) -> bool:

@@ -41,8 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, sync_dir, write_atomic
 from steadytrain.checkpoint.manifest import (
     newest_verified,
     read_library_manifest,
@@ -61,6 +59,8 @@ from steadytrain.integrations.core import (
 )
 from steadytrain.integrations.guard import RunGuard, library_frame
 from steadytrain.integrations.keras_state import plain, rng_state, set_rng_state, unplain
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, sync_dir, write_atomic
 from steadytrain.safety.signals import stop_exit
 
 try:

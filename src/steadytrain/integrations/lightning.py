@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from steadytrain import run_files
 from steadytrain.checkpoint.manifest import (
     newest_verified,
     read_library_manifest,
@@ -34,6 +33,7 @@ from steadytrain.checkpoint.manifest import (
 from steadytrain.device import get_rng_state, is_oom, set_rng_state
 from steadytrain.integrations.core import Options, capped_micro, restart_smaller
 from steadytrain.integrations.guard import RunGuard, library_frame, module_sizes
+from steadytrain.run import files as run_files
 from steadytrain.safety.signals import stop_exit
 
 try:

@@ -18,11 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from steadytrain import run_savers
 from steadytrain.memory.compiled import family_share
 from steadytrain.memory.estimate import Estimate, estimate
 from steadytrain.memory.settings import Settings
-from steadytrain.run_savers import DISCRETE_MEMORY
+from steadytrain.run import savers as run_savers
+from steadytrain.run.savers import DISCRETE_MEMORY
 
 CONFIG, FLAGS = "config", "flags"
 """The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""

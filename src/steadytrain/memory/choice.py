@@ -8,11 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from steadytrain import run_savers
 from steadytrain.errors import BadInputError
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.probe import Fit
 from steadytrain.memory.settings import SIZE_POLICIES
+from steadytrain.run import savers as run_savers
 
 SAVER_GAIN = 1.05
 """A memory saver (checkpointing, offload, chunked loss) must be predicted this much faster than

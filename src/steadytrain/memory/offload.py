@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from steadytrain import run_env
+from steadytrain.run import env as run_env
 
 if TYPE_CHECKING:
     from steadytrain.memory.choice import Mode

@@ -2,7 +2,7 @@
 in the backward instead of keeping them; on a GPU with memory of its own it may also keep the
 layers' inputs in host memory, `memory.offload`) and the chunked loss (the loss is computed a few
 thousand tokens at a time, so the logits of a large vocabulary never exist all at once). They
-are registered in `steadytrain.run_savers` (names, the ladder's order, needs, config keys, flags,
+are registered in `steadytrain.run.savers` (names, the ladder's order, needs, config keys, flags,
 docs); each entry there names its `Rung` here, and the ladder (`next_rung`, `in_force`, `left`)
 climbs the registry's order.
 
@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from steadytrain import run_savers
 from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.offload import OFFLOAD, use_offload
-from steadytrain.run_savers import Saver
+from steadytrain.run import savers as run_savers
+from steadytrain.run.savers import Saver
 
 
 def checkpointing_switch(model: Any, on: bool) -> Callable[[], None] | None:

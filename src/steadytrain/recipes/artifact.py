@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from steadytrain import run_files
 from steadytrain.device import Device
 from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
+from steadytrain.run import files as run_files
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from steadytrain import run_files
 from steadytrain.checkpoint.export import checkpoint_folder, is_checkpoint_folder, load_trained
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.finetune import TRAINING_CONFIG, export_adapter
 from steadytrain.recipes.finetune_config import FinetuneConfig
+from steadytrain.run import files as run_files
 
 ADAPTERS = run_files.ADAPTERS
 

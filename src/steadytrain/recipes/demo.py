@@ -38,11 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, write_atomic
 from steadytrain.errors import BadInputError, DemoFailed
 from steadytrain.recipes.options import DemoOptions
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, write_atomic
+from steadytrain.run.records import Record
 
 STEPS = 7
 SEQ = 128

@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, refuse_link, replace_dir, sync_tree, write_atomic
 from steadytrain.config import TrainConfig, offload_problem
 from steadytrain.device import Device, resolve_device
 from steadytrain.engine import resolve_precision
@@ -57,6 +55,8 @@ from steadytrain.recipes.model import (
 )
 from steadytrain.recipes.options import FinetuneOptions, argparse_options
 from steadytrain.recipes.training_log import training_log
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, refuse_link, replace_dir, sync_tree, write_atomic
 from steadytrain.trainer import FitResult, Trainer
 
 FINAL = run_files.FINAL

@@ -33,14 +33,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from steadytrain.config import EARLIER_NAMES, TrainConfig
-from steadytrain.config_explain import (
+from steadytrain.config.explain import (
     MEMORY_NAMES,
     accepts,
     flat_types,
     show_value,
     suggestion,
 )
-from steadytrain.config_files import load_config_file, parse_overrides, strip_json_comments
+from steadytrain.config.files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
 Optim = Literal[

@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from steadytrain import run_savers
 from steadytrain._units import format_bytes
 from steadytrain.errors import SteadytrainError
 from steadytrain.memory.advice import CONFIG, advise, lines
@@ -19,7 +18,8 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
 from steadytrain.memory.settings import DEVICE_TYPES, Settings, from_options
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
-from steadytrain.records import Record
+from steadytrain.run import savers as run_savers
+from steadytrain.run.records import Record
 
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash"}
 PLAN_CHECKPOINTING = {True: "on", False: "off", "auto": "auto", "offload": "offload"}
@@ -222,7 +222,7 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     import json
     from pathlib import Path
 
-    from steadytrain import run_files
+    from steadytrain.run import files as run_files
     from steadytrain.telemetry.files import read_jsonl
 
     folder = Path(run_dir)

@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.finetune_config import FinetuneConfig
+from steadytrain.run import files as run_files
 
 BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from steadytrain.config_files import read_user_text
+from steadytrain.config.files import read_user_text
 from steadytrain.device import seed_everything
 from steadytrain.errors import BadInputError
 from steadytrain.recipes.artifact import Loaded, dtype_name, open_model

@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder, replace_dir, sync_tree
 from steadytrain.errors import BadInputError, RunDiskFullError, free_space
 from steadytrain.recipes.artifact import (
     disk_full_in_save,
@@ -35,6 +33,8 @@ from steadytrain.recipes.artifact import (
     saved_dtype,
 )
 from steadytrain.recipes.options import MergeOptions
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder, replace_dir, sync_tree
 
 
 @dataclass(frozen=True)

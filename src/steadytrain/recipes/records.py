@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from steadytrain.config_files import read_user_text, unreadable_problem
+from steadytrain.config.files import read_user_text, unreadable_problem
 from steadytrain.errors import BadInputError
 
 MAX_PROBLEMS = 10

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from steadytrain import run_files
-from steadytrain._durable import open_in_run
 from steadytrain.errors import RunDiskFullError, SteadytrainError, is_disk_full
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import open_in_run
 
 TRAINING_LOG = run_files.TRAINING_LOG
 

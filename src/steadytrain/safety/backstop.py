@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn, TextIO
 
-from steadytrain._durable import open_in_run
 from steadytrain.errors import RESTARTABLE_EXIT
-from steadytrain.run_hangs import wait_for_aside
+from steadytrain.run.durable import open_in_run
+from steadytrain.run.hangs import wait_for_aside
 from steadytrain.safety.hang_limits import small_stacks
 
 HANG_EXIT = RESTARTABLE_EXIT

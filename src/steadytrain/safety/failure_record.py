@@ -12,12 +12,12 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-from steadytrain import run_files
-from steadytrain._durable import open_in_run, write_all
 from steadytrain.device import is_oom
 from steadytrain.errors import UserCodeError, user_code_error
-from steadytrain.records import Record
-from steadytrain.run_events import append_event
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import open_in_run, write_all
+from steadytrain.run.events import append_event
+from steadytrain.run.records import Record
 
 
 def record_failure(run_dir: Path, exc: BaseException) -> UserCodeError | None:

@@ -2,7 +2,7 @@
 ``RUN_DIR/hangs/`` (a new ``<time>.txt`` each, made by the run's one writer, never through a
 link), the GIL backstop's stack dumps (``hangs/backstop-<pid>.txt``) turned into reports, and
 ``RUN_DIR/heartbeat``. Reading the heartbeat, making a new report file and turning backstop dumps
-into reports are in `steadytrain.run_hangs`, which the supervisor uses too (named here as well).
+into reports are in `steadytrain.run.hangs`, which the supervisor uses too (named here as well).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import write_atomic
 from steadytrain.errors import BadInputError, SteadytrainError
-from steadytrain.run_hangs import new_hang_file
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import write_atomic
+from steadytrain.run.hangs import new_hang_file
 from steadytrain.safety.backstop import DUMP_SIGNAL
 from steadytrain.safety.hang_limits import heartbeat_every, margin_s, report_budget_s
 

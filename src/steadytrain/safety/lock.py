@@ -17,9 +17,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from steadytrain import run_files
-from steadytrain._durable import NOFOLLOW, make_folder
 from steadytrain.errors import BadInputError, RunDiskFullError, is_disk_full
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import NOFOLLOW, make_folder
 
 try:
     import fcntl

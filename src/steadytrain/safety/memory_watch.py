@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 from steadytrain.safety.leaks import (
     LEAK_CAUSES,
     Leak,

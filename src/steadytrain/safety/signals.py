@@ -27,7 +27,7 @@ from steadytrain._terminal import detach_gone, say
 from steadytrain.engine.workers import defer_worker_deaths
 from steadytrain.errors import SIGNAL_EXITS, Stopped
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 EXIT_CODES = {
     getattr(signal, name): code for name, code in SIGNAL_EXITS.items() if hasattr(signal, name)

@@ -18,12 +18,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_env, run_files
-from steadytrain._durable import make_folder
 from steadytrain.errors import SteadytrainError
-from steadytrain.records import Record
-from steadytrain.run_files import ENV_START_WATCH  # set by `steadytrain run` for its child
-from steadytrain.run_hangs import adopt_backstop_dumps, new_hang_file, read_heartbeat
+from steadytrain.run import env as run_env
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder
+from steadytrain.run.files import ENV_START_WATCH  # set by `steadytrain run` for its child
+from steadytrain.run.hangs import adopt_backstop_dumps, new_hang_file, read_heartbeat
+from steadytrain.run.records import Record
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
 from steadytrain.safety.hang_files import stacks_in, write_heartbeat
 from steadytrain.safety.hang_limits import MAX_POLL_S, margin_s, report_budget_s, small_stacks
@@ -145,7 +146,7 @@ class StartWatch:
 
 def _record_event(run_dir: Path) -> Callable[[str, dict], None]:
     def record(name: str, info: dict) -> None:
-        from steadytrain.run_events import append_event
+        from steadytrain.run.events import append_event
 
         append_event(run_dir, {"time": time.time(), "event": name, **info})
 

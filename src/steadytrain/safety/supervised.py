@@ -2,8 +2,8 @@
 environment (the micro-batch cap after a memory kill, how many memory savers to turn on) and
 what it tells the supervisor (its run directory, through ENV_ANNOUNCE_FD; the savers in force, as
 a `memory_savers` event). The supervisor's side reads these back (`steadytrain.supervisor`); the
-names both use are in `steadytrain.run_env` (which reads every variable) and
-`steadytrain.run_events`."""
+names both use are in `steadytrain.run.env` (which reads every variable) and
+`steadytrain.run.events`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from steadytrain import run_env, run_files
-from steadytrain.records import Record
+from steadytrain.run import env as run_env
+from steadytrain.run import files as run_files
+from steadytrain.run.records import Record
 
 
 def micro_cap_from_supervisor(environ: Mapping[str, str] = os.environ) -> int | None:

@@ -53,11 +53,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import make_folder
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
-from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import make_folder
+from steadytrain.run.hangs import adopt_backstop_dumps, read_heartbeat
+from steadytrain.run.records import Record
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
 from steadytrain.safety.hang_files import stacks_in, write_heartbeat, write_report
 from steadytrain.safety.hang_limits import (

@@ -17,7 +17,7 @@ trainer. Its modules, by concern:
 
 The child's side (what the trainer writes for the supervisor, and reads from it) is in
 `steadytrain.safety.supervised` and `steadytrain.safety.failure_record`; the names both sides
-agree on are in `steadytrain.run_files` and `steadytrain.run_events`, below both.
+agree on are in `steadytrain.run.files` and `steadytrain.run.events`, below both.
 
 This package's names are its public face; other layers import nothing else of it (a forbidden
 contract in pyproject.toml): `checkpoint_step(run_dir)` is the progress the supervisor counts

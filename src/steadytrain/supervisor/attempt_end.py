@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files, run_jsonl
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run import jsonl as run_jsonl
+from steadytrain.run.records import Record
 from steadytrain.supervisor.progress import Since, attempt_records
 
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long

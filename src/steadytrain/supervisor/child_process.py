@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from steadytrain.errors import BadInputError
-from steadytrain.run_files import (
+from steadytrain.run.files import (
     ENV_ANNOUNCE_FD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain.records import Record
-from steadytrain.run_hangs import adopt_backstop_dumps, read_heartbeat
+from steadytrain.run.hangs import adopt_backstop_dumps, read_heartbeat
+from steadytrain.run.records import Record
 from steadytrain.supervisor.child_exit import HANG
 from steadytrain.supervisor.options import SupervisorOptions
 from steadytrain.supervisor.progress import progress_step

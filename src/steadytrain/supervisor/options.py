@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from steadytrain import run_env
 from steadytrain.errors import BadInputError
+from steadytrain.run import env as run_env
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files, run_jsonl
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run import jsonl as run_jsonl
+from steadytrain.run.records import Record
 
 METRICS_TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few metrics lines, however long the run
 _STEP_NAME = re.compile(r"step-(\d+)")

@@ -52,12 +52,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-from steadytrain import run_env
 from steadytrain._terminal import say
 from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
-from steadytrain.records import Record
-from steadytrain.run_events import append_event
-from steadytrain.run_files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
+from steadytrain.run import env as run_env
+from steadytrain.run.events import append_event
+from steadytrain.run.files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
+from steadytrain.run.records import Record
 from steadytrain.supervisor.attempt_end import (
     ended_run,
     failed_rank,

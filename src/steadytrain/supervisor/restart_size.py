@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
 from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.records import Record
 from steadytrain.supervisor.child_exit import SHRINK, ChildExit
 from steadytrain.supervisor.progress import Since, last_micro_batch_size, savers_record
 

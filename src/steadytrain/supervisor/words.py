@@ -1,5 +1,5 @@
 """The supervisor's console words: how a child's end is named in the restart line, counts and
-seconds as the lines print them, the memory savers' names (`steadytrain.run_savers`'), and the
+seconds as the lines print them, the memory savers' names (`steadytrain.run.savers`'), and the
 advice of its last word when a run does not fit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from steadytrain.run_savers import saver_words
+from steadytrain.run.savers import saver_words
 from steadytrain.supervisor.child_exit import HANG, ChildExit
 
 GENERAL_ADVICE = (
@@ -18,7 +18,7 @@ GENERAL_ADVICE = (
 
 
 def saver_name(name: str) -> str:
-    """A memory saver as the registry (`steadytrain.run_savers`) words it."""
+    """A memory saver as the registry (`steadytrain.run.savers`) words it."""
     return saver_words(name)
 
 

@@ -22,8 +22,8 @@ from rich.text import Text
 from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState
-from steadytrain.records import Record
-from steadytrain.run_hangs import print_aside
+from steadytrain.run.hangs import print_aside
+from steadytrain.run.records import Record
 
 BAR_REFRESH_PER_SECOND = 4
 LOSS_SMOOTHING = 0.9  # EMA weight of the past: about the last ten steps' losses

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from steadytrain.device.cpu_load import CpuLoad, CpuMeter
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 
 SLOW = 1.5  # a step this many times the typical step time is a slow one
 WARMUP = 5  # the first steps (allocation, planning, caches) are no baseline

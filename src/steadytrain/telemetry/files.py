@@ -4,7 +4,7 @@ After a crash and resume, the steps between the last checkpoint and the crash ap
 metrics.jsonl (first run, then the resumed one); readers keep the last line of each step.
 
 How a line is written and read (one write per line, a torn last line ended by the next writer,
-torn lines skipped by readers) is `steadytrain.run_jsonl`'s, which the supervisor uses too;
+torn lines skipped by readers) is `steadytrain.run.jsonl`'s, which the supervisor uses too;
 `JsonlFile` and `read_jsonl` are its names here.
 """
 
@@ -14,12 +14,12 @@ import os
 import time
 from pathlib import Path
 
-from steadytrain import run_files
 from steadytrain.errors import RunDiskFullError
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.records import Record
-from steadytrain.run_jsonl import JsonlFile
-from steadytrain.run_jsonl import read as read_jsonl
+from steadytrain.run import files as run_files
+from steadytrain.run.jsonl import JsonlFile
+from steadytrain.run.jsonl import read as read_jsonl
+from steadytrain.run.records import Record
 
 __all__ = ["JsonlFile", "RunFiles", "read_jsonl"]
 

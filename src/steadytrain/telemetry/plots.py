@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from steadytrain.errors import BadInputError
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 from steadytrain.telemetry.run_reading import GIB, Run, as_number, is_int, memory_counters
 
 INSTALL_HINT = "pip install 'steadytrain[report]'"

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import write_atomic
 from steadytrain._units import format_bytes
 from steadytrain.errors import BadInputError, RunDiskFullError, free_space, is_disk_full
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import write_atomic
 from steadytrain.telemetry.plots import (
     BUDGET_COLOR,
     EVENT_STYLES,

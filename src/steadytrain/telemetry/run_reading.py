@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files, run_jsonl
 from steadytrain.errors import BadInputError
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run import jsonl as run_jsonl
+from steadytrain.run.records import Record
 
 GIB = 2**30
 

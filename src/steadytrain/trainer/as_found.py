@@ -6,7 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from steadytrain import run_files
+from steadytrain.run import files as run_files
 from steadytrain.safety.lock import RunLock
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from steadytrain import run_files
 from steadytrain.checkpoint.host import HostBuffers
 from steadytrain.checkpoint.identity import run_identity
 from steadytrain.checkpoint.ranks import Ranks, RankStore, RngState
@@ -38,7 +37,8 @@ from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
 from steadytrain.config import TrainConfig
 from steadytrain.engine.sampler import SeededFetch
 from steadytrain.events import TrainState
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.records import Record
 from steadytrain.safety.supervised import micro_cap_from_supervisor
 from steadytrain.safety.watchdog import allowance, startup_phase
 from steadytrain.trainer.data import order_identity

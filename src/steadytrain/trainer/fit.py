@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from steadytrain import run_files
 from steadytrain.checkpoint.continuity import ContinuityCheck
 from steadytrain.checkpoint.run_state import Resumed
 from steadytrain.checkpoint.state import stateful_callbacks
@@ -37,7 +36,8 @@ from steadytrain.errors import (
     UserCodeError,
 )
 from steadytrain.events import Callback
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.records import Record
 from steadytrain.safety.failure_record import keep_traceback, record_exit, record_failure
 from steadytrain.safety.lock import RunLock
 from steadytrain.safety.supervised import announce_run_dir, savers_from_supervisor

@@ -15,7 +15,7 @@ from steadytrain.config import TrainConfig
 from steadytrain.device import Device
 from steadytrain.engine import OptimizerBatchSampler
 from steadytrain.events import TrainState
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 from steadytrain.trainer.data import DataSource
 
 if TYPE_CHECKING:  # the parts are built with this module's warning

@@ -19,7 +19,7 @@ from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms
-from steadytrain.records import Record
+from steadytrain.run.records import Record
 from steadytrain.trainer.data import DataSource, batch_at
 from steadytrain.trainer.parts import RunParts
 from steadytrain.user_state import select

@@ -5,6 +5,12 @@ and a test keeps the two equal.
 Validation reports every problem at once, one plain line each: the field, what is allowed, what
 was found. Rules between fields are checked even when other fields are wrong, as long as the
 fields a rule reads are valid themselves.
+
+This module is the package's face; beside it:
+
+files.py     reading what a user wrote: text files, JSON with comments, YAML, --set overrides
+explain.py   config problems in words: one line each, the closest valid name, a field's rule
+__main__.py  `python -m steadytrain.config`: docs/config.md from the fields
 """
 
 from __future__ import annotations
@@ -30,9 +36,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steadytrain._durable import write_atomic
 from steadytrain._units import DEFAULT_BUDGET_FRACTION, budget_spec, parse_memory_budget
-from steadytrain.config_explain import (
+from steadytrain.config.explain import (
     RULES,
     TRAINER_NAMES,
     accepts,
@@ -43,8 +48,9 @@ from steadytrain.config_explain import (
     show_value,
     type_name,
 )
-from steadytrain.config_files import load_mapping, parse_overrides, read_config_text, read_user_text
+from steadytrain.config.files import load_mapping, parse_overrides, read_config_text, read_user_text
 from steadytrain.errors import ConfigError
+from steadytrain.run.durable import write_atomic
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _TORCH_PRECISIONS = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
@@ -625,7 +631,3 @@ __all__ = [
     "read_user_text",
     "reference_markdown",
 ]
-
-
-if __name__ == "__main__":
-    print(reference_markdown(), end="")

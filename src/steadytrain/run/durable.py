@@ -15,7 +15,6 @@ import stat
 import sys
 from pathlib import Path
 
-from steadytrain import run_env
 from steadytrain.errors import (
     NOT_WRITABLE_ERRNOS,
     BadInputError,
@@ -23,6 +22,7 @@ from steadytrain.errors import (
     RunNotWritableError,
     is_disk_full,
 )
+from steadytrain.run import env as run_env
 
 
 def sync(fd: int) -> None:

@@ -22,7 +22,7 @@ environment variables' names (`run_env`).
       adapters/step-N/       ADAPTERS        a fine-tune checkpoint exported as a peft adapter
       training.log           TRAINING_LOG    a fine-tune's console output
 
-Every file a run writes goes through `steadytrain._durable`'s one writer (`open_in_run`,
+Every file a run writes goes through `steadytrain.run.durable`'s one writer (`open_in_run`,
 `write_atomic`, `make_folder`), which never follows a symbolic link planted at the file or at a
 folder on the way: the run stops with exit 2 naming the link. `WRITTEN` lists those paths;
 tests/test_planted_links.py plants a link at each, and checks that a real run writes nothing
@@ -36,7 +36,7 @@ import os
 from pathlib import Path
 
 # The variables the supervisor sets in its child's environment: named, and read, in run_env.
-from steadytrain.run_env import (
+from steadytrain.run.env import (
     ENV_ANNOUNCE_FD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,

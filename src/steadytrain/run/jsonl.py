@@ -1,7 +1,7 @@
 """The run directory's JSON-lines files (metrics.jsonl, events.jsonl): how a line is written and
 how lines are read back, for every writer (the trainer's `RunFiles`, the supervisor, the
 watchdog, the failure record) and every reader (the report, the supervisor's progress and
-micro-batch readers). Standard library and `steadytrain._durable` only: the supervisor imports
+micro-batch readers). Standard library and `steadytrain.run.durable` only: the supervisor imports
 it, and nothing of torch.
 
 Writing. A record is one line, ``json.dumps(record, default=str)`` and a newline, written by one
@@ -31,7 +31,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from steadytrain._durable import open_in_run, write_all
+from steadytrain.run.durable import open_in_run, write_all
 
 TAIL_BYTES = 64 * 1024  # enough for the last few lines, however long the run
 

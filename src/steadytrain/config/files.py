@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from steadytrain.config_explain import type_name
+from steadytrain.config.explain import type_name
 from steadytrain.errors import BadInputError
 
 

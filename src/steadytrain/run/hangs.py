@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from steadytrain import run_files
-from steadytrain._durable import NOFOLLOW, open_in_run, refuse_link
 from steadytrain.errors import RunDiskFullError
-from steadytrain.records import Record
+from steadytrain.run import files as run_files
+from steadytrain.run.durable import NOFOLLOW, open_in_run, refuse_link
+from steadytrain.run.records import Record
 
 
 def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:

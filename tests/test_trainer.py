@@ -111,6 +111,15 @@ def test_run_dir_holds_resolved_config_metrics_and_events(tmp_path):
     assert not (run / "hangs").exists()  # no hang: no empty hangs/ folder left behind
 
 
+def test_the_trainer_gives_its_model_back_trained(tmp_path):
+    model, data = regression()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model, sgd, mse, data, config(tmp_path))
+    trainer.fit()
+    assert trainer.model is model
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_loss_falls(tmp_path):
     model, data = regression(256)
     Trainer(

@@ -114,6 +114,12 @@ class Trainer:
         to be this run's (loaded), before the run writes anything else: a caller's own files
         (the fine-tune's training_config.json and training.log) are written only then."""
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained: after `fit()` it holds the trained weights (on the run's
+        device; sharded under `distributed: fsdp`)."""
+        return self.program.model
+
     def fit(self) -> FitResult:
         """Train to the end (or a stop request) and return what happened.
 

@@ -90,7 +90,12 @@ def test_killed_while_loading_every_time_turns_on_each_saver_then_exits_3(tmp_pa
     ]
     end = events[-1]
     assert (end["event"], end["exit_code"]) == ("supervisor_end", 3)
-    assert end["tried"][0] == "while starting (loading the model)"
+    assert end["tried"] == [
+        "as configured (attempt 1)",
+        "activation checkpointing (attempt 2)",
+        "activation checkpointing with its inputs offloaded to host memory (attempt 3)",
+        "the chunked loss (attempt 4)",
+    ]
     assert "killed while it started, before it wrote any record (loading the model)" in err
     assert "the next attempt turns on activation checkpointing (STEADYTRAIN_MEMORY_SAVERS=1)" in err
     assert "gave up" not in err and "see " + str(run_dir / "events.jsonl") not in err

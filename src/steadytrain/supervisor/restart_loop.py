@@ -468,15 +468,15 @@ class Supervisor:
         asked for, and no attempt ever recorded a step: the model does not fit this machine's
         memory as it is loaded. Stop with exit 3, saying what the run directory tells of its
         size and what would make it load."""
-        in_force = ", ".join(saver_name(s) for s in savers["in_force"]) or "none"
+        asked = ", ".join(saver_name(s) for s in savers["in_force"]) or "none"
         folder = folder_of(self.options.run_dir, death)
         attempts = self.restarts + 1
-        tried = ["while starting (loading the model)", *self._escalations]
+        tried = ["as configured (attempt 1)", *self._escalations]
         reason = (
             f"the run was killed by the OS while starting (loading the model), most likely for "
             f"memory: {attempts} attempt{'' if attempts == 1 else 's'} killed before the first "
-            f"step, the last with every memory saver asked for (in force: {in_force}); it does "
-            "not fit this machine's memory as it loads"
+            f"step, the last with every memory saver asked for ({asked}); it does not fit this "
+            "machine's memory as it loads"
         )
         known = what_is_known(folder, physical_memory())
         resume = f"step {step}" if step is not None else "the start"

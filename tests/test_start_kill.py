@@ -177,3 +177,16 @@ def test_kills_with_progress_are_not_start_kills(job):
     code, out = supervise(job, *plan, "exit:0", oom_kill_count=lambda: 0, max_restarts=1)
     assert code == 0, out
     assert [e["memory_savers"] for e in job.events("restart")] == [None] * 4
+
+
+def test_without_a_run_directory_the_give_up_line_says_a_kill_while_loading_is_likely_memory(job):
+    """No --run-dir, and a child killed before it could announce its own: the supervisor cannot
+    tell when the kill came (identical restarts, exit 4), but its last line says what a SIGKILL
+    before `fit()` most likely is and what would help."""
+    code, out = supervise(job, "kill:SIGKILL", run_dir=False, max_restarts=1)
+    assert code == 4, out
+    last = out.strip().splitlines()[-1]
+    assert "gave up after 1 restart without a new checkpoint" in last
+    assert "killed by SIGKILL before it announced a run directory (before fit() began)" in last
+    assert "most likely the OS killed it for memory" in last
+    assert "load the weights in 16 bits" in last

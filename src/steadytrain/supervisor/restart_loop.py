@@ -86,6 +86,7 @@ from steadytrain.supervisor.restart_size import (
 )
 from steadytrain.supervisor.start_kill import recorded_a_step, what_is_known, wrote_nothing
 from steadytrain.supervisor.words import (
+    START_ADVICE,
     fit_advice,
     restarts,
     saver_name,
@@ -507,6 +508,14 @@ class Supervisor:
             if run_dir
             else " (no run dir, so progress could not be seen: pass --run-dir)"
         )
+        if run_dir is None and death.killed_by == signal.SIGKILL:
+            # a Trainer announces its run directory as fit() starts: this one never got there
+            where += (
+                ". The child was killed by SIGKILL before it announced a run directory (before "
+                "fit() began): if it was loading a model, most likely the OS killed it for "
+                "memory; with --run-dir the restarts turn on memory savers. What would help: "
+                + START_ADVICE
+            )
         self._say(reason + where)
         self._record(
             Record.SUPERVISOR_GAVE_UP,

@@ -12,6 +12,8 @@ trainer. Its modules, by concern:
                      error the trainer recorded, which rank of a torchrun group failed first
     progress         the newest checkpoint's step, the last micro-batch, the savers recorded
     restart_size     how big the next attempt starts after a memory kill
+    start_kill       a kill before the first step (while the model loads): how it is told,
+                     the savers' ladder it climbs, what the run directory says of its size
     oom_counter      the OS out-of-memory killer's counter
     words            the console lines' phrasing
 

@@ -53,6 +53,12 @@ class ChildExit:
     launcher_code: int | None = None
     hang_by: str | None = None
     """Who caught a hang when it was not the child's own watchdog (the supervisor killed it)."""
+    before_first_step: bool = False
+    """Killed by SIGKILL before the run recorded any step, with no new checkpoint: taken for a
+    memory kill whatever the counter says (`start_kill`: no reading can tell)."""
+    while_starting: bool = False
+    """Before the first step, and before the attempt wrote any record: it died before `fit()`
+    began (loading the model)."""
 
     @classmethod
     def of(
@@ -120,6 +126,8 @@ class ChildExit:
             return True
         if self.killed_by != signal.SIGKILL:
             return False
+        if self.before_first_step:
+            return True
         return self.oom_kill_delta is None or (self.memory is not None and self.memory.high)
 
     @property
@@ -174,23 +182,42 @@ class ChildExit:
         else:
             head = f"child killed by {sig.name} (exit {self.returncode})"
         why = {
-            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta, self.memory),
+            signal.SIGKILL: _sigkill_cause(self.oom_kill_delta, self.memory, self._start()),
             signal.SIGABRT: "on a Mac often a Metal assertion",
             signal.SIGSEGV: "a crash in native code",
             signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
         }.get(sig)
         return f"{head}: {why}" if why else head
 
+    def _start(self) -> str | None:
+        """When the kill came, if before the run's first step: in words; else None."""
+        if self.while_starting:
+            return "while it started, before it wrote any record (loading the model)"
+        if self.before_first_step:
+            return "before the run recorded its first step"
+        return None
 
-def _sigkill_cause(oom_kill_delta: int | None, memory: MemoryAtKill | None) -> str:
+
+def _sigkill_cause(
+    oom_kill_delta: int | None, memory: MemoryAtKill | None, start: str | None = None
+) -> str:
+    when = f"; killed {start}" if start else ""
     if oom_kill_delta is None:  # no counter (macOS, no cgroup): the usual sender is the OS
-        return "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
+        return (
+            "most likely the OS out-of-memory killer (Linux) or macOS memory pressure (jetsam)"
+            + when
+        )
     if oom_kill_delta > 0:
-        return "the OS out-of-memory killer"
+        return "the OS out-of-memory killer" + when
     text = (
         "not the kernel's out-of-memory killer (its cgroup oom_kill count is unchanged), so a "
         "user-space memory killer (systemd-oomd, earlyoom) or a kill -9"
     )
+    if start:
+        return (
+            f"{text}{when}, with no memory reading to tell which: taken for a memory kill (a "
+            "model too large for this machine is killed while it loads)"
+        )
     if memory is None:
         return text + "; no memory reading in metrics.jsonl to tell which: no smaller micro-batch"
     if memory.high:

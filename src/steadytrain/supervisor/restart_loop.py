@@ -28,7 +28,13 @@ must outlive whatever kills the trainer. One pass of its loop::
                                  restart fails the same way; a memory kill (SIGKILL) at
                                  micro-batch 1: the next memory saver the attempt's
                                  "memory_savers" record says is left, or exit 3 when none
-                                 is; else read the checkpoint step
+                                 is; a SIGKILL before the run recorded any step
+                                 (start_kill: no metrics line, no new checkpoint) is
+                                 taken for a memory kill; one before the attempt wrote any
+                                 record (loading the model) for one at the smallest size:
+                                 the next saver of the ladder, and exit 3 "killed by the
+                                 OS while starting" when none is left; else read the
+                                 checkpoint step
                                  again; a newer one is progress and resets the count and the
                                  backoff; after more than max_restarts failures in a row
                                  without progress, exit 4;
@@ -63,6 +69,7 @@ from steadytrain.supervisor.attempt_end import (
     failed_rank,
     last_error,
     memory_at_kill,
+    physical_memory,
     rank_ends,
     same_failure,
 )
@@ -77,7 +84,16 @@ from steadytrain.supervisor.restart_size import (
     smaller_micro_batch,
     smallest_micro_batch,
 )
-from steadytrain.supervisor.words import fit_advice, restarts, saver_name, seconds, short
+from steadytrain.supervisor.start_kill import recorded_a_step, what_is_known, wrote_nothing
+from steadytrain.supervisor.words import (
+    START_ADVICE,
+    fit_advice,
+    restarts,
+    saver_name,
+    seconds,
+    short,
+    start_advice,
+)
 
 GAVE_UP = 4
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -148,6 +164,8 @@ class Supervisor:
             started = AttemptStart.now(self.options.run_dir)  # a place, not a clock's time
             returncode, death, ran_s = self._attempt(max_micro, savers_asked, started)
             step = progress_step(self.options.run_dir)
+            progressed = step is not None and (step_before is None or step > step_before)
+            death = self._before_first_step(death, started, progressed)
             ended = ended_run(self.options.run_dir, started) if returncode == 0 else None
             if ended is not None and ended["exit_code"] not in STOPPED:
                 returncode, death = self._caught(ended, death)  # judged by its run's end
@@ -158,8 +176,7 @@ class Supervisor:
                 return final
             error_before = error
 
-            progressed = step is not None and (step_before is None or step > step_before)
-            savers = saver_left(self.options.run_dir, death, max_micro, started)
+            savers = saver_left(self.options.run_dir, death, max_micro, started, savers_asked)
             if savers is not None and not savers["left"]:
                 return self._no_saver_left(death, step, savers, max_micro)
             smaller = self._smaller_start(death, max_micro)
@@ -171,10 +188,10 @@ class Supervisor:
                 delay = self.options.backoff_initial
             if no_progress > self.options.max_restarts:
                 return self._give_up(death, step)
-            if death.memory_kill_suspected:
+            if death.memory_kill_suspected and not death.while_starting:
                 max_micro = smaller_micro_batch(self.options.run_dir, max_micro, death)
             if savers is not None:
-                savers_asked = self._escalate(savers, step)
+                savers_asked = self._escalate(savers, step, death)
             self.child.kill_leftovers()
 
             self.restarts += 1
@@ -210,12 +227,31 @@ class Supervisor:
             watch.caught = None
         return returncode, death, ran_s
 
+    def _before_first_step(
+        self, death: ChildExit, since: AttemptStart, progressed: bool
+    ) -> ChildExit:
+        """`death` marked when the OS killed the child (SIGKILL) before the run recorded any
+        step (no metrics line, no new checkpoint), and whether before the attempt wrote any
+        record at all (it was loading the model): such a kill is taken for a memory kill at
+        the smallest size (`start_kill`)."""
+        folder = folder_of(self.options.run_dir, death)
+        if (
+            death.killed_by != signal.SIGKILL
+            or folder is None
+            or progressed
+            or recorded_a_step(folder)
+        ):
+            return death
+        return dataclasses.replace(
+            death, before_first_step=True, while_starting=wrote_nothing(folder, since)
+        )
+
     def _smaller_start(self, death: ChildExit, cap: int | None) -> int | None:
         """The smaller micro-batch cap the next attempt gets after a memory kill or exit 76,
         when it is smaller than the micro-batch in force (the last metrics line's, no more than
         the cap); None when the next attempt would start as large as this one did."""
-        if not death.memory_kill_suspected:
-            return None
+        if not death.memory_kill_suspected or death.while_starting:
+            return None  # a kill while the model loads is at the smallest size already
         smaller = smaller_micro_batch(self.options.run_dir, cap, death)
         in_force = smallest_micro_batch(folder_of(self.options.run_dir, death), cap)
         if smaller is None or (in_force is not None and smaller >= in_force):
@@ -371,7 +407,7 @@ class Supervisor:
 
     # -- decisions and records --
 
-    def _escalate(self, savers: dict[str, Any], step: int | None) -> int:
+    def _escalate(self, savers: dict[str, Any], step: int | None, death: ChildExit) -> int:
         """Ask the next attempt for one more saver than this one had in force; record it."""
         saver = str(savers["left"][0])
         asked = len(savers["in_force"]) + 1
@@ -384,10 +420,13 @@ class Supervisor:
             left=savers["left"],
             memory_savers=asked,
         )
-        self._say(
-            "the OS killed the child for memory with no smaller micro-batch left: the next "
-            f"attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})"
+        why = (
+            "the OS killed the child while it started (loading the model), most likely for "
+            "memory: as after a kill at micro-batch 1, the next"
+            if death.while_starting
+            else "the OS killed the child for memory with no smaller micro-batch left: the next"
         )
+        self._say(f"{why} attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})")
         return asked
 
     def _no_saver_left(
@@ -396,6 +435,8 @@ class Supervisor:
         """Killed for memory at micro-batch 1 with every saver it can use in force: a restart
         is killed the same way, so stop with exit 3 and say what was tried and what would
         help."""
+        if death.while_starting:
+            return self._not_loaded(death, step, savers)
         in_force = ", ".join(saver_name(s) for s in savers["in_force"]) or "none it can use"
         folder = folder_of(self.options.run_dir, death)
         smallest = smallest_micro_batch(folder, cap)
@@ -423,6 +464,41 @@ class Supervisor:
         )
         return DOES_NOT_FIT_EXIT
 
+    def _not_loaded(self, death: ChildExit, step: int | None, savers: dict[str, Any]) -> int:
+        """Killed while starting (before any record: loading the model) with every saver
+        asked for, and no attempt ever recorded a step: the model does not fit this machine's
+        memory as it is loaded. Stop with exit 3, saying what the run directory tells of its
+        size and what would make it load."""
+        asked = ", ".join(saver_name(s) for s in savers["in_force"]) or "none"
+        folder = folder_of(self.options.run_dir, death)
+        attempts = self.restarts + 1
+        tried = ["as configured (attempt 1)", *self._escalations]
+        reason = (
+            f"the run was killed by the OS while starting (loading the model), most likely for "
+            f"memory: {attempts} attempt{'' if attempts == 1 else 's'} killed before the first "
+            f"step, the last with every memory saver asked for ({asked}); it does not fit this "
+            "machine's memory as it loads"
+        )
+        known = what_is_known(folder, physical_memory())
+        resume = f"step {step}" if step is not None else "the start"
+        self._say(
+            f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
+            f"{'; '.join(tried)}. "
+            + (f"Known: {'; '.join(known)}. " if known else "")
+            + f"What would help: {start_advice(self.options.advice, folder, savers['in_force'])}"
+            f". Run again to resume from {resume}"
+        )
+        self._record(
+            Record.SUPERVISOR_END,
+            step,
+            exit_code=DOES_NOT_FIT_EXIT,
+            restarts=self.restarts,
+            reason=reason,
+            tried=tried,
+            in_force=savers["in_force"],
+        )
+        return DOES_NOT_FIT_EXIT
+
     def _give_up(self, death: ChildExit, step: int | None) -> int:
         run_dir = self.options.run_dir
         n = self.options.max_restarts
@@ -432,6 +508,14 @@ class Supervisor:
             if run_dir
             else " (no run dir, so progress could not be seen: pass --run-dir)"
         )
+        if run_dir is None and death.killed_by == signal.SIGKILL:
+            # a Trainer announces its run directory as fit() starts: this one never got there
+            where += (
+                ". The child was killed by SIGKILL before it announced a run directory (before "
+                "fit() began): if it was loading a model, most likely the OS killed it for "
+                "memory; with --run-dir the restarts turn on memory savers. What would help: "
+                + START_ADVICE
+            )
         self._say(reason + where)
         self._record(
             Record.SUPERVISOR_GAVE_UP,

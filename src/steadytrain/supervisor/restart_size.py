@@ -1,6 +1,7 @@
 """How big the next attempt starts after a memory kill or exit 76: half the micro-batch in force
 (the out-of-memory policy's `HALVING`), or, at micro-batch 1, one more memory saver than the
-attempt had in force, as it recorded them at its start."""
+attempt had in force, as it recorded them at its start (an attempt killed while it started, before
+it recorded them: the ladder's next, `start_kill`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from steadytrain.run import files as run_files
 from steadytrain.run.records import Record
 from steadytrain.supervisor.child_exit import SHRINK, ChildExit
 from steadytrain.supervisor.progress import Since, last_micro_batch_size, savers_record
+from steadytrain.supervisor.start_kill import start_ladder
 
 
 def smaller_micro_batch(
@@ -30,19 +32,27 @@ def smaller_micro_batch(
 
 
 def saver_left(
-    run_dir: Path | None, death: ChildExit, cap: int | None, since: Since
+    run_dir: Path | None,
+    death: ChildExit,
+    cap: int | None,
+    since: Since,
+    asked: int | None = None,
 ) -> dict[str, Any] | None:
     """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
-    step, or no counter and no reading to tell) with no smaller
+    step, or no counter and no reading to tell, or before the run's first step) with no smaller
     micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
     force and those left, as it recorded them at its start (`safety.supervised.savers_from_supervisor`);
     None when there is no escalation to decide: another end, a shrink is left, or the
-    attempt recorded none (killed before its start-up ended, or not a Trainer's run)."""
+    attempt recorded none (not a Trainer's run). An attempt killed while it started (before it
+    wrote any record: loading the model) is at the smallest size whatever its cap, and its
+    savers are the ladder's first `asked` (`start_kill.start_ladder`)."""
     if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
         return None
+    folder = folder_of(run_dir, death)
+    if death.while_starting:
+        return savers_record(folder, since) or start_ladder(folder, asked)
     if not death.oom_kill_delta and death.memory is not None and not death.memory.high:
         return None  # no counter to tell, and memory was not high: maybe a plain kill -9
-    folder = folder_of(run_dir, death)
     if smallest_micro_batch(folder, cap) not in (None, 1):
         return None  # halving the micro-batch is the next step
     return savers_record(folder, since)

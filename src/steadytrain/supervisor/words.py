@@ -1,6 +1,6 @@
 """The supervisor's console words: how a child's end is named in the restart line, counts and
 seconds as the lines print them, the memory savers' names (`steadytrain.run.savers`'), and the
-advice of its last word when a run does not fit."""
+advice of its last word when a run does not fit (or does not even load)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ GENERAL_ADVICE = (
     "model or LoRA rank, closing other programs that hold memory, or a machine with more memory; "
     "`steadytrain estimate` gives the peak of each"
 )
+
+START_ADVICE = (
+    "close other programs that hold memory; load the weights in 16 bits (bf16 or fp16: "
+    "from_pretrained(..., torch_dtype=torch.bfloat16), a fine-tune's bf16: true): fp32 weights take 4 bytes a parameter, so a 3B model needs "
+    "12 GiB to load, 6 GiB in bf16; a 4-bit base on CUDA (a fine-tune's "
+    "quantization.load_in_4bit: true, 1.5 GiB for 3B); or a smaller model; `steadytrain "
+    "estimate` gives the peak of each"
+)
+"""What would let a model load that the OS killed while the run started: its weights are
+the first large allocation, before any saver can act."""
 
 
 def saver_name(name: str) -> str:
@@ -49,3 +59,11 @@ def fit_advice(advice: Callable | None, run_dir: Path | None, in_force: list[str
     except Exception:  # noqa: BLE001 - advice must never stop the supervisor's last word
         return GENERAL_ADVICE
     return "; ".join(found) if found else GENERAL_ADVICE
+
+
+def start_advice(advice: Callable | None, run_dir: Path | None, in_force: list[str]) -> str:
+    """What would make a run the OS killed while it started load: the fixes for the weights'
+    size, then `advice` on the run's own config where it can say more (a fine-tune's config,
+    written by an attempt that got that far)."""
+    found = fit_advice(advice, run_dir, in_force)
+    return START_ADVICE if found == GENERAL_ADVICE else f"{START_ADVICE}; for this config: {found}"

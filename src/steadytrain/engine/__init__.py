@@ -20,9 +20,16 @@ open_files.py         the open-files limit reached while training, said in the r
 one_sample.py         BatchNorm refusing a batch of one sample, said in the run's terms
 """
 
-from steadytrain.engine.loop import Loop
-from steadytrain.engine.precision import Precision, resolve_precision
-from steadytrain.engine.sampler import OptimizerBatchSampler
-from steadytrain.engine.step import StepRunner
+from steadytrain._lazy import lazy_names
 
-__all__ = ["Loop", "OptimizerBatchSampler", "Precision", "StepRunner", "resolve_precision"]
+# Loaded on first use: `engine.workers` (the stop path's DataLoader workers) is imported by the
+# safety callbacks that RunGuard gives programs without torch (Keras on TensorFlow).
+_WHERE = {
+    "Loop": "loop",
+    "OptimizerBatchSampler": "sampler",
+    "Precision": "precision",
+    "StepRunner": "step",
+    "resolve_precision": "precision",
+}
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
+__all__ = sorted(_WHERE)

@@ -180,7 +180,8 @@ class CheckpointStore:
             final = self.root / name
             replacing = False
             if os.path.lexists(final):
-                problems = self._problems(final) or self._mixed(final)
+                manifest, problems = self._verify(final)
+                problems = problems or self._mixed(final, manifest)
                 if not problems:
                     if payload.shards is not None:
                         payload.shards(None, None)  # the other ranks learn: nothing to write
@@ -454,7 +455,7 @@ class CheckpointStore:
         for files in (payload.objects, payload.json):
             for name, value in files.items():
                 files[name] = _take_tie(path / name, value, ties)
-        problems = _tie_problems(path, manifest, payload.tensors, ties)
+        problems = _tie_problems(path, manifest, ties)
         if problems:
             raise CheckpointError(_mixed_message(path, self.root, problems))
         return payload
@@ -464,10 +465,9 @@ class CheckpointStore:
     def _problems(self, folder: Path) -> list[str]:
         return self._verify(folder)[1]
 
-    def _mixed(self, folder: Path) -> list[str]:
+    def _mixed(self, folder: Path, manifest: dict[str, Any]) -> list[str]:
         """What ties a verified folder's files to other checkpoints ([]: nothing): read without
         loading the tensors (the pickles memory-mapped), for a save of a step already there."""
-        manifest, _ = self._verify(folder)
         ties: dict[str, Tie | None] = {}
         try:
             for name in manifest["files"]:
@@ -477,8 +477,7 @@ class CheckpointStore:
                 elif kind == "objects":
                     value = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
                     _take_tie(file, value, ties)
-            tensors = {n: {} for n in manifest["files"] if file_kind(n) == "tensors"}
-            return _tie_problems(folder, manifest, tensors, ties)
+            return _tie_problems(folder, manifest, ties)
         except CheckpointError as exc:
             return [str(exc)]
         except Exception as exc:  # noqa: BLE001 - unreadable: the new save replaces it
@@ -510,12 +509,12 @@ def _take_tie(file: Path, value: Any, ties: dict[str, Tie | None]) -> Any:
     return value
 
 
-def _tie_problems(
-    folder: Path, manifest: dict[str, Any], tensors: Mapping[str, Any], ties: dict[str, Tie | None]
-) -> list[str]:
-    """What ties the checkpoint in `folder` to others: each safetensors file's header tie (its
-    name in `tensors`) and the `ties` of the other files, against the manifest's."""
-    for name in tensors:
+def _tie_problems(folder: Path, manifest: dict[str, Any], ties: dict[str, Tie | None]) -> list[str]:
+    """What ties the checkpoint in `folder` to others: each safetensors file's header tie (read
+    here, the header only) and the `ties` of the other files, against the manifest's."""
+    for name in manifest["files"]:
+        if file_kind(name) != "tensors":
+            continue
         file = folder / name
         try:
             with safe_open(file, framework="pt") as handle:

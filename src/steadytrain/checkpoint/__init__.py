@@ -10,6 +10,8 @@ payload.py      what one checkpoint holds as files, checked before it is saved, 
 manifest.py     what a committed checkpoint folder is (MANIFEST.json), verified before it is read;
                 also a library's save (steadytrain-manifest.json); no torch
 file_io.py      every byte of a checkpoint file written, hashed, fsynced and read back
+tie.py          a checkpoint's files tied to each other (its step and id in each), so a file
+                copied in from another checkpoint is refused even where its hash was re-signed
 host.py         host copies of the tensors for a background write, checked to read back
 leftovers.py    what killed saves leave in the checkpoints folder, and its removal
 identity.py     the run's identity, checked before a checkpoint is loaded

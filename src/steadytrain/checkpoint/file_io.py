@@ -124,15 +124,18 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def safetensors_parts(tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview], int]:
-    """The safetensors file as a list of buffers (header, then each tensor's data), and its size.
+def safetensors_parts(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[list[memoryview], int]:
+    """The safetensors file as a list of buffers (header, then each tensor's data), and its size;
+    `metadata`: more entries of the header's ``__metadata__`` (the checkpoint's tie, tie.py).
 
     Streaming the tensors' own memory avoids the whole-file copy `safetensors.torch.save` makes,
     which on a memory-constrained machine is the size of the model. Same layout as the
     safetensors writer: 8-byte header length, JSON header padded with spaces to 8 bytes, data
     ordered by decreasing alignment then name.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     datas = []
     offset = 0
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
@@ -185,10 +188,13 @@ def fault(phase: str) -> None:
         os._exit(137)
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def write_tensor_file(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> dict[str, Any]:
     """One safetensors file written and fsynced as the store writes its own (for a file another
-    rank puts into a staging folder); returns its size and sha256."""
-    parts, _ = safetensors_parts(tensors)
+    rank puts into a staging folder, with the checkpoint's tie in `metadata`); returns its size
+    and sha256."""
+    parts, _ = safetensors_parts(tensors, metadata)
     return write_parts(path, parts)
 
 

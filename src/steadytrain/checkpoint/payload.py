@@ -12,6 +12,7 @@ import torch
 
 from steadytrain.checkpoint.file_io import json_bytes
 from steadytrain.checkpoint.manifest import FILE_NAME, MANIFEST, file_kind
+from steadytrain.checkpoint.tie import TIE_KEY, Tie
 
 _MAX_STEP = 10**12 - 1
 
@@ -28,11 +29,12 @@ class Payload:
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     json: dict[str, Any] = field(default_factory=dict)
-    shards: Callable[[Path | None], None] | None = None
+    shards: Callable[[Path | None, Tie | None], None] | None = None
     """Saving: writes the files other writers put into the staging folder (every rank's
-    shards, through torch.distributed.checkpoint), called with the folder after the payload's
-    own files and before the manifest, which then lists every file in the folder; called with
-    None when the step is committed already (nothing to write). Saved synchronously only."""
+    shards, through torch.distributed.checkpoint), called with the folder and the checkpoint's
+    tie (tie.py: each rank's own files carry it) after the payload's own files and before the
+    manifest, which then lists every file in the folder; called with None, None when the step
+    is committed already (nothing to write). Saved synchronously only."""
     sharded: list[str] = field(default_factory=list)
     """Loading: the verified files that torch.distributed.checkpoint reads from the folder."""
 
@@ -75,6 +77,9 @@ def check_payload(step: int, payload: Payload) -> None:
     for name in payload.json:
         if file_kind(name) != "json":
             raise ValueError(f"payload.json[{name!r}]: json file names end in .json")
+    for name, value in (*payload.objects.items(), *payload.json.items()):
+        if isinstance(value, dict) and TIE_KEY in value:
+            raise ValueError(f"{name}: the key {TIE_KEY!r} is the checkpoint's own (tie.py)")
     for name, tensors in payload.tensors.items():
         for key, tensor in tensors.items():
             if not isinstance(key, str) or key == "__metadata__":

@@ -37,6 +37,7 @@ from steadytrain.checkpoint.state import (
     rng_to_files,
 )
 from steadytrain.checkpoint.store import Payload
+from steadytrain.checkpoint.tie import Tie
 from steadytrain.device import set_rng_state
 from steadytrain.device.core import wait_on_host
 
@@ -68,18 +69,23 @@ class Ranks:
         if self.world_size == 1:
             return payload
         own = rng_tensors()
-        payload.shards = lambda folder: self._write_shards(folder, own, model, optimizer)
+        payload.shards = lambda folder, tie: self._write_shards(folder, tie, own, model, optimizer)
         return payload
 
-    def _write_shards(self, folder: Path | None, rng: dict, model: Any, optimizer: Any) -> None:
-        """Every rank at once: learn rank 0's staging folder, write this rank's files there,
-        and wait until every rank has (rank 0 then hashes them all into the manifest)."""
-        box = [None if folder is None else str(folder)]
+    def _write_shards(
+        self, folder: Path | None, tie: Tie | None, rng: dict, model: Any, optimizer: Any
+    ) -> None:
+        """Every rank at once: learn rank 0's staging folder and the checkpoint's tie, write
+        this rank's files there (its RNG streams tied to the checkpoint; DCP's files are
+        torch's format and carry no tie), and wait until every rank has (rank 0 then hashes
+        them all into the manifest)."""
+        box = [None if folder is None or tie is None else (str(folder), tie.step, tie.id)]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return
-        folder = Path(box[0])
-        write_tensor_file(folder / rng_rank_file(self.rank), rng)
+        name, step, tie_id = box[0]
+        folder = Path(name)
+        write_tensor_file(folder / rng_rank_file(self.rank), rng, Tie(step, tie_id).metadata())
         if self.sharded:
             save_shards(model, optimizer, folder)
         _rendezvous(next(model.parameters()).device)
@@ -175,7 +181,7 @@ class RankStore:
 
     def save(self, step: int, payload: Payload) -> None:
         if payload.shards is not None:
-            payload.shards(None)  # the folder comes from rank 0
+            payload.shards(None, None)  # the folder and the tie come from rank 0
 
     def save_async(self, step: int, payload: Payload) -> None:
         self.save(step, payload)

@@ -10,7 +10,9 @@ loads and prunes them under RUN_DIR/checkpoints:
     .deleting-step-...-PID-X  an old checkpoint being removed: never read
 
 A checkpoint is committed when its folder has the final name; it gets that name only after every
-file and MANIFEST.json (size and sha256 of each file, written last) are fsynced. See
+file and MANIFEST.json (size and sha256 of each file, written last) are fsynced. Every file
+carries the checkpoint's tie (its step and an id drawn for the save, tie.py), so a file copied
+in from another checkpoint is refused on load even when its manifest line was re-signed. See
 docs/checkpoints.md for the sequence, the reasons, and what each error means.
 """
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from steadytrain._units import format_bytes
@@ -59,6 +62,7 @@ from steadytrain.checkpoint.manifest import (
     verify,
 )
 from steadytrain.checkpoint.payload import Payload, all_tensors, check_payload, payload_bytes
+from steadytrain.checkpoint.tie import Tie, header_tie, tie_problems, tied, untied
 from steadytrain.errors import CheckpointError, DiskFullError, RunNotWritableError
 from steadytrain.run import files as run_files
 from steadytrain.run.durable import make_folder, sync_dir
@@ -176,10 +180,11 @@ class CheckpointStore:
             final = self.root / name
             replacing = False
             if os.path.lexists(final):
-                problems = self._problems(final)
+                manifest, problems = self._verify(final)
+                problems = problems or self._mixed(final, manifest)
                 if not problems:
                     if payload.shards is not None:
-                        payload.shards(None)  # the other ranks learn there is nothing to write
+                        payload.shards(None, None)  # the other ranks learn: nothing to write
                     self._log(Record.CHECKPOINT_EXISTS, {"step": step, "checkpoint": name})
                     newest = self.committed()[-1][1]
                     if newest == final and self._read_pointer(quiet=True) != name:
@@ -210,26 +215,28 @@ class CheckpointStore:
         """Write every file and the manifest into a new staging folder; fsync it all."""
         staging = self.root / f".staging-{name}-{os.getpid()}-{secrets.token_hex(4)}"
         remember(staging.name)
+        tie = Tie.new(step)
         try:
             staging.mkdir()
             files: dict[str, dict[str, Any]] = {}
             first_tensor_file = True
             for file, tensors in payload.tensors.items():
-                parts, total = safetensors_parts(tensors)
+                parts, total = safetensors_parts(tensors, tie.metadata())
                 fault_at = (total // 2, lambda: fault("mid-write")) if first_tensor_file else None
                 first_tensor_file = False
                 files[file] = self._write_file(staging / file, parts, fault_at)
             for file, obj in payload.objects.items():
-                files[file] = write_object(staging / file, obj)
+                files[file] = write_object(staging / file, tied(obj, tie))
             for file, value in payload.json.items():
-                files[file] = self._write_file(staging / file, [json_bytes(value)])
+                files[file] = self._write_file(staging / file, [json_bytes(tied(value, tie))])
             if payload.shards is not None:
-                payload.shards(staging)
+                payload.shards(staging, tie)
                 files |= self._others_files(staging, files)
             fault("before-manifest")
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
+                "checkpoint": tie.id,
                 "fingerprint": self.fingerprint,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "steadytrain": __version__,
@@ -430,6 +437,7 @@ class CheckpointStore:
                 + f"\nMove it out of {self.root} and the run resumes from the one before it."
             )
         payload = Payload()
+        ties: dict[str, Tie | None] = {}
         for name in manifest["files"]:
             file = path / name
             kind = file_kind(name)
@@ -444,12 +452,36 @@ class CheckpointStore:
                     payload.objects[name] = torch.load(file, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise CheckpointError(_load_failure(file, kind, exc)) from exc
+        for files in (payload.objects, payload.json):
+            for name, value in files.items():
+                files[name] = _take_tie(path / name, value, ties)
+        problems = _tie_problems(path, manifest, ties)
+        if problems:
+            raise CheckpointError(_mixed_message(path, self.root, problems))
         return payload
 
     # ---------------------------------------------------------------------------- verification
 
     def _problems(self, folder: Path) -> list[str]:
         return self._verify(folder)[1]
+
+    def _mixed(self, folder: Path, manifest: dict[str, Any]) -> list[str]:
+        """What ties a verified folder's files to other checkpoints ([]: nothing): read without
+        loading the tensors (the pickles memory-mapped), for a save of a step already there."""
+        ties: dict[str, Tie | None] = {}
+        try:
+            for name in manifest["files"]:
+                kind, file = file_kind(name), folder / name
+                if kind == "json":
+                    _take_tie(file, json.loads(file.read_bytes()), ties)
+                elif kind == "objects":
+                    value = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                    _take_tie(file, value, ties)
+            return _tie_problems(folder, manifest, ties)
+        except CheckpointError as exc:
+            return [str(exc)]
+        except Exception as exc:  # noqa: BLE001 - unreadable: the new save replaces it
+            return [f"{folder.name}: cannot be read ({type(exc).__name__}: {exc})"]
 
     def _verify(self, folder: Path) -> tuple[dict[str, Any], list[str]]:
         return verify(folder, self.root, self.required)
@@ -463,6 +495,43 @@ class CheckpointStore:
                 self._log(Record.CHECKPOINT_POINTER_IGNORED, {"pointer": pointer, "reason": reason})
 
         return read_pointer(self.root, ignored)
+
+
+def _take_tie(file: Path, value: Any, ties: dict[str, Tie | None]) -> Any:
+    """`value` (a pickled or JSON file's) without its tie, which goes into `ties` under the
+    file's name when the value can carry one (a dict)."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        value, ties[file.name] = untied(value)
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    return value
+
+
+def _tie_problems(folder: Path, manifest: dict[str, Any], ties: dict[str, Tie | None]) -> list[str]:
+    """What ties the checkpoint in `folder` to others: each safetensors file's header tie (read
+    here, the header only) and the `ties` of the other files, against the manifest's."""
+    for name in manifest["files"]:
+        if file_kind(name) != "tensors":
+            continue
+        file = folder / name
+        try:
+            with safe_open(file, framework="pt") as handle:
+                ties[name] = header_tie(handle.metadata())
+        except ValueError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
+    ordered = {name: ties[name] for name in manifest["files"] if name in ties}
+    return tie_problems(manifest["step"], manifest.get("checkpoint"), ordered)
+
+
+def _mixed_message(path: Path, root: Path, problems: list[str]) -> str:
+    """The refusal of a checkpoint whose files belong to different checkpoints: the first line
+    names each such file (a `checkpoint_skipped` record keeps the first line)."""
+    return (
+        f"{path}: mixes files of different checkpoints: {'; '.join(problems)}\n"
+        f"Move it out of {root} and the run resumes from the one before it."
+    )
 
 
 def _load_failure(file: Path, kind: str, exc: Exception) -> str:

@@ -51,6 +51,7 @@ from steadytrain.errors import (
     OptimizerStateTouched,
 )
 from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
+from steadytrain.run import env as run_env
 from steadytrain.user_state import select
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -115,6 +116,10 @@ class StepRunner:
         )
         self._versions_before_optimizer: dict | None = None
         self._shrinks_before_step = 0
+        # The micro size this process first shrank from (None: it has not shrunk). Not
+        # `state.shrink_count`: that also counts the shrinks of the attempts before a resume,
+        # which left nothing behind in this process's memory.
+        self._shrunk_from: int | None = None
 
     # -- the step -------------------------------------------------------------------------
 
@@ -249,7 +254,14 @@ class StepRunner:
 
     def _recover(self, oom: OutOfMemory) -> None:
         """Announce the out-of-memory, then take the next rung: halve the micro size, or at 1
-        turn on the next memory saver, or give up (`DoesNotFitError`)."""
+        turn on the next memory saver, or give up.
+
+        Giving up at micro-batch 1 with every saver tried is `DoesNotFitError` (exit 3) only in
+        a process that has not shrunk. One that ran larger micro-batches first may still hold
+        what they freed (oneDNN's kernels and caches, glibc's arenas: under an address-space
+        limit that counts), so its failure is no proof: under `steadytrain run` it exits 76
+        (`FreshProcessOutOfMemory`) and a fresh process starts at micro-batch 1, which trains
+        or, not having shrunk, says exit 3 (the supervisor's cap stays 1: no loop)."""
         record = self._record_oom(oom)
         self.phase.now = "idle"
         if self.state.shrink_count > self._shrinks_before_step and _freed_memory_stays_held(
@@ -259,6 +271,8 @@ class StepRunner:
         if self.shrink(f"out of memory in {record['phase']}", record["memory"]):
             return
         rung = self.savers.next_rung("out of memory at micro-batch 1") if self.savers else None
+        if rung is None and self._shrunk_from is not None and run_env.supervised():
+            raise FreshProcessOutOfMemory(self._fresh_process_at_one(record))
         if rung is None:
             raise DoesNotFitError(self._does_not_fit(record))
         self.emit(Event.MEMORY_SAVER, {**rung, "memory": record["memory"]})
@@ -287,6 +301,7 @@ class StepRunner:
             return False
         self.state.micro_batch_size = new
         self.state.shrink_count += 1
+        self._shrunk_from = self._shrunk_from or old
         memory = memory or self.device.memory().to_dict()
         self.emit(Event.SHRINK, HALVING.record(old, new, reason, memory))
         return True
@@ -338,6 +353,17 @@ class StepRunner:
             "MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=65536 (glibc then returns freed memory)."
         )
 
+    def _fresh_process_at_one(self, failure: dict) -> str:
+        return (
+            f"out of memory at micro-batch 1 in {failure['phase']} (step {self.state.step + 1}) "
+            f"with every memory saver tried, in a process that shrank from micro-batch "
+            f"{self._shrunk_from}: what the larger attempts freed may still be held here "
+            "(oneDNN's kernels and caches, malloc's arenas), so this is no proof the run does "
+            "not fit. Exiting 76: `steadytrain run` restarts it at micro-batch 1 in a fresh "
+            "process from its last checkpoint; if that one runs out too, it says what helps "
+            "(exit 3)."
+        )
+
     def _does_not_fit(self, failure: dict) -> str:
         memory = failure["memory"]
         in_use = memory.get("peak") or memory.get("allocated") or memory.get("rss")
@@ -347,15 +373,21 @@ class StepRunner:
         if requested:
             need += f", and the failed allocation asked for {format_bytes(requested)} more"
         savers = self.savers.describe() if self.savers else "no memory savers"
-        return (
+        text = (
             f"does not fit: one sample per micro-batch ({savers}) runs out of memory in "
             f"{failure['phase']} on {self.device.torch_device}.\n"
             f"  at the failure: {need}; memory budget {format_bytes(budget)}.\n"
             f"  the error: {failure['error']}\n"
-            "  what helps: shorter sequences (max_seq_length), a lower LoRA rank, a 4-bit base "
-            "model (CUDA), precision 'bf16' or 'fp16', a smaller model, or closing other programs "
-            "to give the run more memory."
+            f"  what helps: {what_helps(self.model, self.precision.name, self.device.type)}."
         )
+        if self._shrunk_from is not None:  # unsupervised: no fresh process follows by itself
+            text += (
+                f"\n  this process shrank from micro-batch {self._shrunk_from}, and what the "
+                "larger attempts freed may still be held in it: a fresh process at micro-batch 1 "
+                "may fit. Start it again with micro_batch_size 1, or under `steadytrain run`, "
+                "which restarts a fresh process at micro-batch 1 before calling it does not fit."
+            )
+        return text
 
 
 class _PhaseMarks:
@@ -419,6 +451,27 @@ class _PhaseMarks:
             "device_compute_time": DeviceSpan(start, middle),
             "device_optimizer_time": DeviceSpan(middle, end),
         }
+
+
+def what_helps(model: torch.nn.Module, precision: str, device_type: str) -> str:
+    """The knobs that lower the memory of `model`'s run, in the words of the model it is: a
+    convolutional (vision) model's input size, a language model's sequence length, LoRA rank
+    and 4-bit base (CUDA), and for any model a smaller one, a lower precision where the run is
+    not already in one, and more memory."""
+    modules = list(model.modules())
+    knobs = []
+    if any(isinstance(m, torch.nn.Conv2d | torch.nn.Conv3d) for m in modules):
+        knobs.append("smaller images (a smaller resize or crop: the input size)")
+    else:
+        knobs.append("shorter sequences (max_seq_length) or smaller inputs")
+    if any("lora_" in name for name, _ in model.named_modules()):
+        knobs.append("a lower LoRA rank")
+    if device_type == "cuda" and any(isinstance(m, torch.nn.Embedding) for m in modules):
+        knobs.append("a 4-bit base model")
+    if precision == "fp32":
+        knobs.append("precision 'bf16' or 'fp16'")
+    knobs.append("a smaller model")
+    return ", ".join(knobs) + ", or closing other programs to give the run more memory"
 
 
 def _schedule(scheduler: Any) -> None:

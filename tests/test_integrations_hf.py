@@ -100,8 +100,9 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert code == 0, err
     restarts = events(run_dir, "restart")
     assert len(restarts) == 1 and restarts[0]["signal"] == "SIGKILL"
-    resumed = events(run_dir, "resume")[0]["checkpoint"]
-    assert resumed.endswith(("checkpoint-2", "checkpoint-4"))
+    (resume,) = events(run_dir, "resume")
+    assert resume["checkpoint"].endswith(("checkpoint-2", "checkpoint-4"))
+    assert resume["step"] == int(resume["checkpoint"].rsplit("-", 1)[1])  # the step resumed at
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
     assert "1 restart(s)" in report(run_dir).stdout
 
@@ -121,7 +122,8 @@ def test_a_checkpoint_without_its_manifest_is_never_resumed_from(tmp_path: Path,
     skipped = {e["step"]: e["problems"] for e in events(run_dir, "checkpoint_skipped")}
     assert set(skipped) == {4, 6}
     assert "missing or unreadable" in skipped[6][0] and "model.safetensors" in skipped[4][0]
-    assert events(run_dir, "resume")[0]["checkpoint"].endswith("checkpoint-2")
+    (resume,) = events(run_dir, "resume")
+    assert resume["checkpoint"].endswith("checkpoint-2") and resume["step"] == 2
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
 
 

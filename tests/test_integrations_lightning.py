@@ -92,7 +92,9 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert code == 0, err
     restarts = events(run_dir, "restart")
     assert len(restarts) == 1 and restarts[0]["signal"] == "SIGKILL"
-    assert "step=" in events(run_dir, "resume")[0]["checkpoint"]
+    (resume,) = events(run_dir, "resume")
+    assert resume["checkpoint"].endswith(f"step={resume['step']}.ckpt")  # the step resumed at
+    assert resume["step"] > 0
     assert_same_params(run_dir / "params.pt", reference / "params.pt")
     assert "1 restart(s)" in report(run_dir).stdout
 

@@ -42,7 +42,8 @@ def test_oom_exits_76_and_the_restart_runs_at_half_the_micro_batch(tmp_path: Pat
     code, _out, err = finish(proc)
     assert code == 0, err
     assert "exiting 76" in err
-    assert events(run_dir, "oom")[0]["micro_batch_size"] == 64
+    (oom,) = events(run_dir, "oom")  # one out-of-memory, one record
+    assert oom["micro_batch_size"] == 64
     restart = events(run_dir, "restart")[0]
     assert (restart["exit_code"], restart["max_micro_batch"]) == (76, 32)
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -50,7 +51,23 @@ def test_oom_exits_76_and_the_restart_runs_at_half_the_micro_batch(tmp_path: Pat
         (1, 32, 64),
         (2, 32, 64),
     ]
-    report(run_dir)
+    assert "1 out-of-memory" in report(run_dir).stdout
+
+
+def test_an_out_of_memory_leaving_the_step_and_the_block_is_recorded_once(tmp_path: Path):
+    """The out-of-memory passes `guard.step()` and then the `with RunGuard` block's end on its
+    way out: one ``oom`` record, and the report counts one."""
+    import torch
+
+    from steadytrain.telemetry.run_reading import load_run, summary_line
+
+    guarded = RunGuard(tmp_path, config={}, memory_watch=False, micro_batch_size=8)
+    with pytest.raises(SystemExit) as stop, guarded as guard, guard.step(1):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert stop.value.code == 76
+    (oom,) = events(tmp_path, "oom")
+    assert oom["kind"] == "torch.OutOfMemoryError" and oom["micro_batch_size"] == 8
+    assert "1 out-of-memory" in summary_line(load_run(tmp_path))
 
 
 def test_a_blocked_step_exits_75_and_the_restart_finishes(tmp_path: Path, reference):

@@ -341,3 +341,84 @@ def test_damaged_checkpoints_with_none_left_are_exit_2_naming_each(tmp_path: Pat
     assert info.value.exit_code == 2
     assert "step-00000004" in str(info.value) and "step-00000002" in str(info.value)
     assert len(events(tmp_path, "checkpoint_skipped")) == 2
+
+
+# -- the loss check after an epoch-end save, with a DataLoader that shuffles ---------------------
+
+
+class _ShuffledInPlace(torch.utils.data.Sampler):
+    """A sampler that keeps its order and shuffles it in place each epoch (python's stream):
+    drawing its next order ahead must not touch it."""
+
+    def __init__(self, size: int):
+        self.items = list(range(size))
+
+    def __iter__(self):
+        import random
+
+        random.shuffle(self.items)
+        return iter(list(self.items))
+
+    def __len__(self):
+        return len(self.items)
+
+
+def _loader_fit(run_dir: Path, sampler: str, stop_at=(), save_every: int = 4):
+    """A DataLoader whose order is drawn as each epoch starts: 4 steps an epoch, 3 epochs."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)
+    )
+    if sampler == "shuffle":
+        loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=_ShuffledInPlace(32))
+    config = TrainConfig(
+        run_dir=str(run_dir), effective_batch_size=8, micro_batch_size=8, epochs=3,
+        save_every_steps=save_every, device="cpu", progress="off", memory_watch=False,
+    )  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    Trainer(
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        loader,
+        config,
+        callbacks=[_StopAt(stop_at)],
+    ).fit()
+    losses = {r["step"]: r["loss"] for r in read_losses(run_dir)}
+    return model, losses
+
+
+def read_losses(run_dir: Path) -> list[dict]:
+    from steadytrain.telemetry.files import read_jsonl
+
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "in place"])
+def test_drawing_the_next_epoch_s_order_ahead_at_a_save_changes_nothing(tmp_path, sampler):
+    """The checkpoint at an epoch's end draws the next epoch's order ahead, on copies of the
+    sampler and its generator (a sampler that shuffles its own list in place included): the
+    run's losses are those of a run that saves nothing."""
+    _, unsaved = _loader_fit(tmp_path / "unsaved", sampler, save_every=1000)
+    _, saved = _loader_fit(tmp_path / "saved", sampler)
+    assert len(saved) == 12 and saved == unsaved
+
+
+def test_the_loss_check_is_made_after_an_epoch_end_save_of_a_shuffling_dataloader(tmp_path):
+    """The next epoch's order is drawn when it starts; the checkpoint at the epoch's end draws
+    it ahead, so a resume from it is checked (docs/resume.md) and finds the loss it expects."""
+    whole, _ = _loader_fit(tmp_path / "whole", "shuffle")
+    run_dir = tmp_path / "resumed"
+    for stop in (4, 8):  # stopped right after each epoch-end checkpoint, then resumed
+        _loader_fit(run_dir, "shuffle", stop_at=[stop])
+    resumed, _ = _loader_fit(run_dir, "shuffle")
+    checks = events(run_dir, "continuity")
+    assert [(c["step"], c["checked"], c["equal"]) for c in checks] == [
+        (5, True, True),
+        (9, True, True),
+    ], checks
+    for name, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name

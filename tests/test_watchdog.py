@@ -103,6 +103,25 @@ def test_a_step_blocked_in_c_is_caught_in_time_and_exits_75(tmp_path):
     ).exists()
 
 
+def test_a_background_save_committed_just_before_a_hang_is_recorded_and_shown(tmp_path):
+    """Step 2's checkpoint is written in the background and commits while step 3 hangs: its
+    `checkpoint` record and console line come from the commit, not from a next step's end that
+    never comes, so the report counts every checkpoint on disk."""
+    from steadytrain.telemetry.run_reading import load_run
+
+    marker = tmp_path / "marker"
+    args = ("--block", "sleep", "--at", "3", "--async-save", "--once", str(marker))
+    result = hang_run(tmp_path, *args, timeout=240)
+
+    assert result.returncode == 75, result.stderr
+    committed = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert committed == ["step-00000002"]
+    saved = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "checkpoint"]
+    assert [(e["step"], e["mode"]) for e in saved] == [(2, "async")]
+    assert "checkpoint at step 2 (async" in result.stderr
+    assert load_run(tmp_path).counts["checkpoint"] == len(committed)
+
+
 def test_a_stuck_dataloader_worker_is_caught_and_the_worker_killed(tmp_path):
     marker = tmp_path / "marker"
     result = hang_run(tmp_path, "--block", "worker", "--workers", "1", "--once", str(marker))

@@ -2,7 +2,7 @@
 
     python hang.py RUN_DIR --block KIND [--at STEP] [--once MARKER] [--timeout S]
                    [--action exit|report] [--block-seconds S] [--slow-save S] [--workers N]
-                   [--startup-s S]
+                   [--startup-s S] [--async-save]
 
 KIND says how step STEP blocks (after its first micro-batch), each inside a function whose name
 the hang report must show:
@@ -151,6 +151,7 @@ def main():
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--startup-s", type=float)
+    p.add_argument("--async-save", action="store_true")  # checkpoints written in the background
     args = p.parse_args()
     if args.startup_s is not None:
         from steadytrain.safety import hang_limits
@@ -180,7 +181,7 @@ def main():
         max_steps=args.steps,
         save_every_steps=args.save_every,
         keep_last=2,
-        async_save=False,
+        async_save=args.async_save,
         device="cpu",
         num_workers=args.workers,
         hang_timeout=args.timeout if args.timeout == "auto" else float(args.timeout),

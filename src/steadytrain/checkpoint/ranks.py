@@ -183,8 +183,8 @@ class RankStore:
         if payload.shards is not None:
             payload.shards(None, None)  # the folder and the tie come from rank 0
 
-    def save_async(self, step: int, payload: Payload) -> None:
-        self.save(step, payload)
+    def save_async(self, step: int, payload: Payload, on_commit=None) -> None:
+        self.save(step, payload)  # nothing committed here: `on_commit` is rank 0's
 
     def wait(self) -> None:
         return None

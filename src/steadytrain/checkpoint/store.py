@@ -124,9 +124,17 @@ class CheckpointStore:
         check_payload(step, payload)
         return self._commit(step, payload)
 
-    def save_async(self, step: int, payload: Payload) -> None:
+    def save_async(
+        self,
+        step: int,
+        payload: Payload,
+        on_commit: Callable[[Path], None] | None = None,
+    ) -> None:
         """Commit in a background thread. The payload must be host copies nobody changes until
-        the save is done. Waits for a save in flight first and raises its error."""
+        the save is done. Waits for a save in flight first and raises its error. `on_commit`
+        (the folder) runs in that thread once the checkpoint is committed: what says so is said
+        then, whatever the training thread is doing (a step that hangs, a kill on its way);
+        an error it raises is the save's, raised by `wait()`."""
         self.wait()
         check_payload(step, payload)
         if payload.shards is not None:
@@ -139,7 +147,7 @@ class CheckpointStore:
                 )
         thread = threading.Thread(
             target=self._run_in_background,
-            args=(step, payload),
+            args=(step, payload, on_commit),
             name=f"steadytrain-checkpoint-{step}",
             daemon=False,  # interpreter exit waits for the commit
         )
@@ -166,9 +174,13 @@ class CheckpointStore:
             raise error
         return result
 
-    def _run_in_background(self, step: int, payload: Payload) -> None:
+    def _run_in_background(
+        self, step: int, payload: Payload, on_commit: Callable[[Path], None] | None
+    ) -> None:
         try:
             self._result = self._commit(step, payload)
+            if on_commit is not None:
+                on_commit(self._result)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
             self._error = exc
 

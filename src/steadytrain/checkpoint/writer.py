@@ -6,8 +6,9 @@ Saves every `save_every_steps` optimizer steps, when a callback asks (`control.r
 e.g. on a signal), and at the end of a run that finished or was stopped; never after an error,
 when the state may be mid-step. With async saves, the state is copied to host memory at the step
 boundary and written by the store's background thread while training goes on; the "checkpoint"
-event (events.jsonl, the console's "checkpoint at step N") is recorded when it has committed, and
-a background save that failed stops the run at the first step end after it.
+event (events.jsonl, the console's "checkpoint at step N") is recorded by that thread as soon as
+it has committed, so a step that hangs, or a kill, right after the commit does not take the
+record with it; a background save that failed stops the run at the first step end after it.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class CheckpointWriter(Callback):
         self.best, self.room = best, room
         self.allowance = allowance or (lambda phase: contextlib.nullcontext())
         self.last_saved: int | None = None
-        self._in_flight: tuple[int, float] | None = None  # (step, seconds the loop was held)
+        self._in_flight = False  # a background save whose error is not collected yet
 
     def on_fit_start(self, state: TrainState, control: Control, info: dict) -> None:
         self.last_saved = state.step if state.step else None
@@ -166,8 +167,14 @@ class CheckpointWriter(Callback):
         why = self.room() if background and self.room is not None else None
         with _disk_full_exits_6():
             if why is None and background:
-                self.store.save_async(state.step, self.capture(state, True))
-                self._in_flight = (state.step, time.perf_counter() - start)
+                step, payload = state.step, self.capture(state, True)
+                stall = time.perf_counter() - start  # the copy: what the loop waits for
+
+                def committed(folder: Path) -> None:  # in the store's thread, at the commit
+                    self._committed(step, "async", stall)
+
+                self.store.save_async(step, payload, on_commit=committed)
+                self._in_flight = True
             else:  # written from the training's own host tensors: no second copy of the state
                 self.store.save(state.step, self.capture(state, False))
                 self._committed(state.step, "sync", time.perf_counter() - start, why)
@@ -175,16 +182,17 @@ class CheckpointWriter(Callback):
         return time.perf_counter() - start
 
     def _settle(self, block: bool) -> None:
-        """Announce the background save once it has committed, or raise its error. Without
-        `block`, a save still writing is left alone."""
-        if self._in_flight is None or (not block and self.store.in_flight()):
+        """Raise the error of the background save once it has ended (its commit recorded
+        itself). Without `block`, a save still writing is left alone."""
+        if not self._in_flight or (not block and self.store.in_flight()):
             return
-        (step, stall), self._in_flight = self._in_flight, None
+        self._in_flight = False
         with _disk_full_exits_6():
             self.store.wait()  # raises what the background save raised (a full disk)
-        self._committed(step, "async", stall)
 
     def _committed(self, step: int, mode: str, stall: float, why_sync: str | None = None) -> None:
-        """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest."""
+        """The "checkpoint" event: the checkpoint of `step` is on disk and is the latest. From
+        the store's thread for a background save: `record` writes one line in one system call
+        and prints from another thread aside (`ConsoleLog.note`), as the watchdog's records do."""
         info = {"step": step, "mode": mode, "stall_s": round(stall, 4)}
         self.record(Record.CHECKPOINT, info | ({"why_sync": why_sync} if why_sync else {}))

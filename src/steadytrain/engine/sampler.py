@@ -12,8 +12,10 @@ many workers there are, or where the run was resumed.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import operator
+import pickle
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -85,6 +87,16 @@ class OptimizerBatchSampler:
         for step in range(self.start, self.steps_per_epoch):
             yield self._batch(order, self.epoch, step)
 
+    def batch_ahead(self, epoch: int, step: int, keep: Iterable[Any] = ()) -> SeededBatch | None:
+        """The batch at (epoch, step), an epoch whose DataLoader order is not drawn yet
+        included: then drawn ahead, on copies, as it will be drawn from the random streams as
+        they stand now (`LoaderOrder.ahead`; the caller puts the streams back). None when the
+        sampler cannot be copied."""
+        if self.has_order(epoch):
+            return self.batch_at(epoch, step)
+        order = self.loader_order.ahead(epoch, keep)
+        return None if order is None else self._batch(order, epoch, step)
+
     def has_order(self, epoch: int) -> bool:
         """Whether the order of `epoch` is known without drawing it (a DataLoader's sampler
         draws from the training's RNG streams when its epoch starts)."""
@@ -124,6 +136,25 @@ class LoaderOrder:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
             self.drawn = {epoch: self._draw(epoch)}
         return self.drawn[epoch]
+
+    def ahead(self, epoch: int, keep: Iterable[Any] = ()) -> torch.Tensor | Sequence[int] | None:
+        """Epoch `epoch`'s order as `self(epoch)` will draw it if the random streams stay as
+        they stand now, drawn on copies of the sampler and of the loader's generator: the
+        sampler (its generator, its epoch, any state its iteration changes), the loader's
+        generator and `drawn` are left as they were, so the run later draws the same order
+        itself. The global streams of torch, numpy and python it draws from are the caller's to
+        put back (`side_pass`). `keep`: what the copy shares instead of copying (the dataset a
+        RandomSampler holds). None when the sampler cannot be copied (it holds a lock, a file)."""
+        if type(self.sampler) is SequentialSampler:
+            return range(len(self.sampler))
+        copied = LoaderOrder.__new__(LoaderOrder)
+        try:
+            copied.sampler = copy.deepcopy(self.sampler, {id(obj): obj for obj in keep})
+            copied.generator = copy.deepcopy(self.generator)
+        except (TypeError, copy.Error, pickle.PicklingError):
+            return None
+        copied.drawn = {}
+        return copied(epoch)
 
     def _draw(self, epoch: int) -> torch.Tensor | Sequence[int]:
         if type(self.sampler) is SequentialSampler:  # 0..n-1: nothing to hold, whatever n is

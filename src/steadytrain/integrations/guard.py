@@ -146,6 +146,7 @@ class RunGuard:
         self.started = False
         self._step_started = 0.0
         self._rows = 0
+        self._recorded_oom: BaseException | None = None  # the out-of-memory already recorded
 
     # -- start and end -----------------------------------------------------------------------
 
@@ -272,6 +273,16 @@ class RunGuard:
         self.files.record(name, {"step": self.state.step, **info})
 
     def out_of_memory(self, exc: BaseException, **info: Any) -> None:
+        """Record the out-of-memory `exc` as an ``oom`` event, once: the same error passing a
+        second handler on its way out (`step()`, then the ``with`` block's end; a library that
+        re-raises it wrapped in its own, ``raise ... from exc``) is the same out-of-memory, not
+        another."""
+        err: BaseException | None = exc
+        while err is not None:
+            if err is self._recorded_oom:
+                return
+            err = err.__cause__
+        self._recorded_oom = exc
         self.state.oom_count += 1
         self.record(
             "oom",

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steadytrain.checkpoint.manifest import newest_verified
+from steadytrain.checkpoint.manifest import newest_verified, read_library_manifest
 from steadytrain.device import get_rng_state, is_oom, oom_kind, set_rng_state
 from steadytrain.integrations.core import Options, capped_micro, halve_or_give_up
 from steadytrain.integrations.guard import RunGuard, module_sizes
@@ -111,7 +111,10 @@ class SteadytrainCallback(_Base):
             effective_batch_size=self.effective_batch,
         )
         if resume_from_checkpoint is not None:
-            self.guard.record("resume", {"checkpoint": resume_from_checkpoint})
+            self.guard.record(
+                "resume",
+                {"checkpoint": resume_from_checkpoint, "step": _step_of(resume_from_checkpoint)},
+            )
         accumulation = self.effective_batch // self.micro
         self.guard.preflight(
             *module_sizes(trainer.model),
@@ -229,6 +232,20 @@ def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return found
+
+
+def _step_of(checkpoint: Any) -> int | None:
+    """The step Hugging Face resumes `checkpoint` at: the one its manifest was written for (the
+    global step of the save), else the N of a ``checkpoint-N`` folder, else None (a
+    checkpoint named by the caller, elsewhere)."""
+    if not isinstance(checkpoint, (str, Path)):
+        return None
+    manifest = read_library_manifest(Path(checkpoint))
+    step = manifest.get("step") if manifest else None
+    if isinstance(step, int):
+        return step
+    match = _CHECKPOINT.match(Path(checkpoint).name)
+    return int(match.group(1)) if match else None
 
 
 def _verified_instead(given: Any, output_dir: Path, record) -> Any:

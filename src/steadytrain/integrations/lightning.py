@@ -84,7 +84,8 @@ class SteadytrainCallback(_Base):
                 found = newest_verified(_checkpoints(run_dir), self.guard.record)
                 if found is not None:
                     checkpoint_path = str(found[1])
-                    self.guard.record("resume", {"checkpoint": checkpoint_path})
+                    # the global step of the save, which its manifest was written for
+                    self.guard.record("resume", {"checkpoint": checkpoint_path, "step": found[0]})
             return resume_start(checkpoint_path, *args, **kwargs)
 
         connector.resume_start = resume_from_verified

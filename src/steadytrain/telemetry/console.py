@@ -22,8 +22,12 @@ from rich.text import Text
 from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState
-from steadytrain.run.hangs import print_aside
+from steadytrain.run.hangs import print_aside, wait_for_aside
 from steadytrain.run.records import Record
+
+ASIDE_WAIT_S = 1.0
+"""The most the run's last line waits for lines other threads are printing (a blocked stderr
+must not hold the end of the run)."""
 
 BAR_REFRESH_PER_SECOND = 4
 LOSS_SMOOTHING = 0.9  # EMA weight of the past: about the last ten steps' losses
@@ -111,6 +115,7 @@ class ConsoleLog(Callback):
 
     def on_fit_end(self, state: TrainState, control: Control, info: dict) -> None:
         self._print_pending(only_resolved=True)
+        wait_for_aside(ASIDE_WAIT_S)  # a background save's line (its thread's) comes first
         took = time.perf_counter() - self._start
         self.console.print(
             f"{_ended(info, state.step)} in {took:.1f}s; final micro-batch "

@@ -123,8 +123,7 @@ def _attempts_redone(events: list[dict], lines: list[dict]) -> tuple[int, int]:
     earlier attempts had reached beyond it (their metrics lines, or a `checkpoint` event: a step
     whose line a kill kept from being written) were lost and computed again. Independent of
     which library wrote the run and of whether it records `resume` events (a program of its
-    own under `RunGuard` need not; Hugging Face's and Lightning's are recorded before the
-    step is known)."""
+    own under `RunGuard` need not)."""
     starts = sorted(
         t
         for e in events

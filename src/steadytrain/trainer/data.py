@@ -229,9 +229,18 @@ def batch_at(
     epoch: int,
     position: int,
     group: Group | None = None,
+    ahead: bool = False,
 ) -> Any:
     """The collated optimizer batch at (`epoch`, `position`), as the loop will load it
-    (with `group`: as its rank loads it, its share)."""
-    indices = sampler.batch_at(epoch, position)
+    (with `group`: as its rank loads it, its share). `ahead`: an epoch whose order the
+    DataLoader draws when it starts is drawn now, on copies, from the random streams as they
+    stand (`OptimizerBatchSampler.batch_ahead`; the caller puts them back); None when its
+    sampler cannot be copied."""
+    if ahead:
+        indices = sampler.batch_ahead(epoch, position, keep=(source.dataset, source.loader))
+        if indices is None:
+            return None
+    else:
+        indices = sampler.batch_at(epoch, position)
     indices = group.share(indices) if group is not None else indices
     return source.collate_fn(SeededFetch(source.dataset).__getitems__(indices))

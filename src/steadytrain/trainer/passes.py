@@ -108,8 +108,11 @@ class Passes:
         """The loss the next step will report, computed now without changing anything, so that a
         resume from this checkpoint can prove it restored everything (see ContinuityCheck). It
         computes what the resumed step computes: the next epoch's first batch after the epoch's
-        end hooks of the program's state (`CarriedState(reset_each_epoch=True)`), its forward
-        with autograd on as the step's (some kernels, nn.LSTM's on the CPU, differ without)."""
+        end hooks of the program's state (`CarriedState(reset_each_epoch=True)`), in a
+        DataLoader's order for that epoch drawn ahead on copies of its sampler and generator
+        from the streams as the epoch's start finds them (put back after), its forward with
+        autograd on as the step's (some kernels, nn.LSTM's on the CPU, differ without). The
+        batch is this rank's share."""
         run = self.parts
         if state.step >= state.max_steps:
             return None
@@ -117,14 +120,15 @@ class Passes:
         new_epoch = position >= state.steps_per_epoch
         if new_epoch:
             epoch, position = epoch + 1, 0
-        if not run.sampler.has_order(epoch):  # a DataLoader draws it when the epoch starts
-            return None
-        batch = batch_at(self.data, run.sampler, epoch, position, run.group)  # its share; summed
         with side_pass(rng=True, buffers=run.model.buffers(), user_state=self.user_state):
             if new_epoch:  # the state as the epoch's end leaves it (CarriedState resets)
                 for obj in self.user_state.values():
                     if isinstance(obj, Callback):
                         obj.on_epoch_end(state, Control(), {"epoch": state.epoch})
+            # a DataLoader's next order: drawn now, as the epoch's start will draw it
+            batch = batch_at(self.data, run.sampler, epoch, position, run.group, ahead=True)
+            if batch is None:
+                return None  # its sampler cannot be copied (it holds a lock, a file): no check
             return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._units import format_bytes
-from steadytrain.errors import SteadytrainError
+from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.memory.advice import CONFIG, advise, lines
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
@@ -82,8 +82,34 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
     }
 
 
+def base_load_settings(config: FinetuneConfig, device_type: str | None) -> dict[str, Any]:
+    """How the base loads on `device_type` as the estimate's options (`load_in_4bit`,
+    `weights_dtype`), as the run decides it (recipes/model.py `plan_base_load`), its refusals in
+    the config's keys: 4-bit where it cannot run (MPS, CPU) is refused, exit 2, unless
+    `quantization.fallback` names the dtype to load in instead; a 4-bit base with fp32 compute
+    (neither `bf16` nor `fp16`) has no estimate (a 4-bit base computes in bf16 or fp16). None
+    for `device_type`: this machine's, decided by the caller once it knows it."""
+    if not config.quantization.load_in_4bit:
+        return {}
+    if device_type is not None and device_type != "cuda":
+        from steadytrain.recipes.model import plan_base_load
+
+        load = plan_base_load(config, device_type, "fp32", bnb_available=False)  # refuses
+        fallback = str(config.quantization.fallback)
+        if not load.load_in_4bit:
+            return {"load_in_4bit": False, "weights_dtype": fallback}
+    if estimate_settings(config)["precision"] == "fp32":
+        raise BadInputError(
+            "quantization.load_in_4bit: true with fp32 compute (`bf16` and `fp16` false); a 4-bit "
+            "base computes in bf16 or fp16: set `bf16: true` (what QLoRA uses for the layers it "
+            "does not quantize), or `fp16: true`"
+        )
+    return {}
+
+
 def _settings(config: FinetuneConfig, device_type: str, **options: Any) -> Settings:
-    settings = from_options("estimate", {**estimate_settings(config), **options})
+    loaded = base_load_settings(config, device_type)
+    settings = from_options("estimate", {**estimate_settings(config), **loaded, **options})
     settings.check("estimate")
     fused = config.fused_loss and settings.chunked_loss and _fused_runs(device_type)
     return dataclasses.replace(
@@ -428,6 +454,7 @@ __all__ = [
     "RunPlan",
     "Target",
     "advice",
+    "base_load_settings",
     "chunk_tokens",
     "estimate_finetune",
     "estimate_settings",

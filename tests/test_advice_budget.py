@@ -1,0 +1,120 @@
+"""The seed-004 user's advice at the budget the run will use (issue 42, items 1 and 3): figures
+that tell "fits" from "still over", a budget written as a Mac's RAM priced against the default a
+run there gets, an advised change that the dry-run at the same budget confirms, bf16 on MPS with
+what it needs and fp16 beside it, and a 4-bit config refused in the config's own keys.
+
+Through the command line in this process; the Llama-3.2-3B shape is its config.json only (the
+estimate is analytic: no weights)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from test_advice import steadytrain
+from test_estimate import llama_3b
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+ADVICE = re.compile(r"^ *((?:`[^`]+`(?:, )?)+) → ([\d.]+ [GM]iB) of ([\d.]+ [GM]iB): (fits|still over)")
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """The seed's config file (comments and all) with the 3B shape as its model."""
+    root = tmp_path_factory.mktemp("seed-004")
+    llama_3b().save_pretrained(root / "llama-3b")
+    (root / "train.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    text = (ROOT / "examples" / "finetune_config.json").read_text()
+    text = text.replace('"meta-llama/Llama-3.2-3B"', json.dumps(str(root / "llama-3b")))
+    text = text.replace('"data/train.jsonl"', json.dumps(str(root / "train.jsonl")))
+    text = text.replace('"eval_file": "data/eval.jsonl",', "")
+    text = text.replace('"models/checkpoints"', json.dumps(str(root / "out")))
+    (root / "seed.json").write_text(text)
+    return root / "seed.json"
+
+
+def dry_run(capsys, config: Path, *sets: str) -> tuple[int, str]:
+    args = [arg for item in ("device=mps", *sets) for arg in ("--set", item)]
+    return steadytrain(capsys, "finetune", "--dry-run", "--config", str(config), *args)
+
+
+def advice_lines(out: str) -> list[re.Match]:
+    return [m for line in out.splitlines() if (m := ADVICE.match(line))]
+
+
+def test_at_a_16_gb_macs_default_budget_the_advice_tells_fits_from_over_and_the_run_confirms(
+    capsys, seed
+):
+    """memory_budget 10.8GiB (0.9 of a 16 GB Mac's 12 GiB working set, what a run there gets by
+    default) with bf16 and the chunked loss: 219 MiB over, exit 3. Each listed change shows its
+    total and the budget at a precision that differs where they differ (no "10.8 GiB of 10.8
+    GiB" beside both verdicts), and the change called "fits", applied, fits at that budget."""
+    code, out = dry_run(capsys, seed, "memory_budget=10.8GiB", "bf16=true", "chunked_loss=true")
+    assert code == 3, out
+    found = advice_lines(out)
+    assert found and any(m[4] == "still over" for m in found), out
+    for m in found:
+        assert m[2] != m[3], m[0]  # the figures themselves tell the verdict
+    fitting = next(m for m in found if m[4] == "fits")
+    changes = re.findall(r"`([\w.]+): (\w+)`", fitting[1])
+    code, out = dry_run(
+        capsys, seed, "memory_budget=10.8GiB", "bf16=true", "chunked_loss=true",
+        *(f"{key}={value}" for key, value in changes),
+    )  # fmt: skip
+    assert code == 0, out
+    assert re.search(r"peak: estimated [\d.]+ GiB of 10\.80 GiB: fits", out), out
+
+
+def test_a_budget_written_as_a_macs_ram_is_not_called_a_fit_where_its_default_is_short(
+    capsys, seed
+):
+    """memory_budget 16GiB on MPS, the RAM of a 16 GB Mac: `bf16: true` (12.9 GiB) is within
+    16 GiB but 2.1 GiB over the 10.8 GiB a run there gets by default; the advice says both."""
+    code, out = dry_run(capsys, seed, "memory_budget=16GiB")
+    assert code == 3, out
+    said = " ".join(out.split())
+    assert re.search(
+        r"`bf16: true` → 12\.9 GiB of 16\.0 GiB: fits that budget, but not a 16 GB Mac's "
+        r"default of 10\.8 GiB \(2\.1 GiB over",
+        said,
+    ), out
+
+
+def test_bf16_on_mps_says_what_it_needs_and_fp16_is_offered_beside_it(capsys, seed):
+    code, out = dry_run(capsys, seed, "memory_budget=16GiB")
+    assert code == 3
+    text = " ".join(out.split())
+    assert "`bf16: true` on MPS needs macOS 14 or later and a torch" in text, out
+    bf16 = re.search(r"`bf16: true` → ([\d.]+ GiB)", text)
+    fp16 = re.search(r"`fp16: true` → ([\d.]+ GiB)", text)
+    assert bf16 and fp16 and bf16[1] == fp16[1], out  # the same saving
+
+
+def test_estimate_on_a_4_bit_config_answers_in_its_keys(capsys, seed, tmp_path):
+    """`steadytrain estimate FILE` with quantization.load_in_4bit: on MPS, exit 2 saying 4-bit
+    cannot run there and the config keys that change it; on CUDA with fp32 compute, `bf16:
+    true`, not the command line's --weights-dtype; with a fallback dtype, the estimate of the
+    base unquantized in it."""
+    text = re.sub(r"//[^\n]*", "", seed.read_text())
+    config = json.loads(text)
+    config["quantization"]["load_in_4bit"] = True
+
+    def estimate(**changes) -> tuple[int, str]:
+        file = tmp_path / "finetune.json"
+        file.write_text(json.dumps({**config, **changes}))
+        return steadytrain(capsys, "estimate", str(file))
+
+    code, out = estimate(device="mps", memory_budget="10.8GiB")
+    said = " ".join(out.split())
+    assert code == 2, out
+    assert "quantization.load_in_4bit: 4-bit needs CUDA" in said and "trains on mps" in said
+    assert "quantization.fallback" in said and "--weights-dtype" not in said
+    code, out = estimate(device="cuda", memory_budget="16GiB")
+    said = " ".join(out.split())
+    assert code == 2 and "set `bf16: true`" in said and "--weights-dtype" not in said, out
+    quantization = {**config["quantization"], "fallback": "fp16"}
+    code, out = estimate(device="mps", memory_budget="16GiB", quantization=quantization)
+    assert code == 0 and "fp16 weights" in " ".join(out.split()), out

@@ -18,7 +18,9 @@ from test_estimate import llama_3b
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
-ADVICE = re.compile(r"^ *((?:`[^`]+`(?:, )?)+) → ([\d.]+ [GM]iB) of ([\d.]+ [GM]iB): (fits|still over)")
+ADVICE = re.compile(
+    r"^ *((?:`[^`]+`(?:, )?)+) → ([\d.]+ [GM]iB) of ([\d.]+ [GM]iB): (fits|still over)"
+)
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,18 @@ MAC_RAM_GIB = frozenset({8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512})
 """The RAM sizes (GiB) Apple Silicon Macs are sold with: a budget of one of them on MPS is read
 as possibly the machine's RAM (`mac_default_budget`)."""
 BF16_ON_MPS = (
-    "`bf16: true` on MPS needs macOS 14 or later and a torch whose MPS backend runs bf16 "
-    "(`steadytrain doctor` says whether this Mac does); `fp16: true` saves the same on any macOS"
+    "{bf16} on MPS needs macOS 14 or later and a torch whose MPS backend runs bf16 "
+    "(`steadytrain doctor` says whether this Mac does); {fp16} saves the same on any macOS"
 )
+"""What bf16 on MPS needs, with {bf16} and {fp16} in the vocabulary's words (`WORDS`)."""
+WORDS = {
+    CONFIG: {"bf16": "`bf16: true`", "fp16": "`fp16: true`", "auto": "memory_budget: auto"},
+    FLAGS: {
+        "bf16": "`--precision bf16`",
+        "fp16": "`--precision fp16`",
+        "auto": "--memory-budget auto",
+    },
+}
 """The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
 MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
@@ -98,7 +107,7 @@ class Advice:
             ram = self.budget // 2**30
             said += (
                 f" that budget, but not a {ram} GB Mac's default of {default} "
-                f"({over} over; memory_budget: auto, where {budget} is the Mac's RAM)"
+                f"({over} over; {WORDS[vocabulary]['auto']}, where {budget} is the Mac's RAM)"
             )
         return said
 
@@ -137,7 +146,7 @@ def lines(advice: list[Advice], vocabulary: str = CONFIG) -> list[str]:
     of the machine (bf16 on MPS: macOS 14)."""
     said = [a.describe(vocabulary) for a in advice]
     needs = dict.fromkeys(k.needs for a in advice for k in a.knobs if k.needs)
-    return said + list(needs)
+    return said + [need.format(**WORDS[vocabulary]) for need in needs]
 
 
 def mac_default_budget(budget: int) -> int | None:
@@ -325,6 +334,7 @@ __all__ = [
     "FLAGS",
     "LEAST_SAVING",
     "MAC_RAM_GIB",
+    "WORDS",
     "Advice",
     "Knob",
     "advise",

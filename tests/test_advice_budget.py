@@ -120,3 +120,39 @@ def test_estimate_on_a_4_bit_config_answers_in_its_keys(capsys, seed, tmp_path):
     quantization = {**config["quantization"], "fallback": "fp16"}
     code, out = estimate(device="mps", memory_budget="16GiB", quantization=quantization)
     assert code == 0 and "fp16 weights" in " ".join(out.split()), out
+
+
+def killed_at_micro_batch_1(tmp_path: Path, budget: int) -> tuple[int, str]:
+    """The supervisor's last word for the seed's fine-tune killed by the OS at micro-batch 1
+    with every saver in force, the run's fit_start having recorded `budget` on MPS."""
+    from test_advice import seed_config
+    from test_escalation import SaversJob, supervise
+
+    from steadytrain.cli import finetune_advice
+
+    job = SaversJob(tmp_path, "", finish_at=99)
+    job.run_dir.mkdir(parents=True)
+    config = seed_config(tmp_path, bf16=True)
+    (job.run_dir / "training_config.json").write_text(json.dumps(config.resolved()))
+    start = {"event": "fit_start", "step": 0, "device": "mps", "budget": budget}
+    (job.run_dir / "events.jsonl").write_text(json.dumps(start) + "\n")
+    return supervise(job, oom_kill_count=lambda: None, advice=finetune_advice)
+
+
+def test_killed_while_the_estimate_fits_blames_memory_outside_the_run(tmp_path):
+    """The OS killed the run though its estimate at micro-batch 1 is within its budget (other
+    programs held the memory): the last word says so (close other programs, a lower
+    memory_budget), does not say "does not fit", and calls no change "fits"."""
+    code, out = killed_at_micro_batch_1(tmp_path, 64 * GiB)
+    said = " ".join(out.split())
+    assert code == 3, out
+    assert "within the budget of 64.00 GiB, so the memory that ran short was held outside" in said
+    assert "close other programs" in said and "a lower `memory_budget`" in said
+    assert "does not fit" not in said and ": fits" not in said, out
+
+
+def test_killed_over_the_estimate_lists_only_the_changes_that_make_it_fit(tmp_path):
+    code, out = killed_at_micro_batch_1(tmp_path, 10 * GiB)
+    said = " ".join(out.split())
+    assert code == 3 and "at micro-batch 1 the estimate is" in said, out
+    assert ": fits" in said and "still over" not in said, out

@@ -243,8 +243,10 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
     saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
     (RUN_DIR/training_config.json) at micro-batch 1 with those savers, against the budget the
-    run had (its fit_start event), in the config's keys. Empty where the run directory holds
-    no fine-tune config, or no budget can be found."""
+    run had (its fit_start event), in the config's keys: only the changes that make it fit. Where
+    the estimate fits already, no setting changes the verdict: the memory that ran short was
+    held by other programs, and that is what it says. Empty where the run directory holds no
+    fine-tune config, or no budget can be found."""
     import json
     from pathlib import Path
 
@@ -278,6 +280,16 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     settings = dataclasses.replace(settings, **killed_with)  # the registry's savers in force
     result = estimate(load_config(config.model_name_or_path), settings)
     result.budget = budget
+    if result.total is None:
+        return []
+    if result.total <= budget:  # the run's own need fits: what ran short was held by others
+        return [
+            f"at micro-batch 1 the estimate is {format_bytes(result.total)}, within the budget "
+            f"of {format_bytes(budget)}, so the memory that ran short was held outside this run: "
+            "close other programs that hold memory, or set a lower `memory_budget` (what the "
+            "machine has free with them open) so the run plans within it; no setting of this "
+            "config changes the estimate's verdict"
+        ]
     found = advise(
         load_config(config.model_name_or_path),
         settings,
@@ -289,7 +301,12 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     head = (
         f"at micro-batch 1 the estimate is {format_bytes(result.total)} of {format_bytes(budget)}"
     )
-    return [head, *lines(found, CONFIG)] if result.total is not None else []
+    fitting = [a for a in found if a.fits]
+    if not fitting:
+        return [
+            f"{head}; no setting of this config alone or combined makes it fit: a smaller model"
+        ]
+    return [head, *lines(fitting, CONFIG)]
 
 
 # -- what the run will do (--dry-run) ------------------------------------------------------

@@ -403,7 +403,7 @@ class Supervisor:
         tried = [micro, *self._escalations]
         reason = (
             f"killed for memory at {micro} with no memory saver left to turn on (in force: "
-            f"{in_force}): it does not fit this machine's memory"
+            f"{in_force}): this machine's memory ran out"
         )
         resume = f"step {step}" if step is not None else "the start"
         self._say(

@@ -90,9 +90,7 @@ def test_bf16_on_mps_says_what_it_needs_and_fp16_is_offered_beside_it(capsys, se
     assert code == 3
     text = " ".join(out.split())
     assert "`bf16: true` on MPS needs macOS 14 or later and a torch" in text, out
-    bf16 = re.search(r"`bf16: true` → ([\d.]+ GiB)", text)
-    fp16 = re.search(r"`fp16: true` → ([\d.]+ GiB)", text)
-    assert bf16 and fp16 and bf16[1] == fp16[1], out  # the same saving
+    assert "`fp16: true` saves the same on any macOS" in text, out
 
 
 def test_estimate_on_a_4_bit_config_answers_in_its_keys(capsys, seed, tmp_path):

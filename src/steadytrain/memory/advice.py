@@ -34,12 +34,13 @@ BF16_ON_MPS = (
     "{bf16} on MPS needs macOS 14 or later and a torch whose MPS backend runs bf16 "
     "(`steadytrain doctor` says whether this Mac does); {fp16} saves the same on any macOS"
 )
-"""What bf16 on MPS needs, with {bf16} and {fp16} in the vocabulary's words (`WORDS`)."""
+"""What bf16 on MPS needs, with {bf16} and {fp16} in the vocabulary's words (`WORDS`): the
+fp16 alternative is offered here, not as a line of its own with the same total."""
 WORDS = {
     CONFIG: {"bf16": "`bf16: true`", "fp16": "`fp16: true`", "auto": "memory_budget: auto"},
     FLAGS: {
         "bf16": "`--precision bf16`",
-        "fp16": "`--precision fp16`",
+        "fp16": "`--precision fp16 --weights-dtype fp16`",
         "auto": "--memory-budget auto",
     },
 }
@@ -179,11 +180,8 @@ def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> 
             "weights_dtype": "bf16",
             **({"precision": "bf16"} if s.precision == "fp32" else {}),
         }
-        on_mps = s.device_type == "mps"
-        found.append(Knob(changes, (("bf16", True),), flags, needs=BF16_ON_MPS if on_mps else ""))
-        if on_mps:  # as small as bf16, on any macOS
-            half = {key: "fp16" for key in changes}
-            found.append(Knob(half, (("fp16", True),), flags.replace("bf16", "fp16")))
+        needs = BF16_ON_MPS if s.device_type == "mps" else ""  # fp16 offered in its words
+        found.append(Knob(changes, (("bf16", True),), flags, needs=needs))
     elif s.precision == "fp32":
         found.append(Knob({"precision": "bf16"}, (("precision", "bf16"),), "--precision bf16"))
     found += _saver_knobs(s)

@@ -158,15 +158,21 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
     """The start of a fine-tune: the estimated need at its micro-batch against the budget,
     before the base loads (the planner does this itself for micro_batch_size: auto), and where
     it does not fit, what would (the advisor, in the config's keys)."""
+    from steadytrain.run.env import ENV_MAX_MICRO_BATCH, max_micro_batch
+
+    micro, cap = config.per_device_train_batch_size, max_micro_batch()
+    capped = cap is not None and cap < micro
+    micro = cap if capped else micro  # the supervisor's cap after a memory kill, as the run
     try:
-        result = estimate_finetune(config, device_type, budget)
+        result = estimate_finetune(config, device_type, budget, micro_batch_size=micro)
     except SteadytrainError as exc:
         return f"memory: no estimate before loading ({str(exc).splitlines()[0]})"
     if result.total is None or budget is None:
         return "memory: no estimate before loading (this architecture's activations are unknown)"
     head = (
-        f"memory: estimated {format_bytes(result.total)} at micro-batch "
-        f"{config.per_device_train_batch_size} against a budget of {format_bytes(budget)}"
+        f"memory: estimated {format_bytes(result.total)} at micro-batch {micro}"
+        + (f" ({ENV_MAX_MICRO_BATCH}={cap})" if capped else "")
+        + f" against a budget of {format_bytes(budget)}"
     )
     if result.fits:
         return f"{head}: fits"
@@ -177,7 +183,9 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
         else "; no setting of this config lowers it enough: a smaller model or more memory"
     )
     return (
-        f"{head}: does not fit; out-of-memory will halve the micro-batch{what} "
+        f"{head}: does not fit; out-of-memory will "
+        + ("halve the micro-batch" if micro > 1 else "turn on a memory saver that is left")
+        + f"{what} "
         "(steadytrain finetune --dry-run shows the breakdown)"
     )
 
@@ -411,7 +419,10 @@ def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
             chunk_tokens(config),
             result.total,
             where.budget,
-            "per_device_train_batch_size; out-of-memory halves it",
+            "per_device_train_batch_size; out-of-memory halves it"
+            if config.per_device_train_batch_size > 1
+            else "per_device_train_batch_size; the smallest: out-of-memory turns on a memory "
+            "saver that is left, if any",
             later,
         )
         return plan, result

@@ -154,3 +154,26 @@ def test_killed_over_the_estimate_lists_only_the_changes_that_make_it_fit(tmp_pa
     said = " ".join(out.split())
     assert code == 3 and "at micro-batch 1 the estimate is" in said, out
     assert ": fits" in said and "still over" not in said, out
+
+
+def test_the_plan_line_at_micro_batch_1_does_not_promise_a_halving(capsys, seed):
+    code, out = dry_run(capsys, seed, "memory_budget=10.8GiB")
+    assert code == 3
+    assert "micro-batch 1 × 8 accumulation (per_device_train_batch_size; the smallest" in out
+    assert "out-of-memory halves it" not in out
+
+
+def test_the_start_up_estimate_is_at_the_supervisors_micro_batch_cap(tmp_path, monkeypatch):
+    """After a memory kill `steadytrain run` caps the next attempt's micro-batch: its start-up
+    line prices that micro-batch, not the config's."""
+    from test_advice import seed_config
+
+    from steadytrain.recipes.finetune_memory import memory_line
+
+    config = seed_config(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    monkeypatch.setenv("STEADYTRAIN_MAX_MICRO_BATCH", "2")
+    line = memory_line(config, "mps", 10 * GiB)
+    assert "at micro-batch 2 (STEADYTRAIN_MAX_MICRO_BATCH=2)" in line, line
+    monkeypatch.setenv("STEADYTRAIN_MAX_MICRO_BATCH", "1")
+    line = memory_line(config, "mps", 10 * GiB)
+    assert "at micro-batch 1" in line and "halve" not in line, line

@@ -10,7 +10,12 @@ When no knob fits alone, the knobs are combined, the largest saving first, until
 and the combination leads the list. One advisor for every place that says "does not fit":
 `steadytrain estimate` and `plan` (in their flags' words), `steadytrain finetune` at start-up and
 its `--dry-run`, and the supervisor's exit 3 after the OS killed a run with every saver in force
-(in the fine-tune config's words: recipes/finetune_config.py field names)."""
+(in the fine-tune config's words: recipes/finetune_config.py field names).
+
+Each line shows its total and the budget at the precision that tells them apart, so its verdict
+can be read off the figures; a budget that is a Mac's RAM on MPS is also priced against the
+default a run on that Mac gets (`mac_default_budget`); bf16 on MPS is said with what it needs
+(macOS 14) and fp16 beside it."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from steadytrain.run import savers as run_savers
 from steadytrain.run.savers import DISCRETE_MEMORY
 
 CONFIG, FLAGS = "config", "flags"
+"""The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
 MAC_RAM_GIB = frozenset({8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512})
 """The RAM sizes (GiB) Apple Silicon Macs are sold with: a budget of one of them on MPS is read
 as possibly the machine's RAM (`mac_default_budget`)."""
@@ -44,7 +50,7 @@ WORDS = {
         "auto": "--memory-budget auto",
     },
 }
-"""The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
+"""The words of the notes (`BF16_ON_MPS`, a Mac's default budget) in each vocabulary."""
 MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
 LISTED = 6

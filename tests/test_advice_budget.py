@@ -177,3 +177,28 @@ def test_the_start_up_estimate_is_at_the_supervisors_micro_batch_cap(tmp_path, m
     monkeypatch.setenv("STEADYTRAIN_MAX_MICRO_BATCH", "1")
     line = memory_line(config, "mps", 10 * GiB)
     assert "at micro-batch 1" in line and "halve" not in line, line
+
+
+def test_the_report_counts_an_attempt_killed_before_its_start_was_recorded(tmp_path):
+    """Two restarts by the supervisor are three attempts, though the one killed while loading
+    never wrote its fit_start."""
+    from test_report import summary
+
+    from steadytrain.telemetry.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    events = [
+        {"event": "fit_start", "step": 0, "time": 1.0},
+        {"event": "restart", "step": 0, "time": 2.0},
+        {"event": "restart", "step": 0, "time": 3.0},
+        {"event": "fit_start", "step": 0, "time": 4.0},
+        {"event": "fit_end", "step": 1, "time": 5.0},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    line = {"step": 1, "loss": 1.0, "lr": 0.1, "time": 4.5, "micro_batch_size": 1}
+    (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    report = write_report(run)
+    page = Path(getattr(report, "html", run / "report.html")).read_text()
+    assert "2 by the supervisor" in summary(page)["restarts"]
+    assert "; 3 attempt(s)" in summary(page)["restarts"], summary(page)["restarts"]

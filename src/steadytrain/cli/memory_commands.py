@@ -56,11 +56,15 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     vocabulary, accumulation, own = FLAGS, 1, {}
     if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
         from steadytrain.recipes.finetune_config import FinetuneConfig
-        from steadytrain.recipes.finetune_memory import estimate_settings
+        from steadytrain.recipes.finetune_memory import base_load_settings, estimate_settings
 
         config = FinetuneConfig.load(model)
         own = _run_target(config, given)
-        given = {**given, **estimate_settings(config), **own}
+        device_type = given.get("device_type") or own.get("device_type")
+        if device_type is None and config.quantization.load_in_4bit:
+            device_type = resolve_target(from_options("estimate", {}))[2].device_type
+        loaded = base_load_settings(config, device_type)
+        given = {**given, **estimate_settings(config), **loaded, **own}
         model = config.model_name_or_path
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
     settings = from_options("estimate", given)

@@ -10,7 +10,12 @@ When no knob fits alone, the knobs are combined, the largest saving first, until
 and the combination leads the list. One advisor for every place that says "does not fit":
 `steadytrain estimate` and `plan` (in their flags' words), `steadytrain finetune` at start-up and
 its `--dry-run`, and the supervisor's exit 3 after the OS killed a run with every saver in force
-(in the fine-tune config's words: recipes/finetune_config.py field names)."""
+(in the fine-tune config's words: recipes/finetune_config.py field names).
+
+Each line shows its total and the budget at the precision that tells them apart, so its verdict
+can be read off the figures; a budget that is a Mac's RAM on MPS is also priced against the
+default a run on that Mac gets (`mac_default_budget`); bf16 on MPS is said with what it needs
+(macOS 14) and fp16 beside it."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from steadytrain._units import DEFAULT_BUDGET_FRACTION
+from steadytrain.device.mps import RECOMMENDED_SHARE as MPS_RECOMMENDED_SHARE
 from steadytrain.memory.compiled import family_share
 from steadytrain.memory.estimate import Estimate, estimate
 from steadytrain.memory.settings import Settings
@@ -26,6 +33,24 @@ from steadytrain.run.savers import DISCRETE_MEMORY
 
 CONFIG, FLAGS = "config", "flags"
 """The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
+MAC_RAM_GIB = frozenset({8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512})
+"""The RAM sizes (GiB) Apple Silicon Macs are sold with: a budget of one of them on MPS is read
+as possibly the machine's RAM (`mac_default_budget`)."""
+BF16_ON_MPS = (
+    "{bf16} on MPS needs macOS 14 or later and a torch whose MPS backend runs bf16 "
+    "(`steadytrain doctor` says whether this Mac does); {fp16} saves the same on any macOS"
+)
+"""What bf16 on MPS needs, with {bf16} and {fp16} in the vocabulary's words (`WORDS`): the
+fp16 alternative is offered here, not as a line of its own with the same total."""
+WORDS = {
+    CONFIG: {"bf16": "`bf16: true`", "fp16": "`fp16: true`", "auto": "memory_budget: auto"},
+    FLAGS: {
+        "bf16": "`--precision bf16`",
+        "fp16": "`--precision fp16 --weights-dtype fp16`",
+        "auto": "--memory-budget auto",
+    },
+}
+"""The words of the notes (`BF16_ON_MPS`, a Mac's default budget) in each vocabulary."""
 MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
 LISTED = 6
@@ -49,6 +74,9 @@ class Knob:
     alters: bool = False
     """It changes what is trained (shorter samples, a smaller adapter, a quantized base), not
     only how: offered after the knobs that leave the training the same."""
+    needs: str = ""
+    """What the machine must have for the change to run (bf16 on MPS: macOS 14), said once
+    below the list; empty where nothing more is needed."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,10 @@ class Advice:
     knobs: tuple[Knob, ...]
     total: int
     budget: int
+    mac_default: int | None = None
+    """Where the budget is a Mac's RAM size on MPS (`mac_default_budget`): the budget a run on
+    a Mac with that much RAM gets by default, so a "fits" against the RAM is not taken for a
+    fit there."""
 
     @property
     def fits(self) -> bool:
@@ -70,8 +102,21 @@ class Advice:
         return " ".join(f"`{k.flags}`" for k in self.knobs)
 
     def describe(self, vocabulary: str = CONFIG) -> str:
+        """`bf16: true` → 12.9 GiB of 16.0 GiB: fits; the two sizes at the precision that
+        tells them apart (10.81 GiB of 10.80 GiB: still over), so the verdict can be read off
+        the figures."""
+        total, budget = _sizes(self.total, self.budget)
         verdict = "fits" if self.fits else "still over"
-        return f"{self.keys(vocabulary)} → {_gib(self.total)} of {_gib(self.budget)}: {verdict}"
+        said = f"{self.keys(vocabulary)} → {total} of {budget}: {verdict}"
+        mac = self.mac_default
+        if self.fits and mac is not None and self.total > mac:
+            over, default = _sizes(self.total - mac, mac)
+            ram = self.budget // 2**30
+            said += (
+                f" that budget, but not a {ram} GB Mac's default of {default} "
+                f"({over} over; {WORDS[vocabulary]['auto']}, where {budget} is the Mac's RAM)"
+            )
+        return said
 
 
 def advise(
@@ -89,22 +134,36 @@ def advise(
     base = current or estimate(config, settings)
     if base.total is None:
         return []
+    mac = mac_default_budget(budget) if settings.device_type == "mps" else None
     found: list[Advice] = []
     for knob in knobs(config, settings, budget, vocabulary, accumulation):
         total = _total(config, settings, knob.changes)
         if total is not None and base.total - total >= LEAST_SAVING * base.total:
-            found.append(Advice((knob,), total, budget))
+            found.append(Advice((knob,), total, budget, mac))
     found.sort(key=lambda a: (not a.fits, a.knobs[0].alters, a.total))
     if found and not found[0].fits:
         combined = _combined(config, settings, budget, found)
         if combined is not None:
-            found.insert(0, combined)
+            found.insert(0, dataclasses.replace(combined, mac_default=mac))
     return found[:LISTED]
 
 
 def lines(advice: list[Advice], vocabulary: str = CONFIG) -> list[str]:
-    """One line per piece of advice, for a message."""
-    return [a.describe(vocabulary) for a in advice]
+    """One line per piece of advice, for a message, then once each what a listed change needs
+    of the machine (bf16 on MPS: macOS 14)."""
+    said = [a.describe(vocabulary) for a in advice]
+    needs = dict.fromkeys(k.needs for a in advice for k in a.knobs if k.needs)
+    return said + [need.format(**WORDS[vocabulary]) for need in needs]
+
+
+def mac_default_budget(budget: int) -> int | None:
+    """The budget a run gets by default (`memory_budget: auto`) on a Mac whose RAM is `budget`
+    (a whole number of GiB a Mac is sold with): 0.9 of Metal's recommended working set, about
+    0.75 of RAM; None for any other size. A budget written as the Mac's RAM ("16GiB" on a 16 GB
+    Mac) is more than a run there may use."""
+    if budget % 2**30 or budget // 2**30 not in MAC_RAM_GIB:
+        return None
+    return int(budget * MPS_RECOMMENDED_SHARE * DEFAULT_BUDGET_FRACTION)
 
 
 def knobs(
@@ -127,7 +186,8 @@ def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> 
             "weights_dtype": "bf16",
             **({"precision": "bf16"} if s.precision == "fp32" else {}),
         }
-        found.append(Knob(changes, (("bf16", True),), flags))
+        needs = BF16_ON_MPS if s.device_type == "mps" else ""  # fp16 offered in its words
+        found.append(Knob(changes, (("bf16", True),), flags, needs=needs))
     elif s.precision == "fp32":
         found.append(Knob({"precision": "bf16"}, (("precision", "bf16"),), "--precision bf16"))
     found += _saver_knobs(s)
@@ -255,9 +315,34 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _gib(n: int) -> str:
-    """A size at the precision the advice needs: GiB to a tenth, MiB below one GiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+def _sizes(a: int, b: int) -> tuple[str, str]:
+    """Two sizes at the precision that tells them apart: GiB to a tenth (MiB below one GiB),
+    more digits while the two read the same but differ (10.81 GiB of 10.80 GiB)."""
+    for digits in range(1, 7):
+        said = _gib(a, digits), _gib(b, digits)
+        if said[0] != said[1] or a == b:
+            return said
+    return f"{a:,} bytes", f"{b:,} bytes"
 
 
-__all__ = ["CONFIG", "FLAGS", "LEAST_SAVING", "Advice", "Knob", "advise", "knobs", "lines"]
+def _gib(n: int, digits: int = 1) -> str:
+    """A size in GiB to `digits` decimals, in MiB (one fewer) below one GiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.{digits}f} GiB"
+    return f"{n / 2**20:.{digits - 1}f} MiB"
+
+
+__all__ = [
+    "BF16_ON_MPS",
+    "CONFIG",
+    "FLAGS",
+    "LEAST_SAVING",
+    "MAC_RAM_GIB",
+    "WORDS",
+    "Advice",
+    "Knob",
+    "advise",
+    "knobs",
+    "lines",
+    "mac_default_budget",
+]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steadytrain._units import format_bytes
-from steadytrain.errors import SteadytrainError
+from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.memory.advice import CONFIG, advise, lines
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
@@ -82,8 +82,34 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
     }
 
 
+def base_load_settings(config: FinetuneConfig, device_type: str | None) -> dict[str, Any]:
+    """How the base loads on `device_type` as the estimate's options (`load_in_4bit`,
+    `weights_dtype`), as the run decides it (recipes/model.py `plan_base_load`), its refusals in
+    the config's keys: 4-bit where it cannot run (MPS, CPU) is refused, exit 2, unless
+    `quantization.fallback` names the dtype to load in instead; a 4-bit base with fp32 compute
+    (neither `bf16` nor `fp16`) has no estimate (a 4-bit base computes in bf16 or fp16). None
+    for `device_type`: this machine's, decided by the caller once it knows it."""
+    if not config.quantization.load_in_4bit:
+        return {}
+    if device_type is not None and device_type != "cuda":
+        from steadytrain.recipes.model import plan_base_load
+
+        load = plan_base_load(config, device_type, "fp32", bnb_available=False)  # refuses
+        fallback = str(config.quantization.fallback)
+        if not load.load_in_4bit:
+            return {"load_in_4bit": False, "weights_dtype": fallback}
+    if estimate_settings(config)["precision"] == "fp32":
+        raise BadInputError(
+            "quantization.load_in_4bit: true with fp32 compute (`bf16` and `fp16` false); a 4-bit "
+            "base computes in bf16 or fp16: set `bf16: true` (what QLoRA uses for the layers it "
+            "does not quantize), or `fp16: true`"
+        )
+    return {}
+
+
 def _settings(config: FinetuneConfig, device_type: str, **options: Any) -> Settings:
-    settings = from_options("estimate", {**estimate_settings(config), **options})
+    loaded = base_load_settings(config, device_type)
+    settings = from_options("estimate", {**estimate_settings(config), **loaded, **options})
     settings.check("estimate")
     fused = config.fused_loss and settings.chunked_loss and _fused_runs(device_type)
     return dataclasses.replace(
@@ -132,15 +158,21 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
     """The start of a fine-tune: the estimated need at its micro-batch against the budget,
     before the base loads (the planner does this itself for micro_batch_size: auto), and where
     it does not fit, what would (the advisor, in the config's keys)."""
+    from steadytrain.run.env import ENV_MAX_MICRO_BATCH, max_micro_batch
+
+    micro, cap = config.per_device_train_batch_size, max_micro_batch()
+    capped = cap is not None and cap < micro
+    micro = cap if capped else micro  # the supervisor's cap after a memory kill, as the run
     try:
-        result = estimate_finetune(config, device_type, budget)
+        result = estimate_finetune(config, device_type, budget, micro_batch_size=micro)
     except SteadytrainError as exc:
         return f"memory: no estimate before loading ({str(exc).splitlines()[0]})"
     if result.total is None or budget is None:
         return "memory: no estimate before loading (this architecture's activations are unknown)"
     head = (
-        f"memory: estimated {format_bytes(result.total)} at micro-batch "
-        f"{config.per_device_train_batch_size} against a budget of {format_bytes(budget)}"
+        f"memory: estimated {format_bytes(result.total)} at micro-batch {micro}"
+        + (f" ({ENV_MAX_MICRO_BATCH}={cap})" if capped else "")
+        + f" against a budget of {format_bytes(budget)}"
     )
     if result.fits:
         return f"{head}: fits"
@@ -151,7 +183,9 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
         else "; no setting of this config lowers it enough: a smaller model or more memory"
     )
     return (
-        f"{head}: does not fit; out-of-memory will halve the micro-batch{what} "
+        f"{head}: does not fit; out-of-memory will "
+        + ("halve the micro-batch" if micro > 1 else "turn on a memory saver that is left")
+        + f"{what} "
         "(steadytrain finetune --dry-run shows the breakdown)"
     )
 
@@ -217,8 +251,10 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
     saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
     (RUN_DIR/training_config.json) at micro-batch 1 with those savers, against the budget the
-    run had (its fit_start event), in the config's keys. Empty where the run directory holds
-    no fine-tune config, or no budget can be found."""
+    run had (its fit_start event), in the config's keys: only the changes that make it fit. Where
+    the estimate fits already, no setting changes the verdict: the memory that ran short was
+    held by other programs, and that is what it says. Empty where the run directory holds no
+    fine-tune config, or no budget can be found."""
     import json
     from pathlib import Path
 
@@ -252,6 +288,16 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     settings = dataclasses.replace(settings, **killed_with)  # the registry's savers in force
     result = estimate(load_config(config.model_name_or_path), settings)
     result.budget = budget
+    if result.total is None:
+        return []
+    if result.total <= budget:  # the run's own need fits: what ran short was held by others
+        return [
+            f"at micro-batch 1 the estimate is {format_bytes(result.total)}, within the budget "
+            f"of {format_bytes(budget)}, so the memory that ran short was held outside this run: "
+            "close other programs that hold memory, or set a lower `memory_budget` (what the "
+            "machine has free with them open) so the run plans within it; no setting of this "
+            "config changes the estimate's verdict"
+        ]
     found = advise(
         load_config(config.model_name_or_path),
         settings,
@@ -263,7 +309,12 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     head = (
         f"at micro-batch 1 the estimate is {format_bytes(result.total)} of {format_bytes(budget)}"
     )
-    return [head, *lines(found, CONFIG)] if result.total is not None else []
+    fitting = [a for a in found if a.fits]
+    if not fitting:
+        return [
+            f"{head}; no setting of this config alone or combined makes it fit: a smaller model"
+        ]
+    return [head, *lines(fitting, CONFIG)]
 
 
 # -- what the run will do (--dry-run) ------------------------------------------------------
@@ -368,7 +419,10 @@ def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
             chunk_tokens(config),
             result.total,
             where.budget,
-            "per_device_train_batch_size; out-of-memory halves it",
+            "per_device_train_batch_size; out-of-memory halves it"
+            if config.per_device_train_batch_size > 1
+            else "per_device_train_batch_size; the smallest: out-of-memory turns on a memory "
+            "saver that is left, if any",
             later,
         )
         return plan, result
@@ -428,6 +482,7 @@ __all__ = [
     "RunPlan",
     "Target",
     "advice",
+    "base_load_settings",
     "chunk_tokens",
     "estimate_finetune",
     "estimate_settings",

@@ -128,7 +128,7 @@ class Supervisor:
         self.oom_kill_count = oom_kill_count
         self.restarts = 0
         self.child = ChildProcess(self.command, self.environ, options, self._say, self._record)
-        self._escalations: list[str] = []  # what each escalation turned on, for the last word
+        self._escalations: list[str] = []  # each halving and saver turned on, for the last word
 
     @property
     def options(self) -> SupervisorOptions:
@@ -190,6 +190,8 @@ class Supervisor:
                 return self._give_up(death, step)
             if death.memory_kill_suspected and not death.while_starting:
                 max_micro = smaller_micro_batch(self.options.run_dir, max_micro, death)
+            if smaller is not None:  # a halving: the last word's "Tried:" names it
+                self._escalations.append(f"micro-batch {smaller} (attempt {self.restarts + 2})")
             if savers is not None:
                 savers_asked = self._escalate(savers, step, death)
             self.child.kill_leftovers()
@@ -441,10 +443,11 @@ class Supervisor:
         folder = folder_of(self.options.run_dir, death)
         smallest = smallest_micro_batch(folder, cap)
         micro = f"micro-batch {smallest}" if smallest is not None else "before its first step"
-        tried = [micro, *self._escalations]
+        halved = any(item.startswith("micro-batch") for item in self._escalations)
+        tried = [*([] if halved else [micro]), *self._escalations]
         reason = (
             f"killed for memory at {micro} with no memory saver left to turn on (in force: "
-            f"{in_force}): it does not fit this machine's memory"
+            f"{in_force}): this machine's memory ran out"
         )
         resume = f"step {step}" if step is not None else "the start"
         self._say(

@@ -381,11 +381,15 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         )
     )
     killed = run.counts[Record.KILLED]
+    restarts, started = run.counts[Record.RESTART], run.counts[Record.FIT_START]
+    # each restart began one more attempt, recorded or not: one killed while loading never
+    # reached its fit_start, and still was an attempt
+    attempts = max(started, restarts + 1) if restarts else started
     rows.append(
         (
             "restarts",
-            f"{run.counts[Record.RESTART]} by the supervisor; {run.resumes} resume(s) from "
-            f"a checkpoint; {run.counts[Record.FIT_START]} attempt(s)"
+            f"{restarts} by the supervisor; {run.resumes} resume(s) from "
+            f"a checkpoint; {attempts} attempt(s)"
             + (f"; {killed} attempt(s) killed without fit_end" if killed else ""),
         )
     )

@@ -127,3 +127,103 @@ def test_a_plain_script_without_the_decorator_exits_with_the_documented_code(
     else:
         assert "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("error: "), done.stderr
+
+
+class OomOnCall:
+    """A loss that raises a CUDA-style out-of-memory error on its `call`-th call, once: the
+    engine's ladder halves the micro-batch and redoes that step, as for a real one."""
+
+    def __init__(self, call: int):
+        self.call, self.calls = call, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls == self.call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss_fn(model, batch)
+
+
+def test_an_out_of_memory_is_named_at_the_same_step_on_the_console_in_events_and_report(
+    tmp_path, capsys
+):
+    """An out-of-memory in the third step (two done) was "step 3" on the console but step 2
+    in events.jsonl and the report's events table; each names the step it happened in now,
+    as fit_end's error_step names the step an error stopped."""
+    from steadytrain.cli import main as cli_main
+    from steadytrain.telemetry.files import read_jsonl
+
+    run = tmp_path / "run"
+    Trainer(
+        model=torch.nn.Linear(4, 1),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+        loss_fn=OomOnCall(3),
+        train_data=Data(),
+        config=config(run, max_steps=4, progress="auto"),
+    ).fit()
+    err = capsys.readouterr().err
+    assert "out of memory in forward at micro-batch 4 (step 3)" in err, err
+    ooms = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "oom"]
+    assert [e["step"] for e in ooms] == [3]
+    with pytest.raises(SystemExit) as done:
+        cli_main(["report", str(run)])
+    assert done.value.code in (0, None)
+    page = (run / "report.html").read_text()
+    row = page[page.index('data-event="oom"') :]
+    assert row.split("<td>", 3)[2].startswith("3</td>"), row[:300]
+
+
+class FailsAtCall:
+    """A loss with a bug that shows on its `call`-th call."""
+
+    def __init__(self, call: int):
+        self.call, self.calls = call, 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        if self.calls == self.call:
+            raise KeyError("label")
+        return loss_fn(model, batch)
+
+
+@pytest.mark.parametrize(
+    ("failing_call", "said"),
+    [(1, "no checkpoint was saved yet, so the run starts from the beginning"), (4, "")],
+)
+def test_an_error_in_your_code_says_where_the_rerun_starts(tmp_path, capsys, failing_call, said):
+    """An error in the loss at the first step said "the run resumes from its last checkpoint"
+    where none had been saved; it says the rerun starts from the beginning now, and names the
+    checkpoint's step where there is one (saved every 2 steps, failing in step 4: step 2)."""
+    said = said or "the run resumes from its last checkpoint (step 2)"
+
+    def trainer():
+        return Trainer(
+            model=torch.nn.Linear(4, 1),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+            loss_fn=FailsAtCall(failing_call),
+            train_data=Data(),
+            config=config(tmp_path / "run", max_steps=6, save_every_steps=2),
+        )
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 5, err
+    assert f"Fix it and run again: {said}." in " ".join(err.split()), err
+
+
+def test_plan_with_probe_on_a_lora_model_shows_no_library_warning(tmp_path, capsys):
+    """`steadytrain plan --probe --method lora` printed transformers' FutureWarning about
+    `is_gradient_checkpointing` (peft reads it), which is nothing the user can change."""
+    import warnings
+
+    from tiny_models import save_byte_llama
+
+    from steadytrain.cli import main as cli_main
+
+    folder = save_byte_llama(tmp_path / "llama")
+    command = ["plan", str(folder), "--effective-batch-size", "2", "--seq", "16"]
+    with warnings.catch_warnings(record=True) as shown, pytest.raises(SystemExit) as done:
+        warnings.simplefilter("always")
+        cli_main([*command, "--probe", "--method", "lora"])
+    assert done.value.code in (0, None), capsys.readouterr().err
+    assert not [w for w in shown if issubclass(w.category, FutureWarning)], [
+        str(w.message) for w in shown
+    ]

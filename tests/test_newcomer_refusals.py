@@ -227,3 +227,77 @@ def test_plan_with_probe_on_a_lora_model_shows_no_library_warning(tmp_path, caps
     assert not [w for w in shown if issubclass(w.category, FutureWarning)], [
         str(w.message) for w in shown
     ]
+
+
+def _finetune_project(root: Path, **changes) -> Path:
+    """A project folder with a tiny model, its data and a fine-tune config side by side;
+    `changes` go into the config."""
+    import json
+
+    from tiny_models import save_byte_llama
+
+    save_byte_llama(root / "tiny")
+    (root / "data").mkdir()
+    records = [json.dumps({"text": f"{i} plus {i} is {2 * i}"}) for i in range(8)]
+    (root / "data" / "train.jsonl").write_text("\n".join(records) + "\n")
+    settings = {
+        "model_name_or_path": str(root / "tiny"),
+        "train_file": str(root / "data" / "train.jsonl"),
+        "output_dir": str(root / "out"),
+        "max_seq_length": 32,
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "lora": {"r": 2, "lora_alpha": 4},
+        **changes,
+    }
+    (root / "cfg.json").write_text(json.dumps(settings))
+    return root / "cfg.json"
+
+
+def _finetune(capsys, config: Path) -> tuple[int, str]:
+    from steadytrain.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["finetune", "--config", str(config)])
+    return done.value.code, " ".join(capsys.readouterr().err.split())
+
+
+def test_a_fine_tune_names_every_problem_of_its_config_at_once_and_finds_the_model_beside_it(
+    tmp_path, capsys, monkeypatch
+):
+    """Run from another folder, a config naming its model folder and data file relative to
+    itself, and an optimizer for CUDA on a CPU: the model was taken for a hub id, and each
+    problem came alone, one run each. One run names all three now, the model found beside the
+    config as the data file is (exit 2), before anything is loaded."""
+    config = _finetune_project(
+        tmp_path / "proj",
+        model_name_or_path="tiny",
+        train_file="data/train.jsonl",
+        optim="adamw_torch_fused",
+    )
+    monkeypatch.chdir(tmp_path)
+    code, said = _finetune(capsys, config.relative_to(tmp_path))
+    assert code == 2, said
+    assert "Traceback" not in said
+    assert "(3 problem(s))" in said, said
+    assert "optim: adamw_torch_fused is for CUDA" in said, said
+    assert "train_file: data file data/train.jsonl does not exist in" in said, said
+    assert "model_name_or_path: folder tiny does not exist in" in said, said
+    assert "it is beside the config, as proj/tiny: run the command from proj" in said, said
+    assert f"or write model_name_or_path as {str(tmp_path / 'proj' / 'tiny')!r}" in said, said
+    assert not (tmp_path / "proj" / "out").exists()
+
+
+def test_a_base_model_folder_without_a_tokenizer_is_refused_at_the_start(tmp_path, capsys):
+    """A base model saved without its tokenizer (model.save_pretrained only): transformers'
+    traceback after the memory estimate (exit 1). Refused at the start now (exit 2), naming
+    the folder, the tokenizer files looked for and how to save them."""
+    config = _finetune_project(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "tiny" / name).unlink(missing_ok=True)
+    code, said = _finetune(capsys, config)
+    assert code == 2, said
+    assert "Traceback" not in said
+    assert f"model_name_or_path: {tmp_path / 'tiny'} has no tokenizer (none of" in said, said
+    assert "tokenizer.save_pretrained(folder)" in said, said
+    assert not (tmp_path / "out").exists()

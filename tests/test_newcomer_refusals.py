@@ -301,3 +301,29 @@ def test_a_base_model_folder_without_a_tokenizer_is_refused_at_the_start(tmp_pat
     assert f"model_name_or_path: {tmp_path / 'tiny'} has no tokenizer (none of" in said, said
     assert "tokenizer.save_pretrained(folder)" in said, said
     assert not (tmp_path / "out").exists()
+
+
+def test_a_forever_sampler_is_told_the_num_samples_the_run_reads(tmp_path, capsys):
+    """minGPT's loader draws `RandomSampler(data, replacement=True, num_samples=int(1e10))`,
+    "forever": refused (its order does not fit the budget) with advice to read in order or give
+    the dataset a __len__, which does not fit a sampler that draws with replacement. Told the
+    num_samples the run reads now: max_steps × effective_batch_size."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = Data()
+    forever = RandomSampler(data, replacement=True, num_samples=int(1e10))
+
+    def trainer():
+        return Trainer(
+            model=torch.nn.Linear(4, 1),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+            loss_fn=loss_fn,
+            train_data=DataLoader(data, sampler=forever, batch_size=4),
+            config=config(tmp_path / "run", memory_budget="1GiB"),
+        )
+
+    code, err = exit_as_script(capsys, trainer)
+    assert code == 2, err
+    said = " ".join(err.split())
+    assert "Its num_samples=10,000,000,000 is how many samples it draws" in said, said
+    assert "num_samples=max_steps × effective_batch_size = 8" in said, said

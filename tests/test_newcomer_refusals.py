@@ -341,3 +341,24 @@ def test_the_readme_scheduler_and_callback_example_runs(tmp_path, monkeypatch, c
     out = capsys.readouterr().out
     assert "step 2: loss " in out and "step 4: loss " in out, out
     assert (tmp_path / "runs" / "callbacks" / "metrics.jsonl").is_file()
+
+
+def test_a_constant_learning_rate_is_drawn_flat_on_whole_step_ticks(tmp_path):
+    """The report drew a constant learning rate on matplotlib's ±5 % axis (it read as a
+    change) with ticks at 0.5, 1.5 steps; the axis now runs from 0 to twice the rate, and the
+    step ticks are whole numbers."""
+    from steadytrain.telemetry.plots import plot_loss_lr
+    from steadytrain.telemetry.run_reading import load_run
+
+    Trainer(
+        model=torch.nn.Linear(4, 1),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+        loss_fn=loss_fn,
+        train_data=Data(),
+        config=config(tmp_path / "run", max_steps=3),
+    ).fit()
+    figure = plot_loss_lr(load_run(tmp_path / "run"))
+    lr_axis = figure.axes[1]
+    assert lr_axis.get_ylim() == pytest.approx((0.0, 0.02))
+    ticks = [t for t in lr_axis.get_xticks() if lr_axis.get_xlim()[0] <= t <= lr_axis.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

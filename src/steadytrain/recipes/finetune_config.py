@@ -490,8 +490,12 @@ class FinetuneConfig(BaseModel):
         if not os.path.isdir(folder):
             beside = self._beside_config("model_name_or_path", name, os.path.isdir)
             return [f"model_name_or_path: folder {name} {beside}"] if beside else []
+        from pathlib import Path
+
+        from steadytrain.memory.model_shape import not_a_model
+
         has = set(os.listdir(folder))
-        if "config.json" not in has or has & set(TOKENIZER_FILES):
+        if "config.json" not in has or has & set(TOKENIZER_FILES) or not_a_model(Path(folder)):
             return []  # not a model folder: resolve_model_path says what it is
         return [
             f"model_name_or_path: {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)});"

@@ -211,11 +211,8 @@ def _child(request: dict) -> None:
         _end()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)  # as Python ends on an uncaught Ctrl-C
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+    except BaseException as error:  # noqa: BLE001 - handled as the interpreter would
+        code = _uncaught(error)
     _end()
     os._exit(code)
 
@@ -233,6 +230,21 @@ def _run(argv: list[str]) -> int:
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
     return 0
+
+
+def _uncaught(error: BaseException) -> int:
+    """What the interpreter does with an uncaught exception: `sys.excepthook` shows it (the one
+    importing steadytrain installs prints a refusal's message), exit 1; a hook that raises
+    `SystemExit` ends the process with that code instead."""
+    try:
+        sys.excepthook(type(error), error, error.__traceback__)
+    except SystemExit as stop:
+        return _exit_code(stop.code)
+    except BaseException:  # noqa: BLE001 - a broken hook: the interpreter prints both
+        import traceback
+
+        traceback.print_exc()
+    return 1
 
 
 def _exit_code(code: object) -> int:

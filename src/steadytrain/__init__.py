@@ -12,7 +12,8 @@ integrations  callbacks for code that keeps its own trainer (Hugging Face, Light
               `RunGuard` for a loop of one's own), sharing one core
 recipes       LoRA / QLoRA fine-tuning, merge, generate, evaluate, the offline demo
 doctor        `steadytrain doctor`: can this machine train, and why not
-entry         `@steadytrain.entrypoint`: a script's errors as the documented exits
+entry         a script's errors as the documented exits: `@steadytrain.entrypoint`, and the
+              exit hook importing steadytrain installs for a script without it
 trainer       the run assembled from its parts, and `fit()`
 checkpoint    the whole checkpoint concern: what is saved, the store, the resume decision
 safety        callbacks that keep a run alive: signals, hang watchdog, memory watch, leaks
@@ -35,6 +36,7 @@ _lazy, _options, _terminal, _units, _version
 from steadytrain._version import __version__
 from steadytrain.config import TrainConfig
 from steadytrain.entry import entrypoint
+from steadytrain.entry import install_exit_hook as _install_exit_hook
 from steadytrain.errors import (
     BadInputError,
     ConfigError,
@@ -45,6 +47,8 @@ from steadytrain.errors import (
 )
 from steadytrain.events import Callback, Control, Event, StepMetrics, TrainState
 from steadytrain.run import env as _run_env
+
+_install_exit_hook()  # a plain script's uncaught refusal exits with its documented code too
 
 if _run_env.start_watch() is not None:  # under `steadytrain run`, which asks for the watch
     from steadytrain.safety.watchdog import watch_from_start

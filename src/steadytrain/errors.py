@@ -318,6 +318,10 @@ class UserCodeError(SteadytrainError):
     function and the step and shows the user's own frames of the traceback. Exit 5."""
 
     exit_code = USER_CODE_EXIT
+    resumes_at: int | None = None
+    """Where a rerun starts, set by the `Trainer` that stopped from its run directory: the step
+    of its newest checkpoint, 0 when none was saved yet; None when not known (the message then
+    promises no checkpoint)."""
 
     def __init__(
         self,
@@ -338,7 +342,15 @@ class UserCodeError(SteadytrainError):
         text = f"error in your code{where}{at}: {self.problem}"
         if self.frames:
             text += f"\nTraceback, your code only (most recent call last):\n{self.frames}"
-        return text + "\nFix it and run again: the run resumes from its last checkpoint."
+        return text + f"\nFix it and {self.run_again()}."
+
+    def run_again(self) -> str:
+        """'run again', and where the rerun starts when the run directory said so."""
+        if self.resumes_at is None:
+            return "run again"
+        if self.resumes_at == 0:
+            return "run again: no checkpoint was saved yet, so the run starts from the beginning"
+        return f"run again: the run resumes from its last checkpoint (step {self.resumes_at})"
 
     @property
     def signature(self) -> str:
@@ -370,8 +382,7 @@ class OutOfMemoryInYourCode(UserCodeError):
         return text + (
             "\nThis ran out outside a training step's forward and backward, where a smaller "
             "micro-batch does not help: free memory (other programs, tensors your code keeps), "
-            "or make what this code builds smaller; then run again: the run resumes from its "
-            "last checkpoint."
+            f"or make what this code builds smaller; then {self.run_again()}."
         )
 
 

@@ -51,7 +51,7 @@ class Event(str, enum.Enum):
     FIT_START = "fit_start"  # config, device, budget, micro_batch_size
     STEP_START = "step_start"  # (none)
     MICRO_STEP_END = "micro_step_end"  # index, count, size
-    OOM = "oom"  # phase, micro_batch_size, error, memory
+    OOM = "oom"  # phase, micro_batch_size, error, memory; its step is `oom_step`'s
     SHRINK = "shrink"  # old, new, reason, memory
     MEMORY_SAVER = "memory_saver"  # saver, reason, memory
     EVAL_STEP_END = "eval_step_end"  # index
@@ -64,6 +64,14 @@ class Event(str, enum.Enum):
     @property
     def method(self) -> str:
         return f"on_{self.value}"
+
+
+def oom_step(state: TrainState, info: dict) -> int:
+    """The step an out-of-memory (the `oom` event's `info`) happened in, as the console and
+    events.jsonl name it: in a training step, the step in progress (`state.step` + 1, as
+    fit_end's `error_step` names the step an error stopped); in an evaluation, the step it
+    follows (`state.step`, as "evaluation at step k" does)."""
+    return state.step if info.get("phase") == "evaluation" else state.step + 1
 
 
 class Callback:

@@ -53,6 +53,8 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     typer.echo(f"engine: {json.dumps(json.loads(engine.to_json()))}")
     for problem in config.data_file_problems():
         typer.echo(f"data: {problem}: the run would stop there (exit 2)")
+    for problem in config.model_folder_problems():
+        typer.echo(f"model: {problem}: the run would stop there (exit 2)")
     where = target(config)
     plan, result = run_plan(config, where)
     result.budget, result.budget_source = where.budget, where.source

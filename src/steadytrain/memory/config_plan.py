@@ -3,6 +3,7 @@ or from real passes of the model built with random weights on this device."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -243,15 +244,20 @@ def _random_model(config, settings, dtype, torch_device):
         from peft import LoraConfig, get_peft_model
 
         targets = settings.targets
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=settings.lora_r,
-                lora_alpha=2 * settings.lora_r,
-                lora_dropout=settings.lora_dropout,
-                target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-            ),
-        )
+        with warnings.catch_warnings():
+            # peft reads a property transformers 5 deprecated; the warning is not the user's.
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+            )
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=settings.lora_r,
+                    lora_alpha=2 * settings.lora_r,
+                    lora_dropout=settings.lora_dropout,
+                    target_modules="all-linear" if targets == ("all-linear",) else list(targets),
+                ),
+            )
     model.train()
     return model
 

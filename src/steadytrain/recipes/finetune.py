@@ -86,16 +86,19 @@ class FinetuneJob:
             self.train_config.device, self.train_config.budget_bytes_or_fraction()
         )
         self.precision = resolve_precision(self.train_config.precision, self.device).name
+        # every problem the config shows, at once, before the model's files are read
+        problems = _optimizer_problems(config.optim, self.device.type)
+        if config.gradient_checkpointing == "offload" and not self.device.discrete_memory:
+            problems.append(offload_problem(self.device.type, "gradient_checkpointing"))
+        problems += config.data_file_problems() + config.model_folder_problems()
+        if problems:
+            raise ConfigError(problems, config._source)
         self.base_load = plan_base_load(config, self.device.type, self.precision)
         stop = refusal(config, self.device.type, self.device.budget)  # as --dry-run says
         if stop is not None:
             raise DoesNotFitError(f"{stop} (steadytrain finetune --dry-run shows the breakdown)")
         if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
             say(memory_line(config, self.device.type, self.device.budget))
-        _check_optimizer(config.optim, self.device.type)
-        if config.gradient_checkpointing == "offload" and not self.device.discrete_memory:
-            raise ConfigError([offload_problem(self.device.type, "gradient_checkpointing")])
-        _check_data_files(config)  # before the model and tokenizer, which may come from the hub
         self.model_path = resolve_model_path(config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_data, self.eval_data, stats = load_datasets(
@@ -210,11 +213,6 @@ def run_finetune(
         return job.run(confirmed=log.start)  # nor one before the run is known to be this run
 
 
-def _check_data_files(config: FinetuneConfig) -> None:
-    for problem in config.data_file_problems()[:1]:
-        raise BadInputError(problem)
-
-
 def _check_one_batch(config: FinetuneConfig, train: TrainConfig, samples: int) -> None:
     """Fewer training samples than one optimizer batch, said in this config's own keys."""
     if samples >= train.effective_batch_size or not train.drop_last:
@@ -237,26 +235,27 @@ def _check_one_batch(config: FinetuneConfig, train: TrainConfig, samples: int) -
 # -- optimizer and schedule ----------------------------------------------------------------
 
 
-def _check_optimizer(name: str, device_type: str) -> None:
-    """Refuse, before loading anything, an optimizer that cannot run here, with the one that can."""
+def _optimizer_problems(name: str, device_type: str) -> list[str]:
+    """An optimizer that cannot run here, with the one that can (a list of at most one line)."""
     import importlib.util
 
     if name == "adamw_torch_fused" and device_type != "cuda":
-        raise BadInputError(
+        return [
             f"optim: adamw_torch_fused is for CUDA, this run trains on {device_type}; "
             "use adamw_torch"
-        )
+        ]
     if name in BNB_OPTIMIZERS:
         if device_type != "cuda":
-            raise BadInputError(
+            return [
                 f"optim: {name} needs bitsandbytes on CUDA, this run trains on {device_type}; use "
                 "adamw_torch (the adapter's optimizer state is small, 8-bit saves little with LoRA)"
-            )
+            ]
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise BadInputError(
+            return [
                 f"optim: {name} needs bitsandbytes, which is not installed; pip install "
                 "bitsandbytes, or use adamw_torch"
-            )
+            ]
+    return []
 
 
 def optimizer_factory(
@@ -265,7 +264,8 @@ def optimizer_factory(
     """params -> optimizer, as `Trainer` takes it. Weight decay goes to matrices only (Hugging
     Face's rule: not to biases and norm weights, whose decay pulls them toward 0, not toward
     the pretrained value)."""
-    _check_optimizer(config.optim, device_type)
+    for problem in _optimizer_problems(config.optim, device_type):
+        raise BadInputError(problem)
 
     def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         decay = [p for p in params if p.ndim >= 2]

@@ -43,6 +43,16 @@ from steadytrain.config.explain import (
 from steadytrain.config.files import load_config_file, parse_overrides, strip_json_comments
 from steadytrain.errors import BadInputError, ConfigError
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+"""A model folder with one of these has a tokenizer transformers can load."""
+
 Optim = Literal[
     "adamw_torch",
     "adamw_torch_fused",
@@ -471,13 +481,36 @@ class FinetuneConfig(BaseModel):
             problems.append(f"{field}: data file {name} {problem}")
         return problems
 
-    def _beside_config(self, field: str, name: str) -> str | None:
+    def model_folder_problems(self) -> list[str]:
+        """A relative model_name_or_path that is not a folder here but is one beside the config
+        (taken for a hub id before), and a model folder without a tokenizer (transformers'
+        traceback after the estimate before): one line each, before anything is loaded."""
+        name = self.model_name_or_path
+        folder = os.path.expanduser(name)
+        if not os.path.isdir(folder):
+            beside = self._beside_config("model_name_or_path", name, os.path.isdir)
+            return [f"model_name_or_path: folder {name} {beside}"] if beside else []
+        from pathlib import Path
+
+        from steadytrain.memory.model_shape import not_a_model
+
+        has = set(os.listdir(folder))
+        if "config.json" not in has or has & set(TOKENIZER_FILES) or not_a_model(Path(folder)):
+            return []  # not a model folder: resolve_model_path says what it is
+        return [
+            f"model_name_or_path: {name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)});"
+            " save the tokenizer beside the model (tokenizer.save_pretrained(folder)) or copy "
+            "its files from the model it was made from"
+        ]
+
+    def _beside_config(self, field: str, name: str, found=os.path.isfile) -> str | None:
         """For a relative path that is not found here but is beside the config file (the
-        command run from another directory): where it is and the two fixes."""
+        command run from another directory): where it is and the two fixes. `found` says
+        whether a path is the kind of thing the field names (a file, or a folder)."""
         if self._source is None or os.path.isabs(name):
             return None
         beside = os.path.join(os.path.dirname(self._source), name)
-        if not os.path.isfile(beside):
+        if not found(beside):
             return None
         return (
             f"does not exist in {os.getcwd()}, the directory the command runs in, which a "

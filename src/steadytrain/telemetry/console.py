@@ -21,7 +21,7 @@ from rich.text import Text
 
 from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
-from steadytrain.events import Callback, Control, StepMetrics, TrainState
+from steadytrain.events import Callback, Control, StepMetrics, TrainState, oom_step
 from steadytrain.run.hangs import print_aside, wait_for_aside
 from steadytrain.run.records import Record
 
@@ -80,7 +80,7 @@ class ConsoleLog(Callback):
         self._print_pending()
         self.console.print(
             f"[yellow]out of memory[/] in {info['phase']} at micro-batch "
-            f"{info['micro_batch_size']} (step {state.step + 1})"
+            f"{info['micro_batch_size']} (step {oom_step(state, info)})"
         )
 
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from steadytrain.errors import RunDiskFullError
-from steadytrain.events import Callback, Control, TrainState
+from steadytrain.events import Callback, Control, TrainState, oom_step
 from steadytrain.run import files as run_files
 from steadytrain.run.jsonl import JsonlFile
 from steadytrain.run.jsonl import read as read_jsonl
@@ -68,7 +68,7 @@ class RunFiles(Callback):
         self.metrics.write({**row, **info["metrics"]})
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:
-        self.event(Record.OOM, state, info)
+        self.event(Record.OOM, state, {**info, "step": oom_step(state, info)})
 
     def on_shrink(self, state: TrainState, control: Control, info: dict) -> None:
         self.event(Record.SHRINK, state, info)

@@ -135,6 +135,8 @@ def _empty(ax, text: str) -> None:
 
 
 def plot_loss_lr(run: Run):
+    from matplotlib.ticker import MaxNLocator
+
     fig = figure_class()(figsize=(12, 6), dpi=100, layout="constrained")
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.3))
     steps = [r["step"] for r in run.steps]
@@ -164,11 +166,15 @@ def plot_loss_lr(run: Run):
     lr = [as_number(r.get("lr")) for r in run.steps]
     if any(v is not None for v in lr):
         lr_ax.plot(steps, [math.nan if v is None else v for v in lr], color=LR_COLOR, lw=2)
+        known = {v for v in lr if v is not None}
+        if len(known) == 1 and (value := known.pop()) > 0:  # constant: 0 to twice its value,
+            lr_ax.set_ylim(0, 2 * value)  # not matplotlib's ±5 % that reads as a change
     else:
         _empty(lr_ax, "no learning rate recorded")
     _mark_events(lr_ax, run.events, _event_step, seen)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("optimizer step")
+    lr_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole; no 2.5 tick
     lr_ax.grid(alpha=0.3)
     return fig
 

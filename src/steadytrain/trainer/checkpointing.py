@@ -36,6 +36,7 @@ from steadytrain.checkpoint.store import CheckpointStore, Payload
 from steadytrain.checkpoint.writer import CheckpointWriter, copy_room
 from steadytrain.config import TrainConfig
 from steadytrain.engine.sampler import SeededFetch
+from steadytrain.errors import CheckpointError
 from steadytrain.events import TrainState
 from steadytrain.run import files as run_files
 from steadytrain.run.records import Record
@@ -176,3 +177,13 @@ def _copy_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
         tensors += [v for v in slot.values() if isinstance(v, torch.Tensor)]
     tensors += [p for p in model.parameters() if p.requires_grad]  # the gradients
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """Where a rerun of the run in `run_dir` starts: the step of its newest committed checkpoint,
+    0 when none was saved yet; None when its checkpoints folder cannot be read."""
+    try:
+        committed = CheckpointStore(run_dir).committed()
+    except (CheckpointError, OSError):
+        return None
+    return committed[-1][0] if committed else 0

@@ -152,11 +152,15 @@ and a 28-byte int each, only for a custom sampler's key past int64)."""
 
 
 def check_order_fits(
-    source: DataSource, sampler: OptimizerBatchSampler, budget: int | None
+    source: DataSource,
+    sampler: OptimizerBatchSampler,
+    budget: int | None,
+    max_steps: int | None = None,
 ) -> None:
     """Refuse, before training, an epoch order that cannot be held within the memory budget (a
-    stream of 10**12 samples, ported as docs/porting.md says, then shuffled): drawing it would
-    fail with the allocator's error in the first step."""
+    stream of 10**12 samples, ported as docs/porting.md says, then shuffled; minGPT's "forever"
+    sampler, `RandomSampler(replacement=True, num_samples=int(1e10))`): drawing it would fail
+    with the allocator's error in the first step."""
     loader = source.loader
     if loader is None and not sampler.shuffle:
         return
@@ -170,10 +174,25 @@ def check_order_fits(
         if loader is None
         else (f"the DataLoader's {type(loader.sampler).__name__}", "a DataLoader without shuffle")
     )
-    raise BadInputError(
+    said = (
         f"train_data: {sampler.num_samples:,} samples shuffled by {what}: an epoch's order is "
         f"held in memory, {HELD_ORDER_BYTES} bytes a sample, {format_bytes(need)}, more "
-        f"than the memory budget {format_bytes(budget)}. Read them in order ({fix}), or give "
+        f"than the memory budget {format_bytes(budget)}. "
+    )
+    drawn = getattr(loader, "sampler", None) if loader is not None else None
+    if isinstance(drawn, RandomSampler) and drawn._num_samples is not None:
+        reads = (
+            f"max_steps × effective_batch_size = {max_steps * sampler.batch_size:,}"
+            if max_steps
+            else "max_steps × effective_batch_size"
+        )
+        raise BadInputError(
+            said + f"Its num_samples={drawn.num_samples:,} is how many samples it draws (a "
+            f'"forever" sampler); give it the samples the run reads, num_samples={reads} '
+            "(RandomSampler(data, replacement=True, num_samples=...)), and set max_steps"
+        )
+    raise BadInputError(
+        said + f"Read them in order ({fix}), or give "
         "the dataset a __len__ of the samples the run reads (max_steps x effective_batch_size)"
     )
 

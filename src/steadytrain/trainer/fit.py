@@ -48,7 +48,7 @@ from steadytrain.telemetry.tensorboard import TensorBoardLog
 from steadytrain.trainer.as_found import AsFound
 from steadytrain.trainer.callbacks import DefaultCallbacks, RecordAtStart, record_and_show
 from steadytrain.trainer.changed_after_save import ChangedAfterSave
-from steadytrain.trainer.checkpointing import Checkpointing
+from steadytrain.trainer.checkpointing import Checkpointing, newest_checkpoint_step
 from steadytrain.trainer.data import loader_at
 from steadytrain.trainer.evaluation import make_evaluation
 from steadytrain.trainer.notes import UNPLANNED_SHARDS, start_events
@@ -95,19 +95,23 @@ class Trainer:
         user_state: Mapping[str, Any] | None = None,
     ):
         self.config = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
-        self.program = Program.check(
-            self.config,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            train_data=train_data,
-            scheduler=scheduler,
-            callbacks=callbacks,
-            collate_fn=collate_fn,
-            eval_data=eval_data,
-            eval_fn=eval_fn,
-            user_state=user_state,
-        )
+        try:
+            self.program = Program.check(
+                self.config,
+                model=model,
+                optimizer=optimizer,
+                loss_fn=loss_fn,
+                train_data=train_data,
+                scheduler=scheduler,
+                callbacks=callbacks,
+                collate_fn=collate_fn,
+                eval_data=eval_data,
+                eval_fn=eval_fn,
+                user_state=user_state,
+            )
+        except UserCodeError as exc:
+            exc.resumes_at = newest_checkpoint_step(Path(self.config.run_dir))
+            raise
         self._stopped_by: str | None = None  # the signal that stopped the last fit ("SIGTERM")
         self.after_identity_check: list[Callable[[Path], None]] = []
         """Called with the run directory once it is locked and its checkpoint, if any, is known
@@ -142,6 +146,7 @@ class Trainer:
             result = self._fit(run_dir, group)
         except (SteadytrainError, KeyboardInterrupt) as exc:
             if isinstance(exc, UserCodeError):  # raised as theirs by the loop, with its step
+                exc.resumes_at = newest_checkpoint_step(run_dir)
                 record_failure(own_dir, exc)
             record_exit(own_dir, exc, group.describe())
             if isinstance(exc, RankOutOfMemory):
@@ -159,6 +164,7 @@ class Trainer:
             record_exit(own_dir, theirs or exc, group.describe())
             if theirs is None:
                 raise
+            theirs.resumes_at = newest_checkpoint_step(run_dir)
             raise theirs from exc
         finally:
             group.close()

@@ -60,7 +60,7 @@ def build_parts(cfg: TrainConfig, program: Program, group: Group) -> RunParts:
     scheduler = make_scheduler(program.scheduler, optimizer)
     check_evaluation(cfg, scheduler, program.eval_data, program.eval_fn)
     sampler = make_sampler(program.data, cfg)
-    check_order_fits(program.data, sampler, device.budget)
+    check_order_fits(program.data, sampler, device.budget, cfg.max_steps)
     group.check_batches(sampler)
     warn_if_batch_dependent(model, cfg)
     state = TrainState(

@@ -13,7 +13,7 @@ import torch
 from steadytrain.config import TrainConfig
 from steadytrain.engine.accumulation import check_takes
 from steadytrain.engine.evaluation import EvalFn
-from steadytrain.errors import UserCodeError
+from steadytrain.errors import BadInputError, UserCodeError
 from steadytrain.events import Callback, check_callbacks
 from steadytrain.trainer.data import DataSource, data_source
 from steadytrain.user_state import check_user_state
@@ -81,4 +81,24 @@ def check_model(model: Any) -> Any:
             f"model={model.__name__}(...)",
             where="model",
         )
+    if isinstance(model, torch.nn.Module):
+        check_not_meta(model)
     return model
+
+
+def check_not_meta(model: torch.nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (built under
+    ``with torch.device("meta")``): they have shapes but no values, so there is nothing to move
+    to the device or to train; placing it failed with torch's "Cannot copy out of meta tensor"."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, tensor in named if tensor.is_meta]
+    if not on_meta:
+        return
+    shown = ", ".join(on_meta[:5]) + (f" and {len(on_meta) - 5} more" if len(on_meta) > 5 else "")
+    raise BadInputError(
+        f"model: {len(on_meta)} of its {len(named)} parameters and buffers are on the meta "
+        f"device ({shown}): they have shapes but no values, so there is nothing to train. "
+        "Give them memory and load the weights before the Trainer gets the model: "
+        'model.to_empty(device="cpu") then model.load_state_dict(weights) (or build the '
+        'model outside `with torch.device("meta")` so that it is initialised).'
+    )

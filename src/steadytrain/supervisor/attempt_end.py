@@ -203,7 +203,8 @@ class RankEnd:
             dump = record.get("file")
             stacks = f", stacks in {self._relative(dump)}" if dump else ""
             return f"{who}: hang in {where}{at} (exit {self.exit_code}){stacks}"
-        if name == Record.OOM:
+        if name == Record.OOM:  # its step is the one it happened in (events.oom_step)
+            at = f" at step {step}" if step is not None else ""
             return f"{who}: out of memory{at} ({record.get('error') or 'no message'})"
         reason = record.get("reason") or record.get("error") or name
         waited = f" in {record['collective']}" if record.get("collective") else ""

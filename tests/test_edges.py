@@ -169,7 +169,7 @@ def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path, name):
         (
             "budget.json",
             '{"effective_batch_size": 8, "memory_budget": "9999999TiB"}',
-            "memory_budget: a size must be at most 1024TiB",
+            "memory_budget: '9999999TiB' is more memory than any machine has: a size must be at most 1024TiB",
         ),
     ],
 )

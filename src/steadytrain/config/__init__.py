@@ -355,7 +355,10 @@ class TrainConfig(BaseModel):
         description="Run-defining values allowed to differ from the checkpoint being resumed "
         "(effective_batch_size, seed, model, optimizer, schedule, data, drop_last, shuffle); "
         "each difference is recorded as an event. Any other difference stops the resume with "
-        "a list of what changed, old -> new.",
+        "a list of what changed, old -> new. `model` lets through a parameter's dtype or "
+        "trainability, never its shape: a parameter of another shape, new or gone is named "
+        "(`a.weight: shape (16, 4) -> (32, 4)`) and the resume refused whatever the overrides, "
+        "since the checkpoint cannot load into it (train the changed model in a new run_dir).",
     )
     continuity_strict: bool = Field(
         False,

@@ -284,8 +284,11 @@ def test_the_seed_config_as_shipped_fails_at_once_offline_naming_data_and_model(
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     example = Path(__file__).resolve().parent.parent / "examples" / "finetune_config.json"
-    with pytest.raises(BadInputError, match=r"^train_file: data file data/train\.jsonl does not"):
+    with pytest.raises(BadInputError) as missing:  # every problem it can see, at once
         FinetuneJob(FinetuneConfig.load(example, ["output_dir=out"]))
+    said = str(missing.value)
+    assert "\n  - train_file: data file data/train.jsonl does not exist" in said, said
+    assert "\n  - eval_file: data file data/eval.jsonl does not exist" in said, said
     (tmp_path / "data").mkdir()
     for name in ("train.jsonl", "eval.jsonl"):
         (tmp_path / "data" / name).write_text('{"text": "hello"}\n')

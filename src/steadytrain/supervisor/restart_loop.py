@@ -449,23 +449,8 @@ class Supervisor:
             f"killed for memory at {micro} with no memory saver left to turn on (in force: "
             f"{in_force}): this machine's memory ran out"
         )
-        resume = f"step {step}" if step is not None else "the start"
-        self._say(
-            f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
-            f"{'; '.join(tried)}. What would help: "
-            f"{fit_advice(self.options.advice, folder, savers['in_force'])}. Run again to resume "
-            f"from {resume}"
-        )
-        self._record(
-            Record.SUPERVISOR_END,
-            step,
-            exit_code=DOES_NOT_FIT_EXIT,
-            restarts=self.restarts,
-            reason=reason,
-            tried=tried,
-            in_force=savers["in_force"],
-        )
-        return DOES_NOT_FIT_EXIT
+        advice = fit_advice(self.options.advice, folder, savers["in_force"])
+        return self._does_not_fit(death, step, savers, reason, tried, advice)
 
     def _not_loaded(self, death: ChildExit, step: int | None, savers: dict[str, Any]) -> int:
         """Killed while starting (before any record: loading the model) with every saver
@@ -483,13 +468,27 @@ class Supervisor:
             "machine's memory as it loads"
         )
         known = what_is_known(folder, physical_memory())
+        advice = start_advice(self.options.advice, folder, savers["in_force"])
+        return self._does_not_fit(death, step, savers, reason, tried, advice, known)
+
+    def _does_not_fit(
+        self,
+        death: ChildExit,
+        step: int | None,
+        savers: dict[str, Any],
+        reason: str,
+        tried: list[str],
+        advice: str,
+        known: tuple[str, ...] | list[str] = (),
+    ) -> int:
+        """Stop with exit 3: the last line (why, what was tried, what is known, what would help,
+        where a rerun resumes) and the `supervisor_end` record."""
         resume = f"step {step}" if step is not None else "the start"
         self._say(
             f"{death.describe()}; {reason}; not restarting (exit {DOES_NOT_FIT_EXIT}). Tried: "
             f"{'; '.join(tried)}. "
             + (f"Known: {'; '.join(known)}. " if known else "")
-            + f"What would help: {start_advice(self.options.advice, folder, savers['in_force'])}"
-            f". Run again to resume from {resume}"
+            + f"What would help: {advice}. Run again to resume from {resume}"
         )
         self._record(
             Record.SUPERVISOR_END,

@@ -85,10 +85,43 @@ def test_each_entry_agrees_with_what_it_names(saver):
 
 def test_the_plan_s_modes_have_one_field_per_registered_saver():
     """A plan's candidate runs with a `Mode`; the planner prices it through the estimate's
-    fields, so each registered saver is a field of both (a saver added to the registry and
-    not to the plan fails here)."""
+    fields, so each registered saver is a field of both (both are made from the registry)."""
     assert set(Mode._fields) == {s.estimate_field for s in run_savers.SAVERS}
     assert Mode(checkpointing=True, offload=True).savers == 2
+
+
+ADDED_SAVER = """
+import dataclasses, sys
+from steadytrain.run import savers as run_savers
+run_savers.SAVERS = (*run_savers.SAVERS, run_savers.Saver(
+    name="smaller_chunks", words="the chunked loss at 256 tokens", config="chunk_tokens=256",
+    finetune=(("chunked_loss", 256),), flag="--smaller-chunks", estimate_field="smaller_chunks",
+    estimate_help="The chunked loss at 256 tokens a chunk.", prices="one 256-token chunk",
+    needs=(), switch="steadytrain.memory.savers:CHUNKED_LOSS_RUNG", after="chunked_loss"))
+from steadytrain.memory.choice import Mode
+from steadytrain.memory.settings import Settings, flag_of, from_options, options
+field = {f.name: f for f in dataclasses.fields(Settings)}["smaller_chunks"]
+assert field.type == "bool" and field.default is False, field
+assert flag_of("smaller_chunks") == "--smaller-chunks"
+assert "smaller_chunks" in {f.name for f in options("estimate")}
+settings = from_options("estimate", {"smaller_chunks": True})
+assert settings.smaller_chunks and settings.chunked_loss  # the saver it comes after is on
+assert settings.estimate_fields()["smaller_chunks"] is True
+assert Mode._fields[-1] == "smaller_chunks" and Mode(smaller_chunks=True).savers == 1
+assert Mode(True)._asdict() == {**Mode()._asdict(), "checkpointing": True}
+print("ok")
+"""
+
+
+def test_a_registered_saver_is_a_field_of_the_estimate_and_of_the_plan():
+    """The registration is the one place: a saver added to `SAVERS` (before the estimate's and
+    the plan's modules load, as a new entry in the file would be) is a bool field of `Settings`
+    and of `Mode`, an option of `steadytrain estimate` under its own flag, and in the estimate's
+    JSON, with nothing else written."""
+    done = subprocess.run(
+        [sys.executable, "-c", ADDED_SAVER], capture_output=True, text=True, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stderr
 
 
 def test_the_registry_imports_without_torch():
@@ -129,6 +162,7 @@ def test_a_saver_added_to_the_registry_is_climbed_named_recorded_and_listed(monk
         finetune=(("bf16", True),),
         flag="--precision bf16",
         estimate_field="autocast",
+        estimate_help="Weights in bf16.",
         prices="two bytes a weight",
         needs=("a device with bf16",),
         switch=f"{__name__}:LOWER_PRECISION",

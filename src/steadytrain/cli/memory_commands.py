@@ -381,7 +381,9 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
         table.add_row(*_quick_row(chosen))
     for c in shown:
         picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == Mode(
-            chosen.checkpointing, chosen.chunked_loss, chosen.offload
+            checkpointing=chosen.checkpointing,
+            offload=chosen.offload,
+            chunked_loss=chosen.chunked_loss,
         )
         rate = c.samples_per_second if chosen.probe is not None else None
         table.add_row(
@@ -406,7 +408,11 @@ def _quick_row(chosen: Plan) -> tuple[str, ...]:
 
     peak, limit = chosen.predicted_peak, chosen.limit
     return (
-        Mode(chosen.checkpointing, chosen.chunked_loss, chosen.offload)
+        Mode(
+            checkpointing=chosen.checkpointing,
+            offload=chosen.offload,
+            chunked_loss=chosen.chunked_loss,
+        )
         .describe()
         .replace("checkpointed", "ckpt"),
         str(chosen.micro_batch_size),

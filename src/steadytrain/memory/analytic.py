@@ -37,14 +37,14 @@ class Analytic:
         offload: bool = False,
     ) -> Estimate | None:
         """The estimate at these settings, or None when it cannot be made (see `problem`)."""
-        key = (micro_batch_size, checkpointing, chunked_loss, offload)
+        mode = Mode(checkpointing=checkpointing, offload=offload, chunked_loss=chunked_loss)
+        return self.of(micro_batch_size, mode)
+
+    def of(self, micro_batch_size: int, mode: Mode) -> Estimate | None:
+        """`at` for a plan's mode: its savers are the estimate's fields of the same names."""
+        key = (micro_batch_size, mode)
         if key not in self._cache:
-            changes = {
-                "micro_batch_size": micro_batch_size,
-                "checkpointing": checkpointing or offload,
-                "chunked_loss": chunked_loss,
-                "offload": offload,
-            }
+            changes = {"micro_batch_size": micro_batch_size, **mode._asdict()}
             try:
                 found = estimate(self.config, dataclasses.replace(self.settings, **changes))
             except (BadInputError, AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -53,10 +53,6 @@ class Analytic:
                 self.problem, found = f"{type(exc).__name__}: {exc}", None
             self._cache[key] = found
         return self._cache[key]
-
-    def of(self, micro_batch_size: int, mode: Mode) -> Estimate | None:
-        """`at` for a plan's mode."""
-        return self.at(micro_batch_size, mode.checkpointing, mode.chunked_loss, mode.offload)
 
     def total(self, micro_batch_size: int, mode: Mode) -> float | None:
         one, two = self.of(1, mode), self.of(2, mode)

@@ -4,9 +4,9 @@ one with the most samples per second within the limit, and the sentences that sa
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from steadytrain.errors import BadInputError
 from steadytrain.memory.offload import OFFLOAD
@@ -20,20 +20,28 @@ the best plain candidate to be chosen: its recomputation cost is certain, a few 
 timing noise is not."""
 
 
-class Mode(NamedTuple):
-    """Which savers a plan's candidate runs with: one field per registered saver, named as its
-    estimate field (tests/test_run_savers.py pins the two together)."""
+_ModeFields = collections.namedtuple(
+    "_ModeFields",
+    [saver.estimate_field for saver in run_savers.SAVERS],
+    defaults=[False] * len(run_savers.SAVERS),
+)
 
-    checkpointing: bool = False
-    chunked_loss: bool = False
-    offload: bool = False
-    """Checkpointing whose kept layer inputs live in host memory (`memory.offload`)."""
+
+class Mode(_ModeFields):
+    """Which savers a plan's candidate runs with: one bool field per registered saver
+    (`run_savers.SAVERS`), named as its estimate field and made from the registration, in the
+    ladder's order: `checkpointing`, `offload` (checkpointing whose kept layer inputs live in
+    host memory, `memory.offload`), `chunked_loss`. Pass them by name beyond the first."""
+
+    __slots__ = ()
 
     @classmethod
     def of(cls, activation_checkpointing: bool | str, chunked_loss: bool = False) -> Mode:
         """The mode of an `activation_checkpointing` value: False, True or "offload"."""
         offload = activation_checkpointing == OFFLOAD
-        return cls(bool(activation_checkpointing), chunked_loss, offload)
+        return cls(
+            checkpointing=bool(activation_checkpointing), offload=offload, chunked_loss=chunked_loss
+        )
 
     @property
     def activation_checkpointing(self) -> bool | str:

@@ -11,6 +11,7 @@ from typing import Any
 from steadytrain._options import Alias, aliases_of
 from steadytrain._units import parse_memory_budget
 from steadytrain.errors import BadInputError
+from steadytrain.run import savers as run_savers
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
@@ -66,10 +67,41 @@ def option(
     )
 
 
+def _with_saver_fields(cls: type) -> type:
+    """Give `cls` one bool field per registered memory saver (`steadytrain.run.savers.SAVERS`,
+    named by its `estimate_field`, False by default), placed after `activation_checkpointing`.
+
+    The registration is the one place a saver is declared: the estimate prices it through this
+    field (`checkpointing`, `offload`, `chunked_loss`), and it is an option of `steadytrain
+    estimate` where the saver's flag is the field's own (`--chunked-loss`), not an earlier
+    spelling of another option (`--checkpointing`, `--offload`: `--activation-checkpointing`)."""
+    taken = {  # flags that are another option's earlier spelling (--checkpointing, --offload)
+        alias.flag
+        for name in cls.__annotations__
+        for alias in getattr(cls, name).metadata["aliases"]
+    }
+    added = {}
+    for saver in run_savers.SAVERS:
+        name = saver.estimate_field
+        own = saver.flag not in taken and saver.flag == "--" + name.replace("_", "-")
+        setattr(cls, name, option(False, saver.estimate_help, commands=("estimate",) * own))
+        added[name] = "bool"
+    declared = list(cls.__annotations__.items())
+    at = next(i for i, (name, _) in enumerate(declared) if name == "activation_checkpointing")
+    cls.__annotations__ = dict(declared[: at + 1]) | added | dict(declared[at + 1 :])
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_saver_fields
 class Settings:
     """What the run will do and where. Every field is an option of `steadytrain estimate`,
-    `steadytrain plan` or both; `estimate()` reads the model's side of it."""
+    `steadytrain plan` or both; `estimate()` reads the model's side of it.
+
+    The memory savers' fields (`checkpointing`, `offload`, `chunked_loss`: True where the run has
+    the saver on) come from their registration (`_with_saver_fields`); `checkpointing` and
+    `offload` are set from `activation_checkpointing` (on or offload), `chunked_loss` is the
+    estimate's `--chunked-loss`."""
 
     micro_batch_size: int = option(
         1,
@@ -97,18 +129,6 @@ class Settings:
     )
     lora_dropout: float = option(0.0, "LoRA dropout.")
     load_in_4bit: bool = option(False, "NF4 base (QLoRA, bitsandbytes, CUDA).")
-    checkpointing: bool = option(
-        False, "Activation checkpointing of every decoder layer.", commands=()
-    )
-    """What the estimate counts: set from `activation_checkpointing` (on or offload)."""
-    offload: bool = option(
-        False,
-        "Activation checkpointing with each layer's kept input in pinned host memory.",
-        commands=(),
-    )
-    """The layer inputs checkpointing keeps wait in host memory until the backward
-    (memory/offload.py): the estimate leaves them out of the device's peak. Set from
-    `activation_checkpointing: offload`."""
     activation_checkpointing: str = option(
         "auto",
         "Activation checkpointing, as a run's activation_checkpointing: auto (the plan decides; "
@@ -169,11 +189,6 @@ class Settings:
         commands=("plan",),
         aliases=(Alias("--margin"),),
     )
-    chunked_loss: bool = option(
-        False, "The loss a chunk of tokens at a time (large vocabularies).", commands=("estimate",)
-    )
-    """The output layer and cross-entropy run `chunk_tokens` at a time (memory/chunked_loss.py):
-    the logits row holds one chunk instead of every token."""
     chunk_tokens: int = option(
         DEFAULT_CHUNK_TOKENS, "Tokens per chunk with --chunked-loss.", commands=("estimate",)
     )
@@ -190,8 +205,10 @@ class Settings:
     which resolves it for the target before anything reads it."""
 
     def __post_init__(self) -> None:
-        if self.offload and not self.checkpointing:  # offload is a way of checkpointing
-            object.__setattr__(self, "checkpointing", True)
+        # A saver on has the one it comes after on too (offload is a way of checkpointing).
+        for saver in run_savers.SAVERS:
+            if saver.after is not None and getattr(self, saver.estimate_field):
+                object.__setattr__(self, run_savers.by_name(saver.after).estimate_field, True)
         object.__setattr__(self, "_typed", {})  # field -> the earlier flag it was given as
 
     def _flag(self, name: str) -> str:
@@ -307,10 +324,12 @@ class Settings:
         return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
     def estimate_fields(self) -> dict[str, Any]:
-        """The fields `estimate` reads, for its JSON: its options, and the checkpointing they
-        come to."""
+        """The fields `estimate` reads, for its JSON: its options, and the memory savers they
+        come to (`checkpointing`, `offload`, `chunked_loss`)."""
         shown = {f.name: getattr(self, f.name) for f in options("estimate")}
-        return {**shown, "checkpointing": self.checkpointing, "offload": self.offload}
+        return shown | {
+            s.estimate_field: getattr(self, s.estimate_field) for s in run_savers.SAVERS
+        }
 
 
 PYTHON_ALIASES = {"probe_device": "probe"}

@@ -9,6 +9,9 @@ Everything that names a saver reads it from `SAVERS`:
   them in this order, each switched by the implementation its `switch` names;
 * the supervisor names them in its lines (`supervisor.words.saver_name`) and asks for "one more"
   by count (STEADYTRAIN_MEMORY_SAVERS), so its ladder is this one;
+* the estimate's `memory.settings.Settings` and the plan's `memory.choice.Mode` have one bool
+  field per saver, its `estimate_field`, made from this table (the estimate prices a saver
+  through that field; a plan's candidate runs with the savers its mode has on);
 * the advisor (`memory.advice`) offers each one the run has not on yet, as the estimate's flag
   or the fine-tune config's key, priced by the estimate through its `estimate_field`;
 * the docs' table of savers (docs/plan.md, "The memory savers") is `markdown_table()`, which
@@ -43,7 +46,13 @@ class Saver:
     flag: str
     """`steadytrain estimate`'s flag that prices it."""
     estimate_field: str
-    """The `memory.settings.Settings` field (True: on) through which the estimate prices it."""
+    """The bool field (True: on) that this entry adds to the estimate's `memory.settings.Settings`
+    and to the plan's `memory.choice.Mode`: the estimate prices the saver through it, and a
+    plan's candidate runs with it on or off. Where `flag` is the field's own (`--chunked-loss`
+    for `chunked_loss`), it is an option of `steadytrain estimate`; otherwise another option sets
+    it (`--activation-checkpointing on` sets `checkpointing`)."""
+    estimate_help: str
+    """That field's help: the `steadytrain estimate --help` line of its own option."""
     prices: str
     """What the estimate counts with it on, in a few words (the docs' table)."""
     needs: tuple[str, ...]
@@ -66,6 +75,7 @@ SAVERS: tuple[Saver, ...] = (
         finetune=(("gradient_checkpointing", True),),
         flag="--checkpointing",
         estimate_field="checkpointing",
+        estimate_help="Activation checkpointing of every decoder layer.",
         prices="the layer inputs instead of every layer's activations; one layer recomputed "
         "at a time in the backward",
         needs=("a model with its own checkpointing switch (Hugging Face models)",),
@@ -78,6 +88,7 @@ SAVERS: tuple[Saver, ...] = (
         finetune=(("gradient_checkpointing", "offload"),),
         flag="--offload",
         estimate_field="offload",
+        estimate_help="Activation checkpointing with each layer's kept input in pinned host memory.",
         prices="the checkpointed layer inputs in pinned host memory, all but two",
         needs=(
             DISCRETE_MEMORY,
@@ -93,6 +104,7 @@ SAVERS: tuple[Saver, ...] = (
         finetune=(("chunked_loss", True),),
         flag="--chunked-loss",
         estimate_field="chunked_loss",
+        estimate_help="The loss a chunk of tokens at a time (large vocabularies).",
         prices="one chunk's logits (the fused kernel's: a few hundred tokens') instead of "
         "every token's",
         needs=("a loss with a chunked mode (memory.chunked_loss.CausalLMLoss)",),

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
+from steadytrain.run.records import Metric
+
 NOTABLE = ("oom", "shrink", "memory_saver")
 EVENT_FIELDS = ("phase", "micro_batch_size", "old", "new", "reason", "requested", "error", "saver")
 
@@ -87,20 +89,22 @@ def train(model, data, micro, run_dir: Path, args, device) -> dict[str, Any]:
         for e in events
         if e["event"] in NOTABLE
     ]
-    by_step = {m["step"]: m for m in metrics}
+    by_step = {m[Metric.STEP]: m for m in metrics}
     first_oom = next((e for e in notable if e["event"] == "oom"), None)
     recovery = None
     redone = None
     if first_oom is not None and first_oom["step"] in by_step:
         redone = first_oom["step"]
-        recovery = by_step[redone]["time"] - first_oom["time"]
+        recovery = by_step[redone][Metric.TIME] - first_oom["time"]
     # Steady: the steps after the last step that had an OOM (or after step 1 when none did).
     last_oom_step = max((e["step"] for e in notable if e["event"] == "oom"), default=1)
-    steady = [m for m in metrics if m["step"] > last_oom_step]
+    steady = [m for m in metrics if m[Metric.STEP] > last_oom_step]
     deltas = [
-        m["time"] - by_step[m["step"] - 1]["time"] for m in steady if m["step"] - 1 in by_step
+        m[Metric.TIME] - by_step[m[Metric.STEP] - 1][Metric.TIME]
+        for m in steady
+        if m[Metric.STEP] - 1 in by_step
     ]
-    step_peaks = [m.get("mem_peak") for m in metrics if m.get("mem_peak") is not None]
+    step_peaks = [m.get(Metric.MEM_PEAK) for m in metrics if m.get(Metric.MEM_PEAK) is not None]
     oom_peaks = [e["peak"] for e in notable if e["event"] == "oom" and e["peak"] is not None]
     ooms = [e for e in notable if e["event"] == "oom"]
     return {
@@ -111,33 +115,34 @@ def train(model, data, micro, run_dir: Path, args, device) -> dict[str, Any]:
         "final_micro_batch_size": (
             result.micro_batch_size
             if result
-            else (metrics[-1]["micro_batch_size"] if metrics else None)
+            else (metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None)
         ),
         "fit_wall_s": wall,
         "events": notable,
         "first_oom_to_redone_step_end_s": recovery,
         "redone_step": redone,
         "fit_start_to_first_oom_s": first_oom["t"] if first_oom else None,
-        "fit_start_to_step1_end_s": by_step[1]["time"] - origin if 1 in by_step else None,
-        "steady_steps": [m["step"] for m in steady],
+        "fit_start_to_step1_end_s": by_step[1][Metric.TIME] - origin if 1 in by_step else None,
+        "steady_steps": [m[Metric.STEP] for m in steady],
         "steady_step_s_median": C.median(deltas),
-        "steady_engine_step_time_median": C.median([m["step_time"] for m in steady]),
+        "steady_engine_step_time_median": C.median([m[Metric.STEP_TIME] for m in steady]),
         "peak_allocated_steps": max(step_peaks) if step_peaks else None,
         "peak_allocated_failed_attempts": max(oom_peaks) if oom_peaks else None,
         "reserved_max": max(
-            [m.get("mem_reserved") or 0 for m in metrics] + [e["reserved"] or 0 for e in notable]
+            [m.get(Metric.MEM_RESERVED) or 0 for m in metrics]
+            + [e["reserved"] or 0 for e in notable]
         )
         or None,
-        "samples_per_step": [m["samples"] for m in metrics],
-        "micro_per_step": [(m["micro_batch_size"], m["micro_steps"]) for m in metrics],
+        "samples_per_step": [m[Metric.SAMPLES] for m in metrics],
+        "micro_per_step": [(m[Metric.MICRO_BATCH_SIZE], m[Metric.MICRO_STEPS]) for m in metrics],
         "effective_batch_kept": all(
-            m["samples"] == args.effective
-            and m["micro_batch_size"] * m["micro_steps"] == args.effective
+            m[Metric.SAMPLES] == args.effective
+            and m[Metric.MICRO_BATCH_SIZE] * m[Metric.MICRO_STEPS] == args.effective
             for m in metrics
         )
         and len(metrics) == args.steps,
-        "losses": [m["loss"] for m in metrics],
-        "tokens": [m["tokens"] for m in metrics],
+        "losses": [m[Metric.LOSS] for m in metrics],
+        "tokens": [m[Metric.TOKENS] for m in metrics],
         "run_dir": str(run_dir),
         "per_step": [
             {

@@ -43,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
+from steadytrain.run.records import Metric
+
 GiB = 2**30
 FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2", "olmo2")
 # fmt: off
@@ -250,8 +252,8 @@ def plan_family(family: str, args, device: torch.device, work: Path) -> dict[str
     # Steps after the first (which takes what compile is left) and before the last (whose
     # checkpoint save the sweep does not pay): the training rate itself
     timed = metrics[:-1] if len(metrics) > 3 else metrics
-    times = [m["time"] for m in timed]
-    tokens = sum(m["samples"] for m in timed[1:]) * args.seq
+    times = [m[Metric.TIME] for m in timed]
+    tokens = sum(m[Metric.SAMPLES] for m in timed[1:]) * args.seq
     window = times[-1] - times[0] if len(times) > 1 else None
     model = None
     C.free_device_memory(device)
@@ -267,7 +269,7 @@ def plan_family(family: str, args, device: torch.device, work: Path) -> dict[str
         "planned_micro": plan.get("micro_batch_size"),
         "planned_checkpointing": plan.get("activation_checkpointing"),
         "planned_chunked_loss": plan.get("chunked_loss"),
-        "final_micro": metrics[-1]["micro_batch_size"] if metrics else None,
+        "final_micro": metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None,
         "oom_count": result.oom_count,
         "out_of_memory": bool(result.oom_count),
         "tokens_per_s": planned_tps,

@@ -102,6 +102,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C  # noqa: E402  (torch only: transformers is not imported before Unsloth)
 import torch  # noqa: E402
 
+from steadytrain.run.records import Metric  # noqa: E402  (no torch, no transformers)
+
 GiB = 2**30
 MILLION = 1_000_000
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -585,11 +587,11 @@ def run_steadytrain(
     offset = time.perf_counter() - time.time()
     plan = next((e for e in events if e["event"] == "plan"), None)
     return {
-        "marks": [m["time"] + offset for m in metrics],
-        "losses": [m["loss"] for m in metrics],
-        "micro": metrics[-1]["micro_batch_size"] if metrics else None,
-        "accumulation": metrics[-1]["micro_steps"] if metrics else None,
-        "samples_per_step": sorted({m["samples"] for m in metrics}),
+        "marks": [m[Metric.TIME] + offset for m in metrics],
+        "losses": [m[Metric.LOSS] for m in metrics],
+        "micro": metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None,
+        "accumulation": metrics[-1][Metric.MICRO_STEPS] if metrics else None,
+        "samples_per_step": sorted({m[Metric.SAMPLES] for m in metrics}),
         "oom_count": result.oom_count,
         "loss_method": loss_fn.chunked_method(model, device) if loss_fn.chunk_tokens else "plain",
         "plan": plan,
@@ -710,19 +712,19 @@ def run_finetune_cli(args, spec, device, data, effective: int, work: Path) -> di
         steadytrain_main(["finetune", "--config", str(path)])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    metrics = [m for m in C.read_jsonl(run_dir / "metrics.jsonl") if "micro_batch_size" in m]
+    metrics = [m for m in C.read_jsonl(run_dir / "metrics.jsonl") if Metric.MICRO_BATCH_SIZE in m]
     events = C.read_jsonl(run_dir / "events.jsonl")
     offset = time.perf_counter() - time.time()
     plan = next((e for e in events if e["event"] == "plan"), None)
-    peaks = [m["mem_peak"] for m in metrics if m.get("mem_peak") is not None]
+    peaks = [m[Metric.MEM_PEAK] for m in metrics if m.get(Metric.MEM_PEAK) is not None]
     return {
         "exit_code": code,
         "config": config,
-        "marks": [m["time"] + offset for m in metrics],
-        "losses": [m["loss"] for m in metrics],
-        "micro": metrics[-1]["micro_batch_size"] if metrics else None,
-        "accumulation": metrics[-1]["micro_steps"] if metrics else None,
-        "samples_per_step": sorted({m["samples"] for m in metrics}),
+        "marks": [m[Metric.TIME] + offset for m in metrics],
+        "losses": [m[Metric.LOSS] for m in metrics],
+        "micro": metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None,
+        "accumulation": metrics[-1][Metric.MICRO_STEPS] if metrics else None,
+        "samples_per_step": sorted({m[Metric.SAMPLES] for m in metrics}),
         "oom_count": sum(1 for e in events if e["event"] == "oom"),
         "loss_method": _plan_loss(plan),
         "steps_peak": max(peaks) if peaks else None,

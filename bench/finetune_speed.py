@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
+from steadytrain.run.records import Metric
+
 ARMS = ("plain", "plain-compile", "hf", "steadytrain", "steadytrain-compile")
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 """Dense bf16 peak FLOP/s by GPU name (SXM figures; NVIDIA's data sheets)."""
@@ -155,8 +157,8 @@ def run_steadytrain(args, spec, device, data, work: Path, compiled: bool) -> dic
     offset = time.perf_counter() - time.time()
     return {
         "arm": "steadytrain-compile" if compiled else "steadytrain",
-        "marks": [m["time"] + offset for m in metrics],
-        "micro_batch_size": metrics[-1]["micro_batch_size"] if metrics else None,
+        "marks": [m[Metric.TIME] + offset for m in metrics],
+        "micro_batch_size": metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None,
         "compile": next((e for e in events if e["event"] == "compile"), None),
     }
 

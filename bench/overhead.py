@@ -54,6 +54,8 @@ import _common as C
 import torch
 from torch.utils.data import default_collate
 
+from steadytrain.run.records import Metric
+
 ARMS = (
     "plain",
     "plain-sync",
@@ -260,13 +262,13 @@ def steadytrain_round(s: Setup, steps: int, arm: str, tag: str) -> dict[str, Any
     if result.steps != steps or len(metrics) != steps:
         raise RuntimeError(f"{arm}: fit did {result.steps} steps, {len(metrics)} metric rows")
     fit_start = next((e["time"] for e in events if e["event"] == "fit_start"), None)
-    times = [m["time"] for m in metrics]
+    times = [m[Metric.TIME] for m in metrics]
     steady = metrics[1:]  # step 1 also pays for the DataLoader and iterator creation
     intervals = [b - a for a, b in itertools.pairwise(times)]
-    steady_tokens = sum(m["tokens"] for m in steady)
+    steady_tokens = sum(m[Metric.TOKENS] for m in steady)
     window = times[-1] - times[0]
-    all_tokens = sum(m["tokens"] for m in metrics)
-    peaks = [m.get("mem_peak") for m in metrics if m.get("mem_peak") is not None]
+    all_tokens = sum(m[Metric.TOKENS] for m in metrics)
+    peaks = [m.get(Metric.MEM_PEAK) for m in metrics if m.get(Metric.MEM_PEAK) is not None]
     return {
         "steps": steps,
         "tokens": steady_tokens,
@@ -274,10 +276,10 @@ def steadytrain_round(s: Setup, steps: int, arm: str, tag: str) -> dict[str, Any
         "tokens_per_s": steady_tokens / window if window > 0 else None,
         "step_s": intervals,
         "step_s_median": C.median(intervals),
-        "engine_step_time_median": C.median([m["step_time"] for m in steady]),
-        "engine_compute_time_median": C.median([m["compute_time"] for m in steady]),
-        "engine_optimizer_time_median": C.median([m["optimizer_time"] for m in steady]),
-        "engine_data_time_median": C.median([m["data_time"] for m in steady]),
+        "engine_step_time_median": C.median([m[Metric.STEP_TIME] for m in steady]),
+        "engine_compute_time_median": C.median([m[Metric.COMPUTE_TIME] for m in steady]),
+        "engine_optimizer_time_median": C.median([m[Metric.OPTIMIZER_TIME] for m in steady]),
+        "engine_data_time_median": C.median([m[Metric.DATA_TIME] for m in steady]),
         "fit_wall_s": fit_wall,
         "fit_tokens_per_s": all_tokens / fit_wall,
         "setup_s": (fit_start - wall0) if fit_start else None,
@@ -290,7 +292,7 @@ def steadytrain_round(s: Setup, steps: int, arm: str, tag: str) -> dict[str, Any
         "callback_s": callback_s,
         "oom_count": result.oom_count,
         "exit_code": result.exit_code,
-        "losses": [m["loss"] for m in metrics],
+        "losses": [m[Metric.LOSS] for m in metrics],
         "run_dir": str(run_dir),
     }
 

@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _common as C
 import torch
 
+from steadytrain.run.records import Metric
+
 GiB = 2**30
 
 
@@ -126,16 +128,16 @@ def run_steadytrain(
     ).fit()
     metrics = C.read_jsonl(run_dir / "metrics.jsonl")
     events = C.read_jsonl(run_dir / "events.jsonl")
-    times = [m["time"] for m in metrics]
+    times = [m[Metric.TIME] for m in metrics]
     window = times[-1] - times[0] if len(times) > 1 else None
-    tokens = sum(m["samples"] for m in metrics[1:]) * spec.seq
-    peaks = [m.get("mem_peak") for m in metrics if m.get("mem_peak") is not None]
+    tokens = sum(m[Metric.SAMPLES] for m in metrics[1:]) * spec.seq
+    peaks = [m.get(Metric.MEM_PEAK) for m in metrics if m.get(Metric.MEM_PEAK) is not None]
     plan = next((e for e in events if e["event"] == "plan"), None)
     return {
         "arm": "steadytrain-compile" if compiled else "steadytrain",
-        "micro_batch_size": metrics[-1]["micro_batch_size"] if metrics else None,
-        "accumulation": metrics[-1]["micro_steps"] if metrics else None,
-        "effective_batch_size": sorted({m["samples"] for m in metrics}),
+        "micro_batch_size": metrics[-1][Metric.MICRO_BATCH_SIZE] if metrics else None,
+        "accumulation": metrics[-1][Metric.MICRO_STEPS] if metrics else None,
+        "effective_batch_size": sorted({m[Metric.SAMPLES] for m in metrics}),
         "steps": len(metrics),
         "tokens_per_s": tokens / window if window else None,
         "first_step_s": times[0] - wall_loaded if times else None,

@@ -39,6 +39,7 @@ import _common as C
 import torch
 
 from steadytrain.events import Callback
+from steadytrain.run.records import Metric
 
 ARMS = ("plain", "torchrun")
 
@@ -95,16 +96,16 @@ def write_result(args, run_dir: Path, spec, device, result) -> None:
     metrics = C.read_jsonl(run_dir / "metrics.jsonl")
     start = next(e for e in C.read_jsonl(run_dir / "events.jsonl") if e["event"] == "fit_start")
     steady = metrics[args.warmup - 1 :]
-    tokens = sum(m["samples"] * spec.seq for m in steady[1:])  # every position, as elsewhere
-    seconds = steady[-1]["time"] - steady[0]["time"]
+    tokens = sum(m[Metric.SAMPLES] * spec.seq for m in steady[1:])  # every position, as elsewhere
+    seconds = steady[-1][Metric.TIME] - steady[0][Metric.TIME]
     figures = {
         "tokens_per_s": tokens / seconds,
         "steps": result.steps,
         "peak_allocated": C.peak_allocated(device),
         "process_group": start.get("process_group"),
         "final_loss": result.final_loss,
-        "losses": [m["loss"] for m in metrics],
-        "samples": [m["samples"] for m in metrics],
+        "losses": [m[Metric.LOSS] for m in metrics],
+        "samples": [m[Metric.SAMPLES] for m in metrics],
         "micro_batch_size": result.micro_batch_size,
         "oom_count": result.oom_count,
     }

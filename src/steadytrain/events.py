@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from steadytrain.errors import UserCodeError
+from steadytrain.run.records import Metric as Metric  # the metrics keys' registry, likewise
 from steadytrain.run.records import Record as Record  # the record registry, in the events layer
 
 
@@ -263,10 +264,10 @@ class Dispatcher:
 # pending values too: two device events, read after that same wait, when both have long passed.
 
 _CONVERT: dict[str, Callable[[Any], Any]] = {
-    "loss": float,
-    "grad_norm": float,
-    "tokens": int,
-    "skipped": bool,
+    Metric.LOSS: float,
+    Metric.GRAD_NORM: float,
+    Metric.TOKENS: int,
+    Metric.SKIPPED: bool,
 }
 
 
@@ -303,7 +304,7 @@ def _pending(value: Any) -> bool:
 class StepMetrics(dict):
     """A dict of one step's metrics whose device values resolve on first read.
 
-    The row: from the step, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
+    Its keys are `Metric` members (`steadytrain.run.records`). The row: from the step, ``loss``, ``lr``, ``grad_norm``, ``micro_batch_size``,
     ``micro_steps``, ``samples``, ``tokens``, ``compute_time``, ``optimizer_time``, ``skipped``
     (and ``device_compute_time``, ``device_optimizer_time`` on timed steps); from the loop,
     ``time``, ``step``, ``epoch``, ``data_time``, ``step_time``, ``memory``; from the checkpoint

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from steadytrain.errors import StateNotRestoredError
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 ACCELERATOR_RTOL = 1e-3
 
@@ -46,7 +46,7 @@ class ContinuityCheck(Callback):
             return
         self.done = True
         metrics = info["metrics"]
-        if metrics["micro_batch_size"] != self.micro:
+        if metrics[Metric.MICRO_BATCH_SIZE] != self.micro:
             self.record(
                 Record.CONTINUITY,
                 {
@@ -56,7 +56,7 @@ class ContinuityCheck(Callback):
                 },
             )
             return
-        got = metrics["loss"]
+        got = metrics[Metric.LOSS]
         rtol = 0.0 if self.device_type == "cpu" else ACCELERATOR_RTOL
         same = got == self.expected or math.isclose(got, self.expected, rel_tol=rtol, abs_tol=0.0)
         found = (

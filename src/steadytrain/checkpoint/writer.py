@@ -31,7 +31,7 @@ from steadytrain.errors import (
     is_disk_full,
 )
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 STOP_CODES = (0, *SIGNAL_EXITS.values())  # finished, or stopped by a signal
 
@@ -131,7 +131,7 @@ class CheckpointWriter(Callback):
         if state.step % self.every == 0 or control.save_requested:
             metrics = info["metrics"].resolve()  # the step's loss belongs in the checkpoint
             with self.allowance("checkpoint save"):  # the hang watchdog's limit for saves
-                metrics["checkpoint_time"] = self.save(state, final=control.stop_requested)
+                metrics[Metric.CHECKPOINT_TIME] = self.save(state, final=control.stop_requested)
             control.save_requested = False
 
     def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:

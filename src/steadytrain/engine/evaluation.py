@@ -27,7 +27,7 @@ from steadytrain.engine.batching import batch_len, split_batch
 from steadytrain.engine.side_pass import side_pass
 from steadytrain.engine.step import StepRunner
 from steadytrain.errors import BadInputError, DoesNotFitError, UserCodeError
-from steadytrain.events import HALVING, Event, TrainState
+from steadytrain.events import HALVING, Event, Metric, TrainState
 from steadytrain.user_state import reset, select
 
 EvalFn = Callable[[torch.nn.Module, Iterable[Any]], dict[str, float]]
@@ -65,7 +65,7 @@ def loss_metrics(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> EvalFn:
                 size = batch_len(piece)
                 total += float(out) * size
                 weight += size
-        return {"eval_loss": total / max(weight, 1)}
+        return {Metric.EVAL_LOSS: total / max(weight, 1)}
 
     return evaluate
 
@@ -145,7 +145,7 @@ class Evaluation:
         every_steps: int | None,
         every_epochs: int | None,
         scheduler: Any = None,
-        metric: str = "eval_loss",
+        metric: str = Metric.EVAL_LOSS,
         mode: str = "min",
         needs_metric: bool = False,
         at_end: bool = False,

@@ -14,7 +14,7 @@ from steadytrain.engine.open_files import open_files_limit_error
 from steadytrain.engine.step import StepRunner
 from steadytrain.engine.workers import owned_batches
 from steadytrain.errors import BadInputError, user_code_error
-from steadytrain.events import Dispatcher, Event, StepMetrics
+from steadytrain.events import Dispatcher, Event, Metric, StepMetrics
 
 
 class Loop:
@@ -46,32 +46,34 @@ class Loop:
 
     def _account(self, metrics: StepMetrics) -> None:
         """Counters that need the device's values, updated when a step's metrics resolve."""
-        if not math.isfinite(metrics["loss"]):
+        loss, step = metrics[Metric.LOSS], metrics[Metric.STEP]
+        if not math.isfinite(loss):
             error = BadInputError(
-                f"loss is {metrics['loss']} at step {metrics['step']} (epoch {metrics['epoch']}): "
+                f"loss is {loss} at step {step} (epoch {metrics[Metric.EPOCH]}): "
                 "look for NaN or Inf in that batch's inputs or targets, or lower the learning rate"
-                + (" (fp16: try bf16)" if metrics.get("skipped") else "")
+                + (" (fp16: try bf16)" if metrics.get(Metric.SKIPPED) else "")
             )
             # the step whose loss it is: read while the next one runs, it is reported as its own
-            error.steadytrain_step = metrics["step"]  # type: ignore[attr-defined]
+            error.steadytrain_step = step  # type: ignore[attr-defined]
             raise error
-        self.state.tokens_seen += metrics["tokens"]
-        self.state.skipped_steps += bool(metrics["skipped"])
-        if metrics["step"] >= self._last_loss_step:
-            self._last_loss_step = metrics["step"]
-            self.state.last_loss = metrics["loss"]
+        self.state.tokens_seen += metrics[Metric.TOKENS]
+        self.state.skipped_steps += bool(metrics[Metric.SKIPPED])
+        if step >= self._last_loss_step:
+            self._last_loss_step = step
+            self.state.last_loss = loss
 
     def _row(self, values: dict[str, Any], data_time: float) -> StepMetrics:
         """The step's metrics row (`StepMetrics` lists its columns): the step's values, and
         where and when it ran."""
-        values.update(
-            time=time.time(),
-            step=self.state.step,
-            epoch=self.state.epoch,
-            data_time=data_time,
-            step_time=data_time + values["compute_time"] + values["optimizer_time"],
-            memory=self.runner.device.memory().to_dict(),
-        )
+        step_time = data_time + values[Metric.COMPUTE_TIME] + values[Metric.OPTIMIZER_TIME]
+        values |= {
+            Metric.TIME: time.time(),
+            Metric.STEP: self.state.step,
+            Metric.EPOCH: self.state.epoch,
+            Metric.DATA_TIME: data_time,
+            Metric.STEP_TIME: step_time,
+            Metric.MEMORY: self.runner.device.memory().to_dict(),
+        }
         previous = self.last_metrics
 
         def account(metrics: StepMetrics) -> None:
@@ -143,7 +145,7 @@ class Loop:
                 values = self.runner.run(batch, timed=timed)
                 state.step += 1
                 state.batch_in_epoch += 1
-                state.samples_seen += values["samples"]
+                state.samples_seen += values[Metric.SAMPLES]
                 self.last_metrics = self._row(values, data_time)
                 ends_epoch = state.batch_in_epoch >= state.steps_per_epoch
                 if self.evaluation is not None and self.evaluation.due(state, ends_epoch):

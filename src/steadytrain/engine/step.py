@@ -52,6 +52,7 @@ from steadytrain.errors import (
 )
 from steadytrain.events import HALVING, DeviceSpan, Event, TrainState
 from steadytrain.run import env as run_env
+from steadytrain.run.records import Metric
 from steadytrain.user_state import select
 
 LossFn = Callable[[torch.nn.Module, Any], Any]
@@ -185,15 +186,15 @@ class StepRunner:
         marks.mark()
         # Nothing here waits for the device: the values it computed stay tensors (StepMetrics).
         return {
-            "loss": loss.mean(),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "micro_batch_size": micro,
-            "micro_steps": len(pieces),
-            "samples": n,
-            "tokens": divisor if divisor is not None else 0,
+            Metric.LOSS: loss.mean(),
+            Metric.LR: self.optimizer.param_groups[0]["lr"],
+            Metric.GRAD_NORM: grad_norm,
+            Metric.MICRO_BATCH_SIZE: micro,
+            Metric.MICRO_STEPS: len(pieces),
+            Metric.SAMPLES: n,
+            Metric.TOKENS: divisor if divisor is not None else 0,
             **marks.times(),
-            "skipped": skipped,
+            Metric.SKIPPED: skipped,
         }
 
     @contextlib.contextmanager
@@ -438,18 +439,21 @@ class _PhaseMarks:
         """`compute_time` and `optimizer_time` on the host's clock; on a timed step also
         `device_compute_time` and `device_optimizer_time`."""
         start, middle, end = self.host
-        times: dict[str, Any] = {"compute_time": middle - start, "optimizer_time": end - middle}
+        times: dict[str, Any] = {
+            Metric.COMPUTE_TIME: middle - start,
+            Metric.OPTIMIZER_TIME: end - middle,
+        }
         if not self.timed:
             return times
         if self.events is None:
             return times | {
-                "device_compute_time": times["compute_time"],
-                "device_optimizer_time": times["optimizer_time"],
+                Metric.DEVICE_COMPUTE_TIME: times[Metric.COMPUTE_TIME],
+                Metric.DEVICE_OPTIMIZER_TIME: times[Metric.OPTIMIZER_TIME],
             }
         start, middle, end = self.events
         return times | {
-            "device_compute_time": DeviceSpan(start, middle),
-            "device_optimizer_time": DeviceSpan(middle, end),
+            Metric.DEVICE_COMPUTE_TIME: DeviceSpan(start, middle),
+            Metric.DEVICE_OPTIMIZER_TIME: DeviceSpan(middle, end),
         }
 
 

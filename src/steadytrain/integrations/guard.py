@@ -44,7 +44,7 @@ from steadytrain.checkpoint.manifest import (
 )
 from steadytrain.device.oom import OOM_MESSAGES, exception_chain, is_oom, oom_kind
 from steadytrain.errors import BadInputError
-from steadytrain.events import Control, Dispatcher, Event, StepMetrics, TrainState
+from steadytrain.events import Control, Dispatcher, Event, Metric, StepMetrics, TrainState
 from steadytrain.integrations.core import (
     DEFAULTS,
     DOES_NOT_FIT,
@@ -232,19 +232,19 @@ class RunGuard:
         of metrics.jsonl, with the step time and the memory reading."""
         self.state.step = self.state.step + 1 if step is None else step
         row = {
-            "time": time.time(),
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "step_time": time.perf_counter() - self._step_started,
+            Metric.TIME: time.time(),
+            Metric.STEP: self.state.step,
+            Metric.EPOCH: self.state.epoch,
+            Metric.STEP_TIME: time.perf_counter() - self._step_started,
             **values,
         }
-        if "micro_batch_size" in values:
-            self.state.micro_batch_size = values["micro_batch_size"]
-        if values.get("loss") is not None:
-            self.state.last_loss = values["loss"]
-        memory = self.device.memory().to_dict()
+        if Metric.MICRO_BATCH_SIZE in values:
+            self.state.micro_batch_size = values[Metric.MICRO_BATCH_SIZE]
+        if values.get(Metric.LOSS) is not None:
+            self.state.last_loss = values[Metric.LOSS]
         # one line of metrics.jsonl: the row, then the reading as mem_* (the run files')
-        self.emit(Event.STEP_END, {"metrics": StepMetrics({**row, "memory": memory}).resolve()})
+        row[Metric.MEMORY] = self.device.memory().to_dict()
+        self.emit(Event.STEP_END, {"metrics": StepMetrics(row).resolve()})
         self._rows += 1
 
     @contextlib.contextmanager

@@ -42,7 +42,7 @@ from steadytrain.errors import BadInputError, DemoFailed
 from steadytrain.recipes.options import DemoOptions
 from steadytrain.run import files as run_files
 from steadytrain.run.durable import make_folder, write_atomic
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 STEPS = 7
 SEQ = 128
@@ -672,7 +672,7 @@ def last_step(metrics: Path) -> int | None:
         return None
     for line in reversed(data.splitlines()):
         try:
-            return int(json.loads(line)["step"])
+            return int(json.loads(line)[Metric.STEP])
         except (ValueError, KeyError, TypeError):
             continue
     return None

@@ -5,7 +5,8 @@ the run directory and the environment. Standard library only.
 
 files.py     every file and folder a run writes, by name (config.json, events.jsonl, ...)
 env.py       the STEADYTRAIN_* variables the supervisor sets for its child, and their one reader
-records.py   the registry of record names in events.jsonl (`Record`), for every writer and reader
+records.py   the registries of record names in events.jsonl (`Record`) and of the keys of a
+             metrics.jsonl line (`Metric`), for every writer and reader
 events.py    appending an event line from a process that does not hold the file open
 jsonl.py     JSON-lines files: a line written whole, lines read back past a torn one
 hangs.py     the heartbeat, hang reports, the backstop's stack dumps turned into reports

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 from steadytrain.safety.leaks import (
     LEAK_CAUSES,
     Leak,
@@ -116,8 +116,8 @@ class MemoryWatch(Callback):
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         metrics = info["metrics"]
-        memory = metrics.get("memory") or {}
-        step_time = metrics.get("step_time")
+        memory = metrics.get(Metric.MEMORY) or {}
+        step_time = metrics.get(Metric.STEP_TIME)
         if step_time is not None:
             self._step_times.append(step_time)
         if self.empty_cache == "every_step":

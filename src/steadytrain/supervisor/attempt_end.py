@@ -18,7 +18,7 @@ from typing import Any
 
 from steadytrain.run import files as run_files
 from steadytrain.run import jsonl as run_jsonl
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 from steadytrain.supervisor.progress import Since, attempt_records
 
 TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few lines of a JSON-lines file, however long
@@ -57,13 +57,13 @@ def memory_at_kill(run_dir: Path | None, total: int | None = None) -> MemoryAtKi
     reading). `total` is the machine's memory (default: read here, where the child ran)."""
     if run_dir is None:
         return None
-    lines = [r for r in tail_lines(Path(run_dir) / run_files.METRICS) if "step" in r]
+    lines = [r for r in tail_lines(Path(run_dir) / run_files.METRICS) if Metric.STEP in r]
     if not lines:
         return None
     line = lines[-1]
     total = physical_memory() if total is None else total
-    available, pressure = _number(line.get("mem_system_available")), line.get("mem_pressure")
-    rss = _number(line.get("mem_rss"))
+    available = _number(line.get(Metric.MEM_SYSTEM_AVAILABLE))
+    pressure, rss = line.get(Metric.MEM_PRESSURE), _number(line.get(Metric.MEM_RSS))
     if available is None and pressure is None:
         return None
     parts = []
@@ -80,7 +80,7 @@ def memory_at_kill(run_dir: Path | None, total: int | None = None) -> MemoryAtKi
     high = (isinstance(pressure, int) and pressure >= PRESSURE_WARNING) or (
         available is not None and bool(total) and available < LOW_AVAILABLE * total
     )
-    return MemoryAtKill(high, f"step {line.get('step')}: {', '.join(parts)}")
+    return MemoryAtKill(high, f"step {line.get(Metric.STEP)}: {', '.join(parts)}")
 
 
 def _number(value: Any) -> float | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from steadytrain.run import files as run_files
 from steadytrain.run import jsonl as run_jsonl
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 METRICS_TAIL_BYTES = run_jsonl.TAIL_BYTES  # the last few metrics lines, however long the run
 _STEP_NAME = re.compile(r"step-(\d+)")
@@ -65,7 +65,7 @@ def last_micro_batch_size(
     for record in reversed(run_jsonl.tail(run_dir / file, METRICS_TAIL_BYTES)):
         if event is not None and record.get("event") != event:
             continue
-        value = record.get("micro_batch_size")
+        value = record.get(Metric.MICRO_BATCH_SIZE)  # an oom record's key is the same
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
             return value
     return None

@@ -23,7 +23,7 @@ from typing import Any
 
 from steadytrain.run import files as run_files
 from steadytrain.run import jsonl as run_jsonl
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 from steadytrain.run.savers import SAVERS
 from steadytrain.supervisor.progress import AttemptStart, Since, attempt_records, savers_record
 
@@ -34,7 +34,7 @@ def recorded_a_step(folder: Path | None) -> bool:
     """Whether RUN_DIR/metrics.jsonl holds a step's line (of any attempt)."""
     if folder is None:
         return False
-    return any("step" in line for line in run_jsonl.tail(Path(folder) / run_files.METRICS))
+    return any(Metric.STEP in line for line in run_jsonl.tail(Path(folder) / run_files.METRICS))
 
 
 def wrote_nothing(folder: Path | None, since: Since) -> bool:

@@ -23,7 +23,7 @@ from steadytrain._terminal import Surviving
 from steadytrain._units import format_bytes
 from steadytrain.events import Callback, Control, StepMetrics, TrainState, oom_step
 from steadytrain.run.hangs import print_aside, wait_for_aside
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 ASIDE_WAIT_S = 1.0
 """The most the run's last line waits for lines other threads are printing (a blocked stderr
@@ -224,7 +224,7 @@ class ProgressBar(ConsoleLog):
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
         metrics = self._current = info["metrics"]
-        mem = metrics.get("memory") or {}  # host readings: no wait
+        mem = metrics.get(Metric.MEMORY) or {}  # host readings: no wait
         self._peak = max(self._peak, mem.get("peak") or 0, _used(mem) or 0)
         if self._previous is not None:  # the run files resolve it in this same dispatch
             self._take(self._previous.resolve())
@@ -239,15 +239,15 @@ class ProgressBar(ConsoleLog):
 
     def _take(self, m: StepMetrics) -> None:
         """Fold in one resolved step: the loss average, the counts for the rates, the split."""
-        loss = m["loss"]
+        loss = m[Metric.LOSS]
         self._loss = (
             loss
             if self._loss is None
             else (LOSS_SMOOTHING * self._loss + (1 - LOSS_SMOOTHING) * loss)
         )
-        self._samples += m["samples"]
-        self._tokens += m["tokens"]
-        if "device_compute_time" in m:  # a timed step: the device's clock
+        self._samples += m[Metric.SAMPLES]
+        self._tokens += m[Metric.TOKENS]
+        if Metric.DEVICE_COMPUTE_TIME in m:  # a timed step: the device's clock
             self._split = step_split(m)
 
     def _show(self, state: TrainState, metrics: StepMetrics, now: float) -> None:
@@ -265,16 +265,16 @@ class ProgressBar(ConsoleLog):
         self.progress.update(
             self.task,
             completed=state.step,
-            description=f"step {state.step}/{state.max_steps}  epoch {metrics['epoch']}",
+            description=f"step {state.step}/{state.max_steps}  epoch {metrics[Metric.EPOCH]}",
             stats=(
-                f"{loss}  {self._rate}  micro {metrics['micro_batch_size']}×"
-                f"{metrics['micro_steps']}  ETA {_clock(eta)}"
+                f"{loss}  {self._rate}  micro {metrics[Metric.MICRO_BATCH_SIZE]}×"
+                f"{metrics[Metric.MICRO_STEPS]}  ETA {_clock(eta)}"
             ),
         )
         self.progress.below = "  ".join(p for p in (self._memory(metrics), self._split) if p)
 
     def _memory(self, metrics: StepMetrics) -> str:
-        mem = metrics.get("memory") or {}
+        mem = metrics.get(Metric.MEMORY) or {}
         used = _used(mem)
         if used is None:
             return ""
@@ -321,12 +321,12 @@ def _ended(info: dict, step: int) -> str:
 
 def step_line(step: int, max_steps: int, epoch: int, m: StepMetrics) -> str:
     """One progress line, as the README shows it, with the step-time split at the end."""
-    mem = m.get("memory") or {}
+    mem = m.get(Metric.MEMORY) or {}
     used = mem.get("peak") or mem.get("allocated") or mem.get("rss")
-    rate = m["samples"] / m["step_time"] if m["step_time"] else 0.0
+    rate = m[Metric.SAMPLES] / m[Metric.STEP_TIME] if m[Metric.STEP_TIME] else 0.0
     return (
-        f"step {step}/{max_steps}  epoch {epoch}  loss {m['loss']:.4f}  "
-        f"micro {m['micro_batch_size']}×{m['micro_steps']}  {rate:.1f} samples/s  "
+        f"step {step}/{max_steps}  epoch {epoch}  loss {m[Metric.LOSS]:.4f}  "
+        f"micro {m[Metric.MICRO_BATCH_SIZE]}×{m[Metric.MICRO_STEPS]}  {rate:.1f} samples/s  "
         f"mem {format_bytes(used)}  {step_split(m)}"
     )
 
@@ -334,11 +334,15 @@ def step_line(step: int, max_steps: int, epoch: int, m: StepMetrics) -> str:
 def step_split(m: dict[str, Any]) -> str:
     """'data 0.4ms fwd+bwd 31.2ms opt 2.1ms ckpt 0.41s': the device-clock phase times where the
     step was timed (see steadytrain.engine.step._PhaseMarks), the host's otherwise."""
-    compute = m.get("device_compute_time", m.get("compute_time"))
-    optimizer = m.get("device_optimizer_time", m.get("optimizer_time"))
-    parts = [f"data {_ms(m.get('data_time'))}", f"fwd+bwd {_ms(compute)}", f"opt {_ms(optimizer)}"]
-    if m.get("checkpoint_time") is not None:
-        parts.append(f"ckpt {_ms(m['checkpoint_time'])}")
+    compute = m.get(Metric.DEVICE_COMPUTE_TIME, m.get(Metric.COMPUTE_TIME))
+    optimizer = m.get(Metric.DEVICE_OPTIMIZER_TIME, m.get(Metric.OPTIMIZER_TIME))
+    parts = [
+        f"data {_ms(m.get(Metric.DATA_TIME))}",
+        f"fwd+bwd {_ms(compute)}",
+        f"opt {_ms(optimizer)}",
+    ]
+    if m.get(Metric.CHECKPOINT_TIME) is not None:
+        parts.append(f"ckpt {_ms(m[Metric.CHECKPOINT_TIME])}")
     return " ".join(parts)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from steadytrain.device.cpu_load import CpuLoad, CpuMeter
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.run.records import Record
+from steadytrain.run.records import Metric, Record
 
 SLOW = 1.5  # a step this many times the typical step time is a slow one
 WARMUP = 5  # the first steps (allocation, planning, caches) are no baseline
@@ -49,7 +49,7 @@ class CpuContention(Callback):
             self._meter = CpuMeter().read
 
     def on_step_end(self, state: TrainState, control: Control, info: dict) -> None:
-        step_time = info["metrics"].get("step_time")
+        step_time = info["metrics"].get(Metric.STEP_TIME)
         if not isinstance(step_time, (int, float)):
             return
         self._seen += 1

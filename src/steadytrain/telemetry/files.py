@@ -19,7 +19,7 @@ from steadytrain.events import Callback, Control, TrainState, oom_step
 from steadytrain.run import files as run_files
 from steadytrain.run.jsonl import JsonlFile
 from steadytrain.run.jsonl import read as read_jsonl
-from steadytrain.run.records import Record
+from steadytrain.run.records import EVAL, Metric, Record
 
 __all__ = ["JsonlFile", "RunFiles", "read_jsonl"]
 
@@ -57,14 +57,19 @@ class RunFiles(Callback):
             return
         metrics = dict(self._pending.resolve())
         self._pending = None
-        memory = metrics.pop("memory", {}) or {}
-        self.metrics.write({**metrics, **{f"mem_{k}": v for k, v in memory.items()}})
+        memory = metrics.pop(Metric.MEMORY, {}) or {}
+        self.metrics.write({**metrics, **{Metric.of_memory(k): v for k, v in memory.items()}})
 
     def on_eval_end(self, state: TrainState, control: Control, info: dict) -> None:
         """An evaluation row in metrics.jsonl: ``kind: "eval"``, the step and epoch it followed,
         and the evaluation's metrics (step rows have no ``kind``)."""
         self._write_pending()
-        row = {"kind": "eval", "time": time.time(), "step": state.step, "epoch": info["epoch"]}
+        row = {
+            Metric.KIND: EVAL,
+            Metric.TIME: time.time(),
+            Metric.STEP: state.step,
+            Metric.EPOCH: info["epoch"],
+        }
         self.metrics.write({**row, **info["metrics"]})
 
     def on_oom(self, state: TrainState, control: Control, info: dict) -> None:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from steadytrain.errors import BadInputError
-from steadytrain.run.records import Record
+from steadytrain.run.records import MEMORY_PREFIX, Metric, Record
 from steadytrain.telemetry.run_reading import GIB, Run, as_number, is_int, memory_counters
 
 INSTALL_HINT = "pip install 'steadytrain[report]'"
@@ -139,8 +139,8 @@ def plot_loss_lr(run: Run):
 
     fig = figure_class()(figsize=(12, 6), dpi=100, layout="constrained")
     loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1.3))
-    steps = [r["step"] for r in run.steps]
-    loss = [as_number(r.get("loss")) for r in run.steps]
+    steps = [r[Metric.STEP] for r in run.steps]
+    loss = [as_number(r.get(Metric.LOSS)) for r in run.steps]
     seen: set[str] = set()
     if any(v is not None for v in loss):
         loss_ax.plot(
@@ -163,7 +163,7 @@ def plot_loss_lr(run: Run):
     loss_ax.set_title("loss by step")
     loss_ax.grid(alpha=0.3)
     _legend(loss_ax)
-    lr = [as_number(r.get("lr")) for r in run.steps]
+    lr = [as_number(r.get(Metric.LR)) for r in run.steps]
     if any(v is not None for v in lr):
         lr_ax.plot(steps, [math.nan if v is None else v for v in lr], color=LR_COLOR, lw=2)
         known = {v for v in lr if v is not None}
@@ -181,12 +181,12 @@ def plot_loss_lr(run: Run):
 
 def _plot_evaluations(ax, evals: list[dict]) -> None:
     """Each evaluation metric as a dashed curve over the steps it followed."""
-    skip = ("kind", "time", "step", "epoch")
+    skip = (Metric.KIND, Metric.TIME, Metric.STEP, Metric.EPOCH)
     names = sorted(
         {k for r in evals for k, v in r.items() if k not in skip and as_number(v) is not None}
     )
     for name in names:
-        points = [(r["step"], v) for r in evals if (v := as_number(r.get(name))) is not None]
+        points = [(r[Metric.STEP], v) for r in evals if (v := as_number(r.get(name))) is not None]
         ax.plot(*zip(*points, strict=True), lw=1.5, ls="--", marker="s", ms=4, label=name)
 
 
@@ -195,12 +195,14 @@ def plot_step_time(run: Run):
     ax = fig.subplots()
     drawn = False
     for key, label, color, line in (
-        ("step_time", "step time", STEP_TIME_COLOR, "-"),
-        ("data_time", "waiting for data", DATA_TIME_COLOR, "-"),
+        (Metric.STEP_TIME, "step time", STEP_TIME_COLOR, "-"),
+        (Metric.DATA_TIME, "waiting for data", DATA_TIME_COLOR, "-"),
         # only checkpoint steps carry it: points, as a line would have nothing to join
-        ("checkpoint_time", "checkpoint stall", EVENT_STYLES[Record.CHECKPOINT].color, ""),
+        (Metric.CHECKPOINT_TIME, "checkpoint stall", EVENT_STYLES[Record.CHECKPOINT].color, ""),
     ):
-        points = [(r["step"], v) for r in run.steps if (v := as_number(r.get(key))) is not None]
+        points = [
+            (r[Metric.STEP], v) for r in run.steps if (v := as_number(r.get(key))) is not None
+        ]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(
@@ -274,12 +276,12 @@ def plot_memory_events(run: Run):
                 ls="--",
                 label=f"rank {rank}: {label}",
             )
-    swap = series("mem_swap_used", keep_zero=False)
+    swap = series(Metric.MEM_SWAP_USED, keep_zero=False)
     if swap[0]:
         mem_ax.plot(*swap, color=SWAP_COLOR, lw=1.5, ls=":", label="swap used")
-    scale_top = _draw_budget(mem_ax, series("mem_budget"), run)
+    scale_top = _draw_budget(mem_ax, series(Metric.MEM_BUDGET), run)
     if counters:  # readings taken at an oom or shrink, between the per-step lines
-        key = counters[0][0].removeprefix("mem_")
+        key = counters[0][0].removeprefix(MEMORY_PREFIX)
         for event in run.events:
             reading, style = event.get("memory"), style_of(event["event"])
             value = as_number(reading.get(key)) if isinstance(reading, dict) else None

@@ -16,19 +16,19 @@ from typing import Any
 from steadytrain.errors import BadInputError
 from steadytrain.run import files as run_files
 from steadytrain.run import jsonl as run_jsonl
-from steadytrain.run.records import Record
+from steadytrain.run.records import EVAL, Metric, Record
 
 GIB = 2**30
 
 # What to plot as memory on each device, first is the one the summary calls the peak.
 MEMORY_COUNTERS: dict[str, tuple[tuple[str, str], ...]] = {
     "cuda": (
-        ("mem_peak", "peak allocated"),
-        ("mem_allocated", "allocated"),
-        ("mem_reserved", "reserved (allocator cache)"),
+        (Metric.MEM_PEAK, "peak allocated"),
+        (Metric.MEM_ALLOCATED, "allocated"),
+        (Metric.MEM_RESERVED, "reserved (allocator cache)"),
     ),
-    "mps": (("mem_reserved", "driver memory (reserved)"), ("mem_allocated", "allocated")),
-    "cpu": (("mem_rss", "resident set (RSS)"),),
+    "mps": ((Metric.MEM_RESERVED, "driver memory (reserved)"), (Metric.MEM_ALLOCATED, "allocated")),
+    "cpu": ((Metric.MEM_RSS, "resident set (RSS)"),),
 }
 
 
@@ -86,12 +86,12 @@ def load_run(run_dir: str | os.PathLike) -> Run:
             f"{path} is not a run directory: it holds neither metrics.jsonl nor events.jsonl "
             "(they are written there by Trainer.fit once the run starts)"
         )
-    records = [r for r in _records(metrics_path) if is_int(r.get("step"))]
-    lines = [r for r in records if r.get("kind") != "eval"]
-    evals = {r["step"]: r for r in records if r.get("kind") == "eval"}
+    rows = [r for r in _records(metrics_path) if is_int(r.get(Metric.STEP))]
+    lines = [row for row in rows if row.get(Metric.KIND) != EVAL]
+    evals = {row[Metric.STEP]: row for row in rows if row.get(Metric.KIND) == EVAL}
     last: dict[int, dict[str, Any]] = {}
-    for record in lines:
-        last[record["step"]] = record
+    for line in lines:
+        last[line[Metric.STEP]] = line
     events = [r for r in _records(events_path) if isinstance(r.get("event"), str)]
     events.sort(key=lambda e: as_number(e.get("time")) or 0.0)
     events = _with_kills(events, lines)
@@ -139,8 +139,8 @@ def _attempts_redone(events: list[dict], lines: list[dict]) -> tuple[int, int]:
     reached: dict[int, int] = {}
     for line in lines:
         index = attempt(line)
-        firsts.setdefault(index, line["step"])
-        reached[index] = max(reached.get(index, 0), line["step"])
+        firsts.setdefault(index, line[Metric.STEP])
+        reached[index] = max(reached.get(index, 0), line[Metric.STEP])
     for event in events:
         if event["event"] == Record.CHECKPOINT and is_int(event.get("step")):
             index = attempt(event)
@@ -162,8 +162,8 @@ def _other_ranks(path: Path) -> dict[int, list[dict[str, Any]]]:
     for folder in (path / run_files.RANKS).glob("rank-*"):
         suffix = folder.name.removeprefix("rank-")
         if suffix.isdigit() and int(suffix) > 0:
-            records = _records(folder / run_files.METRICS)
-            lines = [r for r in records if is_int(r.get("step")) and r.get("kind") != "eval"]
+            rows = _records(folder / run_files.METRICS)
+            lines = [r for r in rows if is_int(r.get(Metric.STEP)) and r.get(Metric.KIND) != EVAL]
             if lines:
                 ranks[int(suffix)] = lines
     return dict(sorted(ranks.items()))
@@ -195,9 +195,9 @@ def _place_restarts(events: list[dict], lines: list[dict]) -> None:
         when = as_number(event.get("time"))
         if event["event"] != Record.RESTART or when is None:
             continue
-        before = [r for r in lines if (as_number(r.get("time")) or math.inf) <= when]
+        before = [r for r in lines if (as_number(r.get(Metric.TIME)) or math.inf) <= when]
         if before:
-            event["at_step"] = max(before, key=lambda r: r["time"])["step"]
+            event["at_step"] = max(before, key=lambda r: r[Metric.TIME])[Metric.STEP]
 
 
 def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
@@ -217,7 +217,7 @@ def _with_kills(events: list[dict], lines: list[dict]) -> list[dict]:
         if begin is None or end is None:
             continue
         stepped = [e for e in between if is_int(e.get("step")) and e["event"] not in BEFORE_START]
-        written = [r for r in lines if begin <= (as_number(r.get("time")) or -1.0) < end]
+        written = [r for r in lines if begin <= (as_number(r.get(Metric.TIME)) or -1.0) < end]
         last = max(written or stepped or [events[here]], key=lambda r: r["time"])
         derived.append(
             {
@@ -239,9 +239,9 @@ def _device(events: list[dict], lines: list[dict]) -> str:
             kind = event["device"].split(":")[0]
             if kind in MEMORY_COUNTERS:
                 return kind
-    if any(r.get("mem_peak") is not None for r in lines):
+    if any(r.get(Metric.MEM_PEAK) is not None for r in lines):
         return "cuda"
-    if any(r.get("mem_reserved") is not None for r in lines):
+    if any(r.get(Metric.MEM_RESERVED) is not None for r in lines):
         return "mps"
     return "cpu"
 
@@ -347,7 +347,7 @@ def rank_peaks(run: Run) -> list[tuple[int, tuple[float, str]]]:
 
 
 def budget(run: Run) -> float | None:
-    values = [v for r in run.lines if (v := as_number(r.get("mem_budget"))) is not None]
+    values = [v for r in run.lines if (v := as_number(r.get(Metric.MEM_BUDGET))) is not None]
     if values:
         return values[-1]
     starts = [as_number(e.get("budget")) for e in run.events if e["event"] == Record.FIT_START]
@@ -362,9 +362,11 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         rows.append(("steps", "none recorded yet"))
     else:
         of = f" of {planned}" if planned else ""
-        rows.append(("steps", f"{last['step']}{of} (lines for {len(run.steps)} steps)"))
+        rows.append(("steps", f"{last[Metric.STEP]}{of} (lines for {len(run.steps)} steps)"))
     if run.start is not None and run.end is not None:
-        computing = sum(v for r in run.steps if (v := as_number(r.get("step_time"))) is not None)
+        computing = sum(
+            v for r in run.steps if (v := as_number(r.get(Metric.STEP_TIME))) is not None
+        )
         rows.append(
             (
                 "time",
@@ -407,10 +409,10 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         rows.append((f"peak memory, rank {rank}", f"{gib(value)} {label}{share}"))
     if run.estimate is not None:
         rows.append(_estimate_row(run.estimate, run.device, peak))
-    micro = last.get("micro_batch_size") if last else None
+    micro = last.get(Metric.MICRO_BATCH_SIZE) if last else None
     if micro is not None:
         rows.append(("final micro-batch", str(micro)))
-    loss = as_number(last.get("loss")) if last else None
+    loss = as_number(last.get(Metric.LOSS)) if last else None
     if loss is not None:
         rows.append(("final loss", f"{loss:.4g}"))
     return rows
@@ -437,7 +439,7 @@ def continuity_differences(run: Run) -> list[dict[str, Any]]:
 
 def fp16_skipped(run: Run) -> int:
     """Steps fp16's grad scaler skipped (inf/NaN gradients), from the kept metrics lines."""
-    return sum(1 for row in run.steps if row.get("skipped") is True)
+    return sum(1 for row in run.steps if row.get(Metric.SKIPPED) is True)
 
 
 def _estimate_row(
@@ -463,7 +465,7 @@ def _estimate_row(
 
 def summary_line(run: Run) -> str:
     """One line for the terminal."""
-    last = run.steps[-1]["step"] if run.steps else 0
+    last = run.steps[-1][Metric.STEP] if run.steps else 0
     parts = [
         f"{last} steps",
         f"{run.counts[Record.OOM]} out-of-memory",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from steadytrain.errors import BadInputError
-from steadytrain.events import Callback, Control, StepMetrics, TrainState
+from steadytrain.events import Callback, Control, Metric, StepMetrics, TrainState
 
 GIB = 1024**3
 
@@ -68,29 +68,29 @@ class TensorBoardLog(Callback):
 
     def _write(self, m: StepMetrics) -> None:
         for tag, value in scalars(m).items():
-            self.writer.add_scalar(tag, value, m["step"], walltime=m.get("time"))
+            self.writer.add_scalar(tag, value, m[Metric.STEP], walltime=m.get(Metric.TIME))
 
 
 def scalars(m: dict[str, Any]) -> dict[str, float]:
     """The TensorBoard tags of one resolved metrics row (absent values are left out)."""
-    mem = m.get("memory") or {}
+    mem = m.get(Metric.MEMORY) or {}
     used = mem.get("allocated") if mem.get("allocated") is not None else mem.get("rss")
-    step_time = m.get("step_time") or 0.0
+    step_time = m.get(Metric.STEP_TIME) or 0.0
     values = {
-        "train/loss": m.get("loss"),
-        "train/lr": m.get("lr"),
-        "train/grad_norm": m.get("grad_norm"),
-        "train/micro_batch_size": m.get("micro_batch_size"),
+        "train/loss": m.get(Metric.LOSS),
+        "train/lr": m.get(Metric.LR),
+        "train/grad_norm": m.get(Metric.GRAD_NORM),
+        "train/micro_batch_size": m.get(Metric.MICRO_BATCH_SIZE),
         "time/step": step_time,
-        "time/data": m.get("data_time"),
-        "time/forward_backward": m.get("compute_time"),
-        "time/optimizer": m.get("optimizer_time"),
-        "time/forward_backward_device": m.get("device_compute_time"),
-        "time/optimizer_device": m.get("device_optimizer_time"),
-        "time/checkpoint": m.get("checkpoint_time"),
-        "throughput/samples_per_s": m["samples"] / step_time if step_time else None,
-        "throughput/tokens_per_s": m["tokens"] / step_time
-        if step_time and m.get("tokens")
+        "time/data": m.get(Metric.DATA_TIME),
+        "time/forward_backward": m.get(Metric.COMPUTE_TIME),
+        "time/optimizer": m.get(Metric.OPTIMIZER_TIME),
+        "time/forward_backward_device": m.get(Metric.DEVICE_COMPUTE_TIME),
+        "time/optimizer_device": m.get(Metric.DEVICE_OPTIMIZER_TIME),
+        "time/checkpoint": m.get(Metric.CHECKPOINT_TIME),
+        "throughput/samples_per_s": m[Metric.SAMPLES] / step_time if step_time else None,
+        "throughput/tokens_per_s": m[Metric.TOKENS] / step_time
+        if step_time and m.get(Metric.TOKENS)
         else None,
         "memory/used_gib": used / GIB if used is not None else None,
         "memory/peak_gib": mem["peak"] / GIB if mem.get("peak") is not None else None,

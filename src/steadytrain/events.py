@@ -28,7 +28,8 @@ change it), ``control`` is how a callback asks the loop for something, ``info`` 
 is particular to that event (documented on `Event`). Callbacks keep their own state.
 
 `StepMetrics` is the row every ``on_step_end`` receives (``info["metrics"]``), one line of
-metrics.jsonl. `Record` (from `steadytrain.run.records`) names every record of events.jsonl.
+metrics.jsonl, keyed by `Metric`. `Record` and `Metric` (from `steadytrain.run.records`) name
+every record of events.jsonl and every key of a metrics.jsonl line.
 """
 
 from __future__ import annotations

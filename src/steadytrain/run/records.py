@@ -14,8 +14,8 @@ comment after each member says who writes it and the fields it adds to ``time`` 
 the trainer all import it.
 
 `Metric` does the same for metrics.jsonl's keys: the step writes ``{Metric.LOSS: ...}``, the
-report reads ``row.get(Metric.LOSS)``; `tests/test_records.py` fails on a key spelled as a bare
-string where a metrics row is written or read, and on a key here that nothing writes, and
+report reads ``row.get(Metric.LOSS)``; `tests/test_metric_keys.py` fails on a key spelled as a
+bare string where a metrics row is written or read, and on a key here that nothing writes, and
 docs/telemetry.md's metrics table lists the same keys in this order. The keys on disk are
 public (users' scripts read metrics.jsonl): a key's value never changes.
 """

@@ -45,6 +45,9 @@ class Analytic:
                 "chunked_loss": chunked_loss,
                 "offload": offload,
             }
+            if (self.settings.gpus or 1) > 1:  # a rank's micro-batches of its share a step
+                share = self.settings.effective_batch_size
+                changes["accumulation"] = max(1, -(-share // micro_batch_size))
             try:
                 found = estimate(self.config, dataclasses.replace(self.settings, **changes))
             except (BadInputError, AttributeError, KeyError, TypeError, ValueError) as exc:

@@ -224,8 +224,8 @@ def _rank_share(model_config: Any, settings: Settings, budget: int | None) -> tu
     )
     return settings, (
         f"{gpus} ranks ({mode.distributed}; {mode.ranks.why}): each plans its share of the "
-        f"effective batch, {share} of {gpus * share if share * gpus == one.effective_batch_size else one.effective_batch_size}, "
-        "from the estimate per rank (a probe is one process)"
+        f"effective batch, {share} of {one.effective_batch_size}, from the estimate per rank "
+        "(a probe is one process)"
     )
 
 

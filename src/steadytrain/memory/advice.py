@@ -272,8 +272,8 @@ class MoreGpus:
 def fewest_gpus(config: Any, settings: Settings, budget: int) -> list[MoreGpus]:
     """The fewest GPUs (two or more, at most `MOST_GPUS`) on which the run fits sharded with
     FSDP2: with its settings as they are, and, where fewer would do, with the savers it then
-    needs, turned on in the ladder's order (`run_savers.SAVERS`, then the shards on the host)
-    until it fits; [] where nothing fits. The per-rank total falls as ranks are added (the
+    needs (`run_savers.SAVERS`, then the shards on the host): one alone where one is enough,
+    else the ladder's first ones until it fits; [] where nothing fits. The per-rank total falls as ranks are added (the
     shards shrink; the gathered layers and the activations stay), so a doubling then a
     bisection finds the fewest."""
     start = max(settings.gpus or 1, 2)
@@ -289,10 +289,12 @@ def fewest_gpus(config: Any, settings: Settings, budget: int) -> list[MoreGpus]:
     least = _fewest(config, every, budget, start)
     if least is None or (hit is not None and least[0] >= hit[0]):
         return found
-    for count in range(1, len(savers) + 1):  # the fewest savers that fit on that many GPUs
-        total = estimate(config, dataclasses.replace(_with(base, savers[:count]), gpus=least[0]))
+    # The fewest savers that fit on that many GPUs: one alone, else the ladder's first ones.
+    tries = [[saver] for saver in savers] + [savers[:n] for n in range(2, len(savers) + 1)]
+    for chosen in tries:
+        total = estimate(config, dataclasses.replace(_with(base, chosen), gpus=least[0]))
         if total.total is not None and total.total <= budget:
-            return [*found, MoreGpus(least[0], total.total, budget, tuple(savers[:count]))]
+            return [*found, MoreGpus(least[0], total.total, budget, tuple(chosen))]
     return found
 
 

@@ -55,8 +55,16 @@ from steadytrain.memory.model_shape import (
     shape_of,
     text_config,
 )
-from steadytrain.memory.ranks import FSDP, ONE, REPLICATE, Ranks, budget_of, ddp_note, mode_of
-from steadytrain.memory.ranks import per_rank as rank_share
+from steadytrain.memory.ranks import (
+    FSDP,
+    ONE,
+    REPLICATE,
+    Ranks,
+    budget_of,
+    ddp_note,
+    mode_of,
+    share_of,
+)
 from steadytrain.memory.settings import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_LORA_TARGETS,
@@ -303,7 +311,7 @@ def _on_ranks(
     budget = budget_of(s.memory_budget) or budget
     mode, why = mode_of(gpus, s.distributed, state, budget)
     lora = s.method == "lora"
-    ranks = rank_share(
+    ranks = share_of(
         counts,
         gpus=gpus,
         mode=mode,

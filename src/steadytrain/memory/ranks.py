@@ -112,7 +112,7 @@ def budget_of(memory_budget: str | None) -> int | None:
     return spec if isinstance(spec, int) else None
 
 
-def per_rank(
+def share_of(
     counts: ParamCounts,
     *,
     gpus: int,

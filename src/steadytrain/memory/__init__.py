@@ -37,6 +37,7 @@ from steadytrain.memory.estimate import (
     Settings,
     estimate,
     load_config,
+    per_rank,
 )
 
 _LAZY = {
@@ -80,4 +81,5 @@ __all__ = [
     "fit",
     "load_config",
     "measure",
+    "per_rank",
 ]

@@ -73,7 +73,7 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         settings, "memory_budget:" if "memory_budget" in own else "--memory-budget"
     )
     model_config = load_config(model)
-    result = estimate(model_config, resolved, model_name=model)
+    result = estimate(model_config, resolved, model_name=model, budget=budget)
     result.budget, result.budget_source = budget, source
     sized = settings.memory_budget is not None and isinstance(
         budget_spec(settings.memory_budget), int
@@ -84,11 +84,33 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
             "mps or cuda when the other machine differs"
         )
     advice = advice_for(model_config, result, vocabulary, accumulation)
+    more = more_gpus(model_config, result)
     if json_output:
-        print(json.dumps({**result.to_dict(), "advice": advice}, indent=2))
+        found = {**result.to_dict(), "advice": advice}
+        found["fewest_gpus"] = [
+            {
+                "gpus": m.gpus,
+                "distributed": "fsdp",
+                "total_bytes_per_rank": m.total,
+                "savers": [k.flags for k in m.savers],
+                "line": m.describe(),
+            }
+            for m in more
+        ]
+        print(json.dumps(found, indent=2))
     else:
-        render_estimate(result, console, advice)
+        render_estimate(result, console, advice, [m.describe() for m in more])
     return 3 if result.fits is False else 0
+
+
+def more_gpus(model_config: Any, result: Estimate) -> list:
+    """Where the estimate does not fit: the fewest GPUs on which it would under fsdp, as it is
+    and with the savers (memory/advice.py `fewest_gpus`); [] where it fits or is unknown."""
+    from steadytrain.memory.advice import fewest_gpus
+
+    if result.fits is not False or result.budget is None:
+        return []
+    return fewest_gpus(model_config, result.settings, result.budget)
 
 
 def _run_target(config: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -159,18 +181,52 @@ def plan_command(
     budget, source, resolved = resolve_target(settings)
     resolved.check("plan")
     model_config = load_config(model)
+    resolved, share = _rank_share(model_config, resolved, budget)
     chosen = plan_for_config(model_config, resolved, budget, compile_before_plan, trial_pass)
     chosen.reasons.insert(0, f"budget from {source}")
+    if share:
+        chosen.reasons.insert(1, share)
     advice = (
         [] if chosen.predicted_peak is not None else _plan_advice(model_config, resolved, budget)
     )
     if json_output:
-        print(json.dumps({**chosen.to_event(), "advice": advice}, indent=2, default=str))
+        gpus = resolved.gpus or 1
+        ranks = {"world_size": gpus, "distributed": resolved.distributed, "per_rank": gpus > 1}
+        print(json.dumps({**chosen.to_event(), **ranks, "advice": advice}, indent=2, default=str))
     else:
         render_plan(chosen, settings.seq, console)
         if chosen.predicted_peak is None:
             render_advice(advice, console)
     return 3 if chosen.predicted_peak is None else 0
+
+
+def _rank_share(model_config: Any, settings: Settings, budget: int | None) -> tuple[Settings, str]:
+    """On several GPUs: the settings of one rank's plan (its share of the effective batch,
+    `distributed: auto` resolved as a run resolves it, the estimate alone: a probe is one
+    process, which cannot hold a rank's shard), and the reason that says so; as they are and
+    "" on one."""
+    from steadytrain.memory.estimate import estimate
+
+    gpus = settings.gpus or 1
+    if gpus <= 1:
+        return settings, ""
+    if settings.probe:
+        raise BadInputError(
+            f"--probe: a probe measures one process, and --gpus {gpus} plans each of {gpus} "
+            "ranks (a shard of the model under fsdp); leave --probe out for the plan from the "
+            "estimate per rank"
+        )
+    share = -(-settings.effective_batch_size // gpus)
+    one = dataclasses.replace(settings, micro_batch_size=1, probe=False)
+    mode = estimate(model_config, one, budget=budget)
+    settings = dataclasses.replace(
+        one, effective_batch_size=share, distributed=mode.settings.distributed
+    )
+    return settings, (
+        f"{gpus} ranks ({mode.distributed}; {mode.ranks.why}): each plans its share of the "
+        f"effective batch, {share} of {one.effective_batch_size}, from the estimate per rank "
+        "(a probe is one process)"
+    )
 
 
 def _plan_advice(model_config: Any, settings: Settings, budget: int | None) -> list[str]:
@@ -191,7 +247,8 @@ def _plan_advice(model_config: Any, settings: Settings, budget: int | None) -> l
     )
     result = estimate(model_config, smallest)
     result.budget = budget
-    return advice_for(model_config, result, FLAGS, settings.effective_batch_size)
+    more = [m.describe() for m in more_gpus(model_config, result)]
+    return advice_for(model_config, result, FLAGS, settings.effective_batch_size) + more
 
 
 def compile_before_plan(model, device_type: str):
@@ -223,6 +280,7 @@ def resolve_target(
     from steadytrain.memory.fused_loss import fused_available
 
     memory, device_type = settings.memory_budget, settings.device_type
+    settings = dataclasses.replace(settings, gpus=settings.gpus or ranks_from_env())
     spec = None if memory is None else budget_spec(memory)
     if isinstance(spec, float):
         device = _budget_device(device_type, spec, f"{label} {memory}")
@@ -249,6 +307,26 @@ def resolve_target(
     return device.budget, f"{device.torch_device} budget ({device.name})", resolved
 
 
+def ranks_from_env() -> int:
+    """The ranks of the torchrun run this command is called in (WORLD_SIZE; torchrun sets it
+    in every rank), else 1."""
+    import os
+
+    found = os.environ.get("WORLD_SIZE", "").strip()
+    if not found:
+        return 1
+    try:
+        world = int(found)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise BadInputError(
+            f"WORLD_SIZE: {found!r} is not a whole number of ranks (torchrun sets it); unset it, "
+            "or pass --gpus N"
+        )
+    return world
+
+
 def _budget_device(device_type: str | None, fraction: float, given: str):
     """The device whose usable memory a fraction (or auto) of it is taken of: the target device
     type on this machine, as a run resolves its memory_budget; refused, exit 2, where this
@@ -272,7 +350,12 @@ def _budget_device(device_type: str | None, fraction: float, given: str):
     return device
 
 
-def render_estimate(result: Estimate, console=None, advice: list[str] | None = None) -> None:
+def render_estimate(
+    result: Estimate,
+    console=None,
+    advice: list[str] | None = None,
+    more: list[str] | None = None,
+) -> None:
     from rich.table import Table
 
     console = console or readable_console()
@@ -283,8 +366,13 @@ def render_estimate(result: Estimate, console=None, advice: list[str] | None = N
         if s.method == "lora"
         else "full fine-tune"
     )
+    ranks = (
+        f"each of {result.world_size} ranks ({result.distributed}): "
+        if result.world_size > 1
+        else ""
+    )
     title = (
-        f"{result.model or sh.family}: {format_count(result.params)} params "
+        f"{ranks}{result.model or sh.family}: {format_count(result.params)} params "
         f"({sh.family}, {sh.layers} layers, hidden {sh.hidden}, vocab {sh.vocab:,}"
         f"{', tied' if sh.tied else ''}); {what}; micro-batch {s.micro_batch_size} × seq {s.seq}, "
         f"{s.precision} compute over {s.weights_dtype} weights, {s.optimizer}"
@@ -317,17 +405,48 @@ def render_estimate(result: Estimate, console=None, advice: list[str] | None = N
             console.print(f"fits: unknown against {budget}: activations are not modelled")
         elif result.fits:
             share = 100 * result.total / result.budget
-            console.print(f"[green]fits[/]: {share:.0f}% of {budget}")
+            console.print(f"[green]fits[/]{_on_ranks(result)}: {share:.0f}% of {budget}")
         else:
             console.print(
-                f"[red]does not fit[/]: needs {format_bytes(result.total)}, "
+                f"[red]does not fit[/]{_on_ranks(result)}: needs {format_bytes(result.total)}"
+                f"{' a rank' if result.world_size > 1 else ''}, "
                 f"{format_bytes(result.total - result.budget)} over {budget}."
             )
+            replicated = _replicated_state(result)
+            if replicated is not None:
+                console.print(replicated, markup=False, highlight=False)
             render_advice(advice or [], console)
+            for line in more or []:
+                console.print(f"  {line}", markup=False, highlight=False)
     else:
         console.print(f"budget unknown ({result.budget_source}); pass --memory-budget 16GiB")
     for note in result.notes:
         console.print(f"note: {note}")
+
+
+def _on_ranks(result: Estimate) -> str:
+    """on 2 GPUs of 16.00 GiB with fsdp, for an estimate of several ranks."""
+    if result.world_size <= 1:
+        return ""
+    return (
+        f" on {result.world_size} GPUs of {format_bytes(result.budget)} with {result.distributed}"
+    )
+
+
+def _replicated_state(result: Estimate) -> str | None:
+    """Under replicate, where the model's state alone (weights, gradients, optimizer states)
+    exceeds a rank's budget: no micro-batch can fit, and sharding is the way."""
+    if result.distributed != "replicate" or result.budget is None:
+        return None
+    names = ("weights", "trainable adapters", "gradients", "optimizer states")
+    state = sum(r.bytes or 0 for r in result.rows if r.name in names)
+    if state <= result.budget:
+        return None
+    return (
+        f"replicate: every rank holds the whole model state, {format_bytes(state)} of weights, "
+        f"gradients and optimizer states, over the {format_bytes(result.budget)} a rank may "
+        "use before any activation: no micro-batch fits; shard it with --distributed fsdp"
+    )
 
 
 def _gb(n: int | None) -> str:

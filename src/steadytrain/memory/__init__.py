@@ -11,7 +11,8 @@ activations.py   the activation bytes of Llama-style decoder layers, op by op
 families.py      the activation formulas of the decoder families beyond Llama's
 compiled.py      what a compiled decoder layer keeps for backward, per family
 measured.py      activations of a family the formulas do not know, measured on the meta device
-estimate.py      the estimate: how much memory a run needs, from the config alone
+ranks.py         what each rank holds on several GPUs: replicated, or sharded by FSDP2
+estimate.py      the estimate: how much memory a run needs, from the config alone (per rank)
 advice.py        what would make a run fit: every knob not yet set, tried with the estimator
 probe.py         real passes at a few small sizes, fitted to peak and seconds per sample
 choice.py        the candidates (each size of each mode) and the winner, with the why
@@ -36,6 +37,7 @@ from steadytrain.memory.estimate import (
     Settings,
     estimate,
     load_config,
+    per_rank,
 )
 
 _LAZY = {
@@ -79,4 +81,5 @@ __all__ = [
     "fit",
     "load_config",
     "measure",
+    "per_rank",
 ]

@@ -190,7 +190,7 @@ def _keeping_knobs(config: Any, s: Settings, budget: int, accumulation: int) -> 
         found.append(Knob(changes, (("bf16", True),), flags, needs=needs))
     elif s.precision == "fp32":
         found.append(Knob({"precision": "bf16"}, (("precision", "bf16"),), "--precision bf16"))
-    found += _saver_knobs(s)
+    found += _saver_knobs(s) + _rank_knobs(s)
     if (
         not s.compiled
         and not s.checkpointing
@@ -228,6 +228,120 @@ def _saver_knobs(s: Settings) -> list[Knob]:
             continue
         found.append(Knob({saver.estimate_field: True}, saver.finetune, saver.flag))
     return found
+
+
+def _rank_knobs(s: Settings) -> list[Knob]:
+    """On several GPUs: sharding for a replicated run, and the shards in host memory (FSDP2's
+    offload policy, a GPU with memory of its own) for a sharded one. A run's key is
+    `distributed`; a fine-tune config has none, so these are the flags' advice."""
+    if (s.gpus or 1) <= 1:
+        return []
+    if s.distributed in ("replicate", "ddp"):
+        return [Knob({"distributed": "fsdp"}, (), "--distributed fsdp")]
+    if s.distributed == "fsdp" and not s.fsdp_offload and s.device_type == "cuda":
+        return [Knob({"fsdp_offload": True}, (), "--fsdp-offload")]
+    return []
+
+
+MOST_GPUS = 1024
+"""The most GPUs `fewest_gpus` tries."""
+
+
+@dataclass(frozen=True)
+class MoreGpus:
+    """The fewest GPUs on which a run fits under fsdp, and what each rank then needs."""
+
+    gpus: int
+    total: int
+    budget: int
+    savers: tuple[Knob, ...] = ()
+    """The savers it needs on top of the run's settings (none: as it is)."""
+
+    def describe(self, vocabulary: str = FLAGS) -> str:
+        """fits on 4 GPUs of 16.0 GiB with fsdp (14.2 GiB a rank)."""
+        total, budget = _sizes(self.total, self.budget)
+        with_ = "fsdp" + (
+            f" and {' '.join(f'`{k.flags}`' for k in self.savers)}" if self.savers else ""
+        )
+        return (
+            f"fits on {self.gpus} GPUs of {budget} with {with_} ({total} a rank; "
+            f"`--gpus {self.gpus} --distributed fsdp`)"
+        )
+
+
+def fewest_gpus(config: Any, settings: Settings, budget: int) -> list[MoreGpus]:
+    """The fewest GPUs (two or more, at most `MOST_GPUS`) on which the run fits sharded with
+    FSDP2: with its settings as they are, and, where fewer would do, with the savers it then
+    needs (`run_savers.SAVERS`, then the shards on the host): one alone where one is enough,
+    else the ladder's first ones until it fits; [] where nothing fits. The per-rank total falls as ranks are added (the
+    shards shrink; the gathered layers and the activations stay), so a doubling then a
+    bisection finds the fewest."""
+    start = max(settings.gpus or 1, 2)
+    base = dataclasses.replace(settings, distributed="fsdp")
+    found: list[MoreGpus] = []
+    hit = _fewest(config, base, budget, start)
+    if hit is not None:
+        found.append(MoreGpus(hit[0], hit[1], budget))
+        if hit[0] == start:
+            return found  # as it is, on the fewest there can be
+    savers = _every_saver(base)
+    every = _with(base, savers)
+    least = _fewest(config, every, budget, start)
+    if least is None or (hit is not None and least[0] >= hit[0]):
+        return found
+    # The fewest savers that fit on that many GPUs: one alone, else the ladder's first ones.
+    tries = [[saver] for saver in savers] + [savers[:n] for n in range(2, len(savers) + 1)]
+    for chosen in tries:
+        total = estimate(config, dataclasses.replace(_with(base, chosen), gpus=least[0]))
+        if total.total is not None and total.total <= budget:
+            return [*found, MoreGpus(least[0], total.total, budget, tuple(chosen))]
+    return found
+
+
+def _with(s: Settings, knobs_on: list[Knob]) -> Settings:
+    return dataclasses.replace(s, **{k: v for kn in knobs_on for k, v in kn.changes.items()})
+
+
+def _every_saver(s: Settings) -> list[Knob]:
+    """Every saver the run can have on several GPUs that is not on yet: the ladder's
+    (`run_savers.SAVERS`, those that need CUDA only there) and the shards on the host."""
+    found = []
+    for saver in run_savers.SAVERS:
+        if getattr(s, saver.estimate_field):
+            continue
+        if DISCRETE_MEMORY in saver.needs and s.device_type != "cuda":
+            continue
+        found.append(Knob({saver.estimate_field: True}, saver.finetune, saver.flag))
+    if s.device_type == "cuda" and not s.fsdp_offload:
+        found.append(Knob({"fsdp_offload": True}, (), "--fsdp-offload"))
+    return found
+
+
+def _fewest(config: Any, s: Settings, budget: int, start: int) -> tuple[int, int] | None:
+    """(the fewest GPUs from `start` on which `s` fits `budget`, its per-rank total)."""
+
+    def total(gpus: int) -> int | None:
+        return estimate(config, dataclasses.replace(s, gpus=gpus)).total
+
+    low, high = start, start
+    while True:
+        found = total(high)
+        if found is None:
+            return None
+        if found <= budget:
+            break
+        if high >= MOST_GPUS:
+            return None
+        low, high = high + 1, min(2 * high, MOST_GPUS)
+    best = (high, found)
+    while low < high:
+        middle = (low + high) // 2
+        found = total(middle)
+        if found is not None and found <= budget:
+            high, best = middle, (middle, found)
+        else:
+            low = middle + 1
+    return best
 
 
 def _altering_knobs(config: Any, s: Settings, budget: int) -> list[Knob]:
@@ -341,7 +455,9 @@ __all__ = [
     "WORDS",
     "Advice",
     "Knob",
+    "MoreGpus",
     "advise",
+    "fewest_gpus",
     "knobs",
     "lines",
     "mac_default_budget",

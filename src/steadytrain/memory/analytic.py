@@ -45,6 +45,9 @@ class Analytic:
         key = (micro_batch_size, mode)
         if key not in self._cache:
             changes = {"micro_batch_size": micro_batch_size, **mode._asdict()}
+            if (self.settings.gpus or 1) > 1:  # a rank's micro-batches of its share a step
+                share = self.settings.effective_batch_size
+                changes["accumulation"] = max(1, -(-share // micro_batch_size))
             try:
                 found = estimate(self.config, dataclasses.replace(self.settings, **changes))
             except (BadInputError, AttributeError, KeyError, TypeError, ValueError) as exc:

@@ -55,6 +55,16 @@ from steadytrain.memory.model_shape import (
     shape_of,
     text_config,
 )
+from steadytrain.memory.ranks import (
+    FSDP,
+    ONE,
+    REPLICATE,
+    Ranks,
+    budget_of,
+    ddp_note,
+    mode_of,
+    share_of,
+)
 from steadytrain.memory.settings import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_LORA_TARGETS,
@@ -78,6 +88,7 @@ __all__ = [  # the names other modules and users import from here
     "cpu_runtime_bytes",
     "estimate",
     "load_config",
+    "per_rank",
     "shape_of",
     "text_config",
 ]
@@ -146,6 +157,23 @@ class Estimate:
     notes: list[str]
     budget: int | None = None
     budget_source: str | None = None
+    ranks: Ranks | None = None
+    """How the ranks hold the model and what one holds; every row, the peak and the total are
+    one rank's (with one process, the process's)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size if self.ranks else 1
+
+    @property
+    def distributed(self) -> str:
+        """'one process', 'replicate' or 'fsdp'."""
+        return self.ranks.mode if self.ranks else ONE
+
+    @property
+    def host(self) -> int:
+        """Bytes each rank keeps in pinned host memory (FSDP2's offload), not in the total."""
+        return self.ranks.host if self.ranks else 0
 
     @property
     def fits(self) -> bool | None:
@@ -173,6 +201,11 @@ class Estimate:
             "budget_bytes": self.budget,
             "budget_source": self.budget_source,
             "fits": self.fits,
+            "world_size": self.world_size,
+            "distributed": self.distributed,
+            "distributed_reason": self.ranks.why if self.ranks else None,
+            "per_rank": self.world_size > 1,
+            "host_bytes_per_rank": self.host,
             "notes": self.notes,
         }
 
@@ -188,15 +221,23 @@ class _Costs:
     states: int
     temporaries: int
     trainable: int
+    ranks: Ranks | None = None
 
 
-def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
-    """The memory breakdown of training `config` under `settings` (no allocation)."""
+def estimate(
+    config, settings: Settings, model_name: str = "", budget: int | None = None
+) -> Estimate:
+    """The memory breakdown of training `config` under `settings` (no allocation): one rank's
+    where `settings.gpus` is more than one (memory/ranks.py). `budget` (bytes a rank may use)
+    resolves `distributed: auto` as a run does, where `settings.memory_budget` is no size; the
+    result's settings carry the mode it came to."""
     settings.check()
     shape, counts, s = shape_of(config), count_parameters(config), settings
     notes: list[str] = []
     s = _fused_where_it_runs(config, s, notes)
     costs = _fixed_costs(counts, s, notes)
+    costs = _on_ranks(counts, s, costs, notes, budget)
+    s = dataclasses.replace(s, distributed=_SAID[costs.ranks.mode])
     known = shape.family in KNOWN_FAMILIES and shape.intermediate is not None
     measured = None if known else _measured(config, shape, s, notes)
     if known or measured is not None:
@@ -231,6 +272,108 @@ def estimate(config, settings: Settings, model_name: str = "") -> Estimate:
         peak_formula=peak_formula,
         activations_known=known or measured is not None,
         notes=notes,
+        ranks=costs.ranks,
+    )
+
+
+def per_rank(
+    config,
+    settings: Settings,
+    world_size: int,
+    distributed: str = "fsdp",
+    accumulation: int = 1,
+    model_name: str = "",
+    budget: int | None = None,
+) -> Estimate:
+    """One rank's memory when `world_size` ranks train `config` under `settings` with a run's
+    `distributed` ('replicate', 'ddp', 'fsdp', 'auto' or 'none'), each rank running
+    `settings.micro_batch_size` samples a micro-batch and `accumulation` micro-batches an
+    optimizer step: `estimate` with those three set (memory/ranks.py says what each mode
+    holds). 'auto' is resolved against `settings.memory_budget` where it is a size (else it
+    replicates, as a run with no budget does); `Estimate.distributed` says what was priced."""
+    chosen = dataclasses.replace(
+        settings, gpus=world_size, distributed=distributed, accumulation=accumulation
+    )
+    return estimate(config, chosen, model_name, budget)
+
+
+_SAID = {ONE: "none", REPLICATE: "replicate", FSDP: "fsdp"}
+"""The settings' `distributed` value each resolved mode is written back as."""
+
+
+def _on_ranks(
+    counts: ParamCounts, s: Settings, costs: _Costs, notes: list[str], budget: int | None
+) -> _Costs:
+    """The model state one rank holds (memory/ranks.py): one process's, or its shard under
+    fsdp, with the rows saying so."""
+    gpus = s.gpus or 1
+    state = costs.weights + costs.adapters + costs.grads + costs.states
+    budget = budget_of(s.memory_budget) or budget
+    mode, why = mode_of(gpus, s.distributed, state, budget)
+    lora = s.method == "lora"
+    ranks = share_of(
+        counts,
+        gpus=gpus,
+        mode=mode,
+        why=why,
+        weights=costs.weights,
+        adapters=costs.adapters,
+        grads=costs.grads,
+        states=costs.states,
+        temporaries=costs.temporaries,
+        trainable=costs.trainable,
+        trainable_bytes=4 if lora else PRECISIONS[s.weights_dtype],
+        weight_bytes=PRECISIONS[s.weights_dtype],
+        lora=lora,
+        accumulation=s.accumulation,
+        offload=s.fsdp_offload and mode == FSDP,
+    )
+    if mode == REPLICATE:
+        notes.append(ddp_note(costs.grads))
+    if s.fsdp_offload and mode != FSDP:
+        notes.append(f"--fsdp-offload: nothing offloaded, the run does not shard ({why})")
+    if mode != FSDP:
+        return dataclasses.replace(costs, ranks=ranks)
+    rows = [
+        dataclasses.replace(
+            row,
+            bytes=value,
+            formula=ranks.formulas.get(row.name, row.formula) if row.bytes else row.formula,
+        )
+        for row, value in zip(
+            costs.rows,
+            (ranks.weights, ranks.adapters, ranks.grads, ranks.states, ranks.temporaries),
+            strict=True,
+        )
+    ]
+    rows += [
+        Row("FSDP gathered parameters", ranks.gathered, ranks.gathered_formula),
+        Row("FSDP gradient buffers (backward)", ranks.grad_buffers, ranks.grad_buffers_formula),
+        Row(
+            "unsharded gradients between micro-batches",
+            ranks.held_grads,
+            f"{s.accumulation} micro-batches a step: every layer's gradient whole until the last "
+            "backward reduce-scatters it (gradient sync off in the others)"
+            if ranks.held_grads
+            else "none (one micro-batch a step: each layer's gradient is reduce-scattered in its "
+            "backward)",
+        ),
+    ]
+    if ranks.host:
+        notes.append(
+            f"--fsdp-offload: {format_bytes(ranks.host)} per rank in pinned host memory "
+            f"({format_bytes(ranks.host * gpus)} for the {gpus} ranks, on the machines' RAM, not "
+            "in this total); the optimizer step runs on the CPU"
+        )
+    return _Costs(
+        rows,
+        ranks.weights,
+        ranks.adapters,
+        ranks.grads,
+        ranks.states,
+        ranks.temporaries,
+        costs.trainable,
+        ranks,
     )
 
 
@@ -347,6 +490,9 @@ def _peak(
             "weights + adapters + states + max(activations + weight copies + logits and "
             "loss, gradients + step temporaries)"
         )
+    ranks = costs.ranks
+    if ranks is not None and ranks.sharded:
+        sides, formula = _sharded_sides(sides, ranks, formula)
     phase = max(sides, key=sides.get)
     peak = costs.weights + costs.adapters + costs.states + sides[phase]
     if shape.vocab >= 64_000 and logits > 0.25 * peak and not s.chunked_loss:
@@ -356,6 +502,26 @@ def _peak(
             f"{DEFAULT_CHUNK_TOKENS} tokens at a time) or a shorter sequence shrinks it"
         )
     return peak, phase, formula, rows
+
+
+def _sharded_sides(sides: dict[str, int], ranks: Ranks, formula: str) -> tuple[dict[str, int], str]:
+    """One rank's sides under fsdp: the gathered parameters in the forward and backward, the
+    backward's gradient buffers, the gradients held whole between micro-batches, and the end
+    of the backward, where the root's gradient is reduce-scattered."""
+    held = ranks.held_grads
+    found = {
+        "optimizer step": sides["optimizer step"],
+        "backward": sides["backward"] + ranks.gathered + ranks.grad_buffers + held,
+        "end of backward (the root's reduce-scatter)": ranks.gathered + ranks.root_reduce + held,
+    }
+    if "forward" in sides:
+        found["forward"] = sides["forward"] + ranks.gathered + held
+    formula = formula.replace("weights + adapters + states", "shards of weights, adapters, states")
+    formula += (
+        "; FSDP: forward and backward + the gathered parameters, backward + its gradient "
+        "buffers" + (" + the unsharded gradients held between micro-batches" if held else "")
+    )
+    return found, formula
 
 
 def _compiled(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> Activations:

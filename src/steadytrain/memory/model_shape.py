@@ -57,6 +57,33 @@ class ParamCounts:
     tensors: list[int]
     """numel of every parameter tensor (8-bit optimizers keep small tensors in fp32)."""
     linears: list[Linear] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    """The first dimension of every parameter tensor, beside `tensors` (FSDP2 shards along it,
+    padding it to a multiple of the ranks)."""
+    layer_params: list[int] = field(default_factory=list)
+    """Parameters of each decoder layer, in order: the units FSDP shards one by one; the rest
+    (embeddings, final norm, output layer) is the root's."""
+    layer_tensors: list[list[int]] = field(default_factory=list)
+    """The indices (into `tensors`) of each decoder layer's parameters."""
+
+    @property
+    def root(self) -> int:
+        """Parameters outside the decoder layers: the embeddings, the final norm, the output
+        layer (what FSDP's root unit holds)."""
+        return self.total - sum(self.layer_params)
+
+    def shard(self, indices: list[int] | None, ranks: int) -> int:
+        """The values one rank holds of the tensors at `indices` (None: every tensor) sharded
+        over `ranks`: each tensor's first dimension padded to a multiple of the ranks, as
+        FSDP2 pads it, then divided."""
+        chosen = range(len(self.tensors)) if indices is None else indices
+        return sum(_shard(self.tensors[i], self.rows[i], ranks) for i in chosen)
+
+
+def _shard(numel: int, rows: int, ranks: int) -> int:
+    if rows <= 0:
+        return numel
+    return -(-rows // ranks) * (numel // rows)
 
 
 def not_a_model(path: Path) -> str | None:
@@ -231,11 +258,14 @@ def count_parameters(config) -> ParamCounts:
     seen: set[int] = set()
     counts = {"linear_in_layers": 0, "lm_head": 0, "embedding": 0, "other": 0}
     tensors: list[int] = []
+    rows: list[int] = []
+    layers: dict[str, list[int]] = {}
     linears: list[Linear] = []
     output = model.get_output_embeddings()
     for module_name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         in_layers = ".layers." in f".{module_name}." or ".h." in f".{module_name}."
+        layer = _layer_of(module_name)
         linear = _linear_of(module)
         if linear is not None:
             linears.append(
@@ -243,7 +273,10 @@ def count_parameters(config) -> ParamCounts:
             )
         for p in own:
             seen.add(id(p))
+            if layer is not None:
+                layers.setdefault(layer, []).append(len(tensors))
             tensors.append(p.numel())
+            rows.append(int(p.shape[0]) if p.dim() else 1)
             if module is output:
                 kind = "lm_head"
             elif isinstance(module, torch.nn.Embedding):
@@ -253,7 +286,25 @@ def count_parameters(config) -> ParamCounts:
             else:
                 kind = "other"
             counts[kind] += p.numel()
-    return ParamCounts(total=sum(tensors), tensors=tensors, linears=linears, **counts)
+    return ParamCounts(
+        total=sum(tensors),
+        tensors=tensors,
+        linears=linears,
+        rows=rows,
+        layer_params=[sum(tensors[i] for i in found) for found in layers.values()],
+        layer_tensors=list(layers.values()),
+        **counts,
+    )
+
+
+def _layer_of(module_name: str) -> str | None:
+    """The decoder layer a module belongs to ("model.layers.3" for "model.layers.3.mlp"), or
+    None outside the layers."""
+    parts = module_name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "h") and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return None
 
 
 def _linear_of(module) -> tuple[int, int, bool] | None:

@@ -26,6 +26,8 @@ CHECKPOINTING_CHOICES = ("auto", "on", "off", "offload")
 UNIFIED_MEMORY = ("cpu", "mps")
 """Device types whose host memory is the device's own: offload there frees nothing."""
 SIZE_POLICIES = ("powers_of_two", "divisors")
+DISTRIBUTED = ("auto", "replicate", "ddp", "fsdp", "none")
+"""A run's `distributed` values (TrainConfig), and none: one process."""
 DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 
 DEFAULT_CHUNK_TOKENS = 1024
@@ -151,6 +153,33 @@ class Settings:
         cli_default=None,
     )
     """It decides sdpa's kernel and the dropout mask's size."""
+    gpus: int | None = option(
+        1,
+        "GPUs the run trains on, one rank each (torchrun --nproc_per_node × nodes); the "
+        "estimate is each rank's (default: WORLD_SIZE inside a torchrun run, else 1).",
+        cli_default=None,
+    )
+    """None only from the command line, which reads torchrun's WORLD_SIZE (else 1) before
+    anything reads it (cli/memory_commands.py `resolve_target`)."""
+    distributed: str = option(
+        "auto",
+        "How the ranks hold the model, as a run's distributed: replicate (ddp is the same: each "
+        "rank holds all of it), fsdp (FSDP2: each decoder layer and the root sharded over the "
+        "ranks), auto (replicate where parameters, gradients and optimizer state fit one "
+        "rank's budget, else fsdp) or none (one process).",
+    )
+    fsdp_offload: bool = option(
+        False,
+        "Under fsdp: each rank's shard of the parameters, gradients and optimizer state in "
+        "pinned host memory and the optimizer step on the CPU (FSDP2's CPUOffloadPolicy).",
+    )
+    """The estimate counts the shards in `Estimate.host`, not in the device's total."""
+    accumulation: int = option(
+        1,
+        "Micro-batches per optimizer step on each rank; under fsdp each rank holds whole "
+        "(unsharded) gradients between them, reduce-scattered in the last backward.",
+        commands=("estimate",),
+    )
     memory_budget: str | None = option(
         None,
         "The memory the run may use, in a run's memory_budget words: a size (16GiB), a fraction "
@@ -237,6 +266,7 @@ class Settings:
                 ("device_type", self.device_type or DEVICE_TYPES[0], DEVICE_TYPES),
                 ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING_CHOICES),
                 ("micro_batch_sizes", self.micro_batch_sizes, SIZE_POLICIES),
+                ("distributed", self.distributed, DISTRIBUTED),
             )
             if value not in allowed
         ]
@@ -250,12 +280,50 @@ class Settings:
             ("effective_batch_size", "use 1 or more"),
             ("seq", "use the sequence length in tokens"),
             ("chunk_tokens", f"use e.g. {DEFAULT_CHUNK_TOKENS}"),
+            ("gpus", "use the number of ranks torchrun starts"),
+            ("accumulation", "use 1 for one micro-batch a step"),
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 found.append(
                     (name, f"{self._flag(name)}: {getattr(self, name)} is not positive; {hint}")
                 )
-        return found + self._offload_problems() + self._lora_and_budget_problems()
+        return (
+            found
+            + self._offload_problems()
+            + self._ranks_problems()
+            + self._lora_and_budget_problems()
+        )
+
+    def _ranks_problems(self) -> list[tuple[str, str]]:
+        """One process asked for with several GPUs, and host offload of the model's state
+        without the sharding that offers it or a device with memory of its own."""
+        found = []
+        gpus = self.gpus or 1
+        if self.distributed == "none" and gpus > 1:
+            found.append(
+                (
+                    "distributed",
+                    f"{self._flag('distributed')}: none (one process) with {flag_of('gpus')} "
+                    f"{gpus}; use replicate or fsdp for {gpus} ranks, or --gpus 1",
+                )
+            )
+        if self.fsdp_offload and self.distributed not in ("fsdp", "auto"):
+            found.append(
+                (
+                    "fsdp_offload",
+                    f"--fsdp-offload: FSDP2's offload policy needs --distributed fsdp, not "
+                    f"{self.distributed}",
+                )
+            )
+        elif self.fsdp_offload and self.device_type in UNIFIED_MEMORY:
+            found.append(
+                (
+                    "fsdp_offload",
+                    f"--fsdp-offload: needs a GPU with memory of its own (CUDA); on "
+                    f"{self.device_type} host memory is the same memory",
+                )
+            )
+        return found
 
     def _offload_problems(self) -> list[tuple[str, str]]:
         """Offload on a device whose memory is the host's (refused like the config's

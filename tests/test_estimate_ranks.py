@@ -1,0 +1,196 @@
+"""The estimate per rank (`--gpus N --distributed replicate|fsdp`): the arithmetic of a
+Qwen2-1.5B-shaped model on two ranks, the command's verdict and its fewest-GPUs line, the plan
+of one rank's share, and each rank's model state measured on two gloo ranks under the run's own
+FSDP2 sharding."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import forkserver
+import pytest
+from conftest import WORKLOADS
+from transformers import Qwen2Config
+
+from steadytrain.cli.memory_commands import estimate_command, plan_command
+from steadytrain.errors import BadInputError
+from steadytrain.memory.estimate import Settings, estimate, per_rank
+
+ROOT = 151_936 * 1536 + 1536
+"""Qwen2-1.5B's root unit: the (tied) embedding and the final norm."""
+LAYER = (
+    (1536 * 1536 + 1536)  # q_proj with its bias
+    + 2 * (256 * 1536 + 256)  # k_proj, v_proj (2 kv heads of 128)
+    + 1536 * 1536  # o_proj
+    + 3 * 1536 * 8960  # gate, up, down
+    + 2 * 1536  # the two norms
+)
+PARAMS = ROOT + 28 * LAYER
+
+
+def qwen2_1_5b() -> Qwen2Config:
+    config = Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen2-1.5b")
+    qwen2_1_5b().save_pretrained(folder)
+    return folder
+
+
+GPU = {"device_type": "cuda", "precision": "bf16", "memory_budget": "16GiB"}
+
+
+def test_fsdp_divides_the_model_state_and_adds_the_gathered_layers():
+    """fp32 weights, AdamW, 2 ranks: every first dimension of this shape is even, so each rank
+    holds exactly half of every parameter, gradient and state; the root (embedding, final
+    norm) and two decoder layers are gathered whole, and the backward holds the root's gradient
+    and two of a layer's."""
+    settings = Settings(**{k: v for k, v in GPU.items() if k != "memory_budget"})
+    one = estimate(qwen2_1_5b(), settings)
+    ranks = per_rank(qwen2_1_5b(), settings, world_size=2, distributed="fsdp")
+    assert one.params == PARAMS
+    rows = {r.name: r.bytes for r in ranks.rows}
+    assert rows["weights"] == PARAMS // 2 * 4
+    assert rows["gradients"] == PARAMS // 2 * 4
+    assert rows["optimizer states"] == 2 * PARAMS // 2 * 4
+    assert rows["optimizer step temporaries"] == PARAMS // 2 * 4
+    assert rows["FSDP gathered parameters"] == (ROOT + 2 * LAYER) * 4
+    assert rows["FSDP gradient buffers (backward)"] == (ROOT + 2 * LAYER) * 4
+    assert rows["unsharded gradients between micro-batches"] == 0
+    assert rows["activations"] == one.row("activations")  # each rank's own micro-batch
+    assert (ranks.world_size, ranks.distributed) == (2, "fsdp")
+    assert ranks.total < one.total
+    # More micro-batches a step: every layer's gradient is held whole until the last backward.
+    held = per_rank(qwen2_1_5b(), settings, world_size=2, distributed="fsdp", accumulation=4)
+    assert held.row("unsharded gradients between micro-batches") == PARAMS * 4
+    assert held.peak - ranks.peak >= PARAMS * 4 - (ROOT + 2 * LAYER) * 4
+    # Replicated, a rank holds what one process holds; offloaded, the shards leave the device.
+    replicated = per_rank(qwen2_1_5b(), settings, world_size=2, distributed="ddp")
+    assert (replicated.distributed, replicated.total) == ("replicate", one.total)
+    offloaded = per_rank(qwen2_1_5b(), replace(settings, fsdp_offload=True), 2, "fsdp")
+    assert offloaded.row("optimizer states") == 0
+    assert offloaded.host == PARAMS // 2 * 4 * 5  # weights, gradients, 2 states, temporaries
+
+
+def test_estimate_gpus_2_fsdp_says_per_rank_and_the_fewest_gpus_with_the_savers(qwen_dir, capsys):
+    """The issue's case: the whole state of a 1.5B full fine-tune over two 16 GiB GPUs."""
+    code = estimate_command(str(qwen_dir), json_output=True, gpus=2, distributed="fsdp", **GPU)
+    found = json.loads(capsys.readouterr().out)
+    assert code == 3
+    assert (found["world_size"], found["distributed"], found["per_rank"]) == (2, "fsdp", True)
+    assert found["settings"]["gpus"] == 2
+    fewest = found["fewest_gpus"]
+    assert fewest[-1]["gpus"] == 2 and "--fsdp-offload" in fewest[-1]["savers"]
+    assert fewest[-1]["total_bytes_per_rank"] <= 16 * 2**30
+    assert fewest[-1]["line"].startswith("fits on 2 GPUs of 16.0 GiB with fsdp and")
+    assert len(fewest) == 1 or (fewest[0]["gpus"] > 2 and fewest[0]["savers"] == [])
+
+    code = estimate_command(
+        str(qwen_dir), gpus=2, distributed="fsdp", fsdp_offload=True, checkpointing=True, **GPU
+    )
+    said = " ".join(capsys.readouterr().out.split())
+    assert code == 0
+    assert "fits on 2 GPUs of 16.00 GiB with fsdp" in said
+    assert "each of 2 ranks (fsdp)" in said
+    assert "in pinned host memory" in said
+
+
+def test_ddp_whose_replicated_state_exceeds_a_gpu_does_not_fit_and_names_fsdp(
+    qwen_dir, capsys, monkeypatch
+):
+    """Replicated, the 1.5B model's state alone is 23 GiB a rank; the ranks come from torchrun's
+    WORLD_SIZE when --gpus is not given."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code = estimate_command(str(qwen_dir), distributed="ddp", **GPU)
+    said = " ".join(capsys.readouterr().out.split())
+    assert code == 3
+    assert "does not fit on 2 GPUs of 16.00 GiB with replicate" in said
+    assert "no micro-batch fits; shard it with --distributed fsdp" in said
+    assert "`--distributed fsdp` →" in said
+    assert "fits on 2 GPUs of 16.0 GiB with fsdp and" in said
+
+
+def test_distributed_auto_shards_where_the_state_exceeds_a_rank(qwen_dir, capsys):
+    estimate_command(str(qwen_dir), json_output=True, gpus=2, distributed="auto", **GPU)
+    found = json.loads(capsys.readouterr().out)
+    assert found["distributed"] == "fsdp"
+    assert "exceed one rank's budget" in found["distributed_reason"]
+    estimate_command(str(qwen_dir), json_output=True, gpus=2, **{**GPU, "memory_budget": "80GiB"})
+    assert json.loads(capsys.readouterr().out)["distributed"] == "replicate"
+
+
+def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir, capsys):
+    code = plan_command(
+        str(qwen_dir),
+        16,
+        json_output=True,
+        gpus=2,
+        distributed="fsdp",
+        fsdp_offload=True,
+        **GPU,
+    )
+    found = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (found["world_size"], found["distributed"], found["per_rank"]) == (2, "fsdp", True)
+    assert found["effective_batch_size"] == 8  # each rank's share of 16
+    assert any("2 ranks (fsdp" in r for r in found["reasons"])
+    with pytest.raises(BadInputError, match="--probe: a probe measures one process"):
+        plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"gpus": 2, "distributed": "none"}, "--distributed: none (one process) with --gpus 2"),
+        ({"gpus": 0}, "--gpus: 0 is not positive"),
+        ({"gpus": 2, "distributed": "ddp", "fsdp_offload": True}, "--fsdp-offload: FSDP2's"),
+        ({"distributed": "zero3"}, "--distributed: 'zero3' is not one of"),
+    ],
+)
+def test_bad_ranks_settings_are_refused_naming_the_flag(qwen_dir, given, says):
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        estimate_command(str(qwen_dir), **{**GPU, **given})
+
+
+def test_each_gloo_rank_holds_what_the_estimate_says(tmp_path: Path):
+    """Two gloo ranks shard a tiny Llama as a run does (odd first dimensions: FSDP2 pads them)
+    and take one AdamW step of two micro-batches: the storages behind each rank's parameters
+    and gradients, its AdamW moments (rank 0 holds the larger half of an odd dimension) and the
+    unsharded gradients it held between the micro-batches are the estimate's rows."""
+    command, env = forkserver.torchrun_command(WORKLOADS / "fsdp_state.py", str(tmp_path))
+    done = forkserver.run(command, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    sys.path.insert(0, str(WORKLOADS))
+    try:
+        from fsdp_state import LENGTH, config
+    finally:
+        sys.path.remove(str(WORKLOADS))
+    settings = Settings(seq=LENGTH, device_type="cpu")
+    expected = per_rank(config(), settings, world_size=2, distributed="fsdp", accumulation=2)
+    for rank in (0, 1):
+        measured = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert measured["weights"] == expected.row("weights")
+        assert measured["gradients"] == expected.row("gradients")
+        assert measured["held"] == expected.row("unsharded gradients between micro-batches")
+        assert measured["states"] <= expected.row("optimizer states")
+    assert measured["states"] < expected.row("optimizer states")  # rank 1: the smaller half
+    rank0 = json.loads((tmp_path / "rank-0.json").read_text())
+    assert rank0["states"] == expected.row("optimizer states")

@@ -202,3 +202,43 @@ def test_the_report_counts_an_attempt_killed_before_its_start_was_recorded(tmp_p
     page = Path(getattr(report, "html", run / "report.html")).read_text()
     assert "2 by the supervisor" in summary(page)["restarts"]
     assert "; 3 attempt(s)" in summary(page)["restarts"], summary(page)["restarts"]
+
+
+def test_an_estimate_answers_a_config_in_its_keys_and_flags_in_flags(capsys, seed, tmp_path):
+    """`steadytrain estimate CONFIG.json`: its notes and refusals name the config's keys
+    (`chunked_loss: true`, `lora.target_modules`, `device:`); the same model named on the
+    command line with flags is answered in flags (`--chunked-loss`, `--lora-targets`,
+    `--device-type`)."""
+    config = json.loads(re.sub(r"//[^\n]*", "", seed.read_text()))
+    config.update(per_device_train_batch_size=8, gradient_checkpointing=True)
+    config.update(chunked_loss=False, device="auto", memory_budget="12GiB")
+    model = config["model_name_or_path"]
+
+    def estimate_file(**changes) -> str:
+        file = tmp_path / "finetune.json"
+        file.write_text(json.dumps({**config, **changes}))
+        return " ".join(steadytrain(capsys, "estimate", str(file))[1].split())
+
+    def estimate_flags(*flags: str) -> str:
+        return " ".join(
+            steadytrain(capsys, "estimate", model, "--method", "lora", *flags)[1].split()
+        )
+
+    said = estimate_file()
+    assert (
+        "`chunked_loss: true` (the loss 1024 tokens at a time) or a lower `max_seq_length`" in said
+    )
+    assert "set `device: mps` or `device: cuda` in the config when the other machine" in said
+    assert not re.search(r"--[a-z]", said), said
+    said = estimate_flags(
+        "--micro-batch-size", "8", "--seq", "2048", "--activation-checkpointing", "on",
+        "--memory-budget", "12GiB",
+    )  # fmt: skip
+    assert "--chunked-loss (the loss 1024 tokens at a time) or a shorter --seq" in said, said
+    assert "pass --device-type mps or cuda when the other machine differs" in said, said
+    lora = {**config["lora"], "target_modules": ["q_proj", "nope"]}
+    said = estimate_file(lora=lora)
+    assert "lora.target_modules: nope match no linear layer" in said, said
+    assert "(or `lora.target_modules: all-linear`)" in said and "--lora-targets" not in said
+    said = estimate_flags("--lora-targets", "q_proj,nope")
+    assert "--lora-targets: nope match no linear layer" in said and "(or pass all-linear)" in said

@@ -50,7 +50,7 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     would fit is worked out by the advisor (memory/advice.py): in the flags' words for a model,
     in the config's for a fine-tune config file."""
     from steadytrain.cli.finetune_commands import is_finetune_file
-    from steadytrain.memory.advice import CONFIG, FLAGS
+    from steadytrain.memory.advice import CONFIG, FLAGS, WORDS
     from steadytrain.memory.estimate import estimate, load_config
 
     vocabulary, accumulation, own = FLAGS, 1, {}
@@ -67,7 +67,7 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         given = {**given, **estimate_settings(config), **loaded, **own}
         model = config.model_name_or_path
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
-    settings = from_options("estimate", given)
+    settings = from_options("estimate", given, vocabulary)
     settings.check("estimate")
     budget, source, resolved = resolve_target(
         settings, "memory_budget:" if "memory_budget" in own else "--memory-budget"
@@ -79,9 +79,10 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         budget_spec(settings.memory_budget), int
     )
     if sized and settings.device_type is None:  # a size may be another machine's
+        words = CONFIG if "memory_budget" in own else FLAGS  # where the size was written
         result.notes.append(
-            f"planned for a {resolved.device_type} device (this machine's); pass --device-type "
-            "mps or cuda when the other machine differs"
+            f"planned for a {resolved.device_type} device (this machine's); "
+            f"{WORDS[words]['device']} when the other machine differs"
         )
     advice = advice_for(model_config, result, vocabulary, accumulation)
     if json_output:
@@ -325,7 +326,7 @@ def render_estimate(result: Estimate, console=None, advice: list[str] | None = N
             )
             render_advice(advice or [], console)
     else:
-        console.print(f"budget unknown ({result.budget_source}); pass --memory-budget 16GiB")
+        console.print(f"budget unknown ({result.budget_source}); {s.words('budget')}")
     for note in result.notes:
         console.print(f"note: {note}")
 

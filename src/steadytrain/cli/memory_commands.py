@@ -53,10 +53,14 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     from steadytrain.memory.advice import CONFIG, FLAGS, WORDS
     from steadytrain.memory.estimate import estimate, load_config
 
-    vocabulary, accumulation, own = FLAGS, 1, {}
+    vocabulary, accumulation, own, lengths = FLAGS, 1, {}, None
     if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
         from steadytrain.recipes.finetune_config import FinetuneConfig
-        from steadytrain.recipes.finetune_memory import base_load_settings, estimate_settings
+        from steadytrain.recipes.finetune_memory import (
+            base_load_settings,
+            data_lengths,
+            estimate_settings,
+        )
 
         config = FinetuneConfig.load(model)
         own = _run_target(config, given)
@@ -64,7 +68,8 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         if device_type is None and config.quantization.load_in_4bit:
             device_type = resolve_target(from_options("estimate", {}))[2].device_type
         loaded = base_load_settings(config, device_type)
-        given = {**given, **estimate_settings(config), **loaded, **own}
+        lengths, _ = data_lengths(config)  # priced at what a batch is padded to, as the run
+        given = {**given, **estimate_settings(config, lengths), **loaded, **own}
         model = config.model_name_or_path
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
     settings = from_options("estimate", given, vocabulary)
@@ -84,6 +89,8 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
             f"planned for a {resolved.device_type} device (this machine's); "
             f"{WORDS[words]['device']} when the other machine differs"
         )
+    if lengths is not None:
+        result.notes.append(lengths.said(config).removeprefix("data: "))
     advice = advice_for(model_config, result, vocabulary, accumulation)
     if json_output:
         print(json.dumps({**result.to_dict(), "advice": advice}, indent=2))

@@ -377,8 +377,9 @@ def refusal(
 def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
     saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
-    (RUN_DIR/training_config.json) at micro-batch 1 with those savers, against the budget the
-    run had (its fit_start event), in the config's keys: only the changes that make it fit. Where
+    (RUN_DIR/training_config.json) at micro-batch 1 with those savers, at the sequence length
+    its data really has (its data_lengths event), against the budget the run had (its
+    fit_start event), in the config's keys: only the changes that make it fit. Where
     the estimate fits already, no setting changes the verdict: the memory that ran short was
     held by other programs, and that is what it says. Empty where the run directory holds no
     fine-tune config, or no budget can be found."""

@@ -238,6 +238,12 @@ def test_the_dry_run_and_the_run_give_one_answer_at_a_budget_near_the_need(tmp_p
             else:
                 steps = read_jsonl(tmp_path / "0" / "metrics.jsonl")
                 assert {s["micro_batch_size"] for s in steps} == {1}, steps
+                # the run records its data's lengths, as the dry-run found them
+                events = read_jsonl(tmp_path / "0" / "events.jsonl")
+                (lengths,) = [e for e in events if e["event"] == "data_lengths"]
+                longest = re.search(r"the longest training sample is (\d+) tokens", said)
+                assert longest and lengths["longest_sample"] == int(longest[1]), said
+                assert lengths["max_seq_length"] == 32 and lengths["samples"] == 16
     finally:
         torch.set_num_threads(threads)
 

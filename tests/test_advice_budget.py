@@ -120,9 +120,10 @@ def test_estimate_on_a_4_bit_config_answers_in_its_keys(capsys, seed, tmp_path):
     assert code == 0 and "fp16 weights" in " ".join(out.split()), out
 
 
-def killed_at_micro_batch_1(tmp_path: Path, budget: int) -> tuple[int, str]:
+def killed_at_micro_batch_1(tmp_path: Path, budget: int, *records: dict) -> tuple[int, str]:
     """The supervisor's last word for the seed's fine-tune killed by the OS at micro-batch 1
-    with every saver in force, the run's fit_start having recorded `budget` on MPS."""
+    with every saver in force, the run's fit_start having recorded `budget` on MPS, and
+    `records` after it."""
     from test_advice import seed_config
     from test_escalation import SaversJob, supervise
 
@@ -133,7 +134,8 @@ def killed_at_micro_batch_1(tmp_path: Path, budget: int) -> tuple[int, str]:
     config = seed_config(tmp_path, bf16=True)
     (job.run_dir / "training_config.json").write_text(json.dumps(config.resolved()))
     start = {"event": "fit_start", "step": 0, "device": "mps", "budget": budget}
-    (job.run_dir / "events.jsonl").write_text(json.dumps(start) + "\n")
+    lines = [json.dumps(record) + "\n" for record in (start, *records)]
+    (job.run_dir / "events.jsonl").write_text("".join(lines))
     return supervise(job, oom_kill_count=lambda: None, advice=finetune_advice)
 
 
@@ -202,3 +204,123 @@ def test_the_report_counts_an_attempt_killed_before_its_start_was_recorded(tmp_p
     page = Path(getattr(report, "html", run / "report.html")).read_text()
     assert "2 by the supervisor" in summary(page)["restarts"]
     assert "; 3 attempt(s)" in summary(page)["restarts"], summary(page)["restarts"]
+
+
+def test_an_estimate_answers_a_config_in_its_keys_and_flags_in_flags(capsys, seed, tmp_path):
+    """`steadytrain estimate CONFIG.json`: its notes and refusals name the config's keys
+    (`chunked_loss: true`, `lora.target_modules`, `device:`); the same model named on the
+    command line with flags is answered in flags (`--chunked-loss`, `--lora-targets`,
+    `--device-type`)."""
+    config = json.loads(re.sub(r"//[^\n]*", "", seed.read_text()))
+    config.update(per_device_train_batch_size=8, gradient_checkpointing=True)
+    config.update(chunked_loss=False, device="auto", memory_budget="12GiB")
+    model = config["model_name_or_path"]
+
+    def estimate_file(**changes) -> str:
+        file = tmp_path / "finetune.json"
+        file.write_text(json.dumps({**config, **changes}))
+        return " ".join(steadytrain(capsys, "estimate", str(file))[1].split())
+
+    def estimate_flags(*flags: str) -> str:
+        return " ".join(
+            steadytrain(capsys, "estimate", model, "--method", "lora", *flags)[1].split()
+        )
+
+    said = estimate_file()
+    assert (
+        "`chunked_loss: true` (the loss 1024 tokens at a time) or a lower `max_seq_length`" in said
+    )
+    assert "set `device: mps` or `device: cuda` in the config when the other machine" in said
+    assert not re.search(r"--[a-z]", said), said
+    said = estimate_flags(
+        "--micro-batch-size", "8", "--seq", "2048", "--activation-checkpointing", "on",
+        "--memory-budget", "12GiB",
+    )  # fmt: skip
+    assert "--chunked-loss (the loss 1024 tokens at a time) or a shorter --seq" in said, said
+    assert "pass --device-type mps or cuda when the other machine differs" in said, said
+    lora = {**config["lora"], "target_modules": ["q_proj", "nope"]}
+    said = estimate_file(lora=lora)
+    assert "lora.target_modules: nope match no linear layer" in said, said
+    assert "(or `lora.target_modules: all-linear`)" in said and "--lora-targets" not in said
+    said = estimate_flags("--lora-targets", "q_proj,nope")
+    assert "--lora-targets: nope match no linear layer" in said and "(or pass all-linear)" in said
+
+
+# -- the data's real lengths ------------------------------------------------------------------
+
+
+def with_data(seed: Path, tmp_path: Path, longest: int) -> Path:
+    """The seed's config with its model folder given the byte tokenizer (one token a byte) and
+    24 prompt + completion records, the longest about `longest` tokens."""
+    import shutil
+
+    from steadytrain.recipes.data import byte_tokenizer
+
+    model = tmp_path / "llama-3b"
+    shutil.copytree(seed.parent / "llama-3b", model)
+    byte_tokenizer().save_pretrained(model)
+    records = [
+        {"prompt": "q" * (longest * i // 24 - 8), "completion": "answer"} for i in range(1, 25)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = json.loads(re.sub(r"//[^\n]*", "", seed.read_text()))
+    config.update(model_name_or_path=str(model), train_file=str(tmp_path / "train.jsonl"))
+    (tmp_path / "seed.json").write_text(json.dumps(config))
+    return tmp_path / "seed.json"
+
+
+def longest_said(out: str) -> int:
+    found = re.search(r"data: the longest training sample is (\d+) tokens", out)
+    assert found, out
+    return int(found[1])
+
+
+def test_the_dry_run_prices_the_datas_longest_sample_not_max_seq_length(capsys, seed, tmp_path):
+    """seed-004's data: the longest sample is 86 tokens under max_seq_length 2048. A batch is
+    padded to its longest sample, so the estimate prices 86 tokens and says so: at a 16 GB Mac's
+    default budget with bf16 and the chunked loss the run fits (exit 0, not 3), and no
+    `max_seq_length` is offered, here or under a budget that is short (a shorter one saves
+    nothing above 86)."""
+    config = with_data(seed, tmp_path, longest=86)
+    code, out = dry_run(capsys, config, "memory_budget=10.8GiB", "bf16=true", "chunked_loss=true")
+    longest = longest_said(out)
+    assert 80 <= longest <= 90, out
+    said = " ".join(out.split())
+    assert f"the estimate prices activations at {longest} tokens" in said, out
+    assert f"micro-batch 1 × seq {longest}," in said, out
+    assert code == 0, out
+    code, out = dry_run(capsys, config, "memory_budget=4GiB")
+    assert code == 3 and advice_lines(out), out
+    assert "max_seq_length:" not in out, out
+
+
+def test_sequence_advice_stays_below_the_datas_longest_sample(capsys, seed, tmp_path):
+    """Samples up to about 700 tokens under max_seq_length 2048: the estimate prices the
+    longest, and a shorter max_seq_length is offered only below it."""
+    config = with_data(seed, tmp_path, longest=700)
+    code, out = dry_run(capsys, config, "memory_budget=9.5GiB", "bf16=true")
+    longest = longest_said(out)
+    offered = [int(n) for n in re.findall(r"`max_seq_length: (\d+)`", out)]
+    assert code == 3 and offered, out
+    assert all(n < longest for n in offered), (longest, offered)
+
+
+def test_killed_at_micro_batch_1_prices_the_lengths_the_run_recorded(tmp_path):
+    """The run recorded its data's lengths (86 tokens at most): the supervisor's last word
+    prices them. At micro-batch 1 on 86 tokens the estimate is within the 10 GiB the run had
+    (at max_seq_length 2048 it is over), so the memory that ran short was held outside the
+    run, and no max_seq_length is offered."""
+    lengths = {
+        "event": "data_lengths",
+        "longest": 86,
+        "longest_sample": 86,
+        "p95": 80,
+        "samples": 24,
+        "max_seq_length": 2048,
+        "packing": False,
+    }
+    code, out = killed_at_micro_batch_1(tmp_path, 10 * GiB, lengths)
+    said = " ".join(out.split())
+    assert code == 3, out
+    assert "within the budget of 10.00 GiB, so the memory that ran short was held outside" in said
+    assert "max_seq_length" not in said, out

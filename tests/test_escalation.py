@@ -286,3 +286,46 @@ def test_the_childs_side_climbs_to_what_is_asked_after_a_resume():
     records.clear()
     savers_from_supervisor(savers, lambda name, info: records.append((name, info)), 7, {})
     assert records == []
+
+
+HALVING_CHILD = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+
+run_dir = Path(sys.argv[1])
+run_dir.mkdir(parents=True, exist_ok=True)
+cap = int(os.environ.get("STEADYTRAIN_MAX_MICRO_BATCH") or 8)
+events = [{"event": "memory_savers", "step": 0, "in_force": [], "left": [], "asked": None}]
+micro = cap
+while micro > 2:  # out of memory in the step: the Trainer halves and records it (8 -> 4 -> 2)
+    events.append({"event": "shrink", "step": 0, "old": micro, "new": micro // 2})
+    micro //= 2
+with open(run_dir / "events.jsonl", "a") as f:
+    f.writelines(json.dumps({"time": time.time(), **e}) + "\n" for e in events)
+with open(run_dir / "metrics.jsonl", "a") as f:  # a step at the size that ran, memory gone
+    f.write(json.dumps({"step": 1, "micro_batch_size": micro, "mem_system_available": 0}) + "\n")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_tried_names_the_halvings_in_the_process_and_the_supervisors(tmp_path):
+    """An attempt halves itself 8 → 4 → 2 on out-of-memory, then the OS kills it at 2; the
+    next starts at 1 and is killed there with no saver left: exit 3, and "Tried:" names both
+    the in-process halvings and the supervisor's smaller start, in order."""
+    script, run_dir = tmp_path / "child.py", tmp_path / "run"
+    script.write_text(HALVING_CHILD)
+
+    class Job:
+        def command(self, *plan):
+            return [sys.executable, str(script), str(run_dir)]
+
+    Job.run_dir = run_dir
+    code, out = supervise(Job(), oom_kill_count=lambda: None)
+    assert code == 3, out
+    tried = [
+        "micro-batch 8 → 4 → 2 (attempt 1, halved in the process on out-of-memory)",
+        "micro-batch 1 (attempt 2)",
+    ]
+    assert f"Tried: {'; '.join(tried)}." in out, out
+    end = read_jsonl(run_dir / "events.jsonl")[-1]
+    assert (end["event"], end["tried"]) == ("supervisor_end", tried)

@@ -39,11 +39,19 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     """Print what `steadytrain finetune` would do with `config`; exit 3 where the run would
     stop with exit 3 (`finetune_memory.refusal`: not even micro-batch 1 with every saver the
     config allows fits its budget, the config's `memory_budget` and `device` resolved as the
-    run resolves them), else 0. Where its start does not fit, the advisor says in the config's
+    run resolves them), else 0. The training data is tokenised as the run tokenises it, where
+    the tokenizer is on this machine, so the estimate prices what a batch is padded to: the
+    longest sample where every one is shorter than max_seq_length. Where its start does not fit, the advisor says in the config's
     keys what would. A missing data file is said (the run would stop on it with exit 2). Exit 2
     where output_dir holds a run this config may not resume (the run refuses it the same way)."""
     from steadytrain.cli.memory_commands import render_advice, render_estimate
-    from steadytrain.recipes.finetune_memory import advice, refusal, run_plan, target
+    from steadytrain.recipes.finetune_memory import (
+        advice,
+        data_lengths,
+        refusal,
+        run_plan,
+        target,
+    )
 
     engine = config.to_train_config()
     typer.echo("settings (resolved, as final/training_config.json will hold them):")
@@ -55,8 +63,15 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
         typer.echo(f"data: {problem}: the run would stop there (exit 2)")
     for problem in config.model_folder_problems():
         typer.echo(f"model: {problem}: the run would stop there (exit 2)")
+    lengths, why = data_lengths(config)  # a batch is padded to its longest, not max_seq_length
+    typer.echo(
+        lengths.said(config)
+        if lengths is not None
+        else f"data: lengths unknown, {why}: the estimate prices activations at max_seq_length "
+        f"{config.max_seq_length:,}"
+    )
     where = target(config)
-    plan, result = run_plan(config, where)
+    plan, result = run_plan(config, where, lengths)
     result.budget, result.budget_source = where.budget, where.source
     typer.echo("memory estimate (LoRA with this config's settings, at the run's start):")
     render_estimate(result, console, advice(config, result))
@@ -69,7 +84,7 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
         typer.echo(f"  {line}")
     if plan.fits is False and result.fits is not False:  # the planner found nothing that fits
         render_advice(advice(config, result), console)
-    stop = refusal(config, where.device_type, where.budget)
+    stop = refusal(config, where.device_type, where.budget, lengths)
     if stop is not None:
         typer.echo(f"the run stops here (exit 3): {stop}")
     elif plan.fits is False:

@@ -50,13 +50,17 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     would fit is worked out by the advisor (memory/advice.py): in the flags' words for a model,
     in the config's for a fine-tune config file."""
     from steadytrain.cli.finetune_commands import is_finetune_file
-    from steadytrain.memory.advice import CONFIG, FLAGS
+    from steadytrain.memory.advice import CONFIG, FLAGS, WORDS
     from steadytrain.memory.estimate import estimate, load_config
 
-    vocabulary, accumulation, own = FLAGS, 1, {}
+    vocabulary, accumulation, own, lengths = FLAGS, 1, {}, None
     if is_finetune_file(model):  # the fine-tune's own settings, not a full fine-tune's
         from steadytrain.recipes.finetune_config import FinetuneConfig
-        from steadytrain.recipes.finetune_memory import base_load_settings, estimate_settings
+        from steadytrain.recipes.finetune_memory import (
+            base_load_settings,
+            data_lengths,
+            estimate_settings,
+        )
 
         config = FinetuneConfig.load(model)
         own = _run_target(config, given)
@@ -64,10 +68,11 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         if device_type is None and config.quantization.load_in_4bit:
             device_type = resolve_target(from_options("estimate", {}))[2].device_type
         loaded = base_load_settings(config, device_type)
-        given = {**given, **estimate_settings(config), **loaded, **own}
+        lengths, _ = data_lengths(config)  # priced at what a batch is padded to, as the run
+        given = {**given, **estimate_settings(config, lengths), **loaded, **own}
         model = config.model_name_or_path
         vocabulary, accumulation = CONFIG, config.gradient_accumulation_steps
-    settings = from_options("estimate", given)
+    settings = from_options("estimate", given, vocabulary)
     settings.check("estimate")
     budget, source, resolved = resolve_target(
         settings, "memory_budget:" if "memory_budget" in own else "--memory-budget"
@@ -79,10 +84,13 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
         budget_spec(settings.memory_budget), int
     )
     if sized and settings.device_type is None:  # a size may be another machine's
+        words = CONFIG if "memory_budget" in own else FLAGS  # where the size was written
         result.notes.append(
-            f"planned for a {resolved.device_type} device (this machine's); pass --device-type "
-            "mps or cuda when the other machine differs"
+            f"planned for a {resolved.device_type} device (this machine's); "
+            f"{WORDS[words]['device']} when the other machine differs"
         )
+    if lengths is not None:
+        result.notes.append(lengths.said(config).removeprefix("data: "))
     advice = advice_for(model_config, result, vocabulary, accumulation)
     more = more_gpus(model_config, result)
     if json_output:
@@ -419,7 +427,7 @@ def render_estimate(
             for line in more or []:
                 console.print(f"  {line}", markup=False, highlight=False)
     else:
-        console.print(f"budget unknown ({result.budget_source}); pass --memory-budget 16GiB")
+        console.print(f"budget unknown ({result.budget_source}); {s.words('budget')}")
     for note in result.notes:
         console.print(f"note: {note}")
 

@@ -307,7 +307,8 @@ def weight_copies(shape: Shape, counts: ParamCounts, s: Settings) -> tuple[int, 
         return row, one, head_copy, formula
     c = PRECISIONS[s.precision]
     adapters = sum(
-        s.lora_r * (m.in_features + m.out_features) for m in lora_targets(counts, s.targets)
+        s.lora_r * (m.in_features + m.out_features)
+        for m in lora_targets(counts, s.targets, s.vocabulary)
     )
     formula = "" if row == 0 else formula + "; "
     formula += f"the LoRA adapters' {adapters:,} params × {c} B ({s.precision}), cached"

@@ -27,12 +27,10 @@ from steadytrain._units import DEFAULT_BUDGET_FRACTION
 from steadytrain.device.mps import RECOMMENDED_SHARE as MPS_RECOMMENDED_SHARE
 from steadytrain.memory.compiled import family_share
 from steadytrain.memory.estimate import Estimate, estimate
-from steadytrain.memory.settings import Settings
+from steadytrain.memory.settings import CONFIG, FLAGS, WORDS, Settings
 from steadytrain.run import savers as run_savers
 from steadytrain.run.savers import DISCRETE_MEMORY
 
-CONFIG, FLAGS = "config", "flags"
-"""The two vocabularies: a fine-tune config's keys, or `estimate`'s command-line flags."""
 MAC_RAM_GIB = frozenset({8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512})
 """The RAM sizes (GiB) Apple Silicon Macs are sold with: a budget of one of them on MPS is read
 as possibly the machine's RAM (`mac_default_budget`)."""
@@ -42,15 +40,6 @@ BF16_ON_MPS = (
 )
 """What bf16 on MPS needs, with {bf16} and {fp16} in the vocabulary's words (`WORDS`): the
 fp16 alternative is offered here, not as a line of its own with the same total."""
-WORDS = {
-    CONFIG: {"bf16": "`bf16: true`", "fp16": "`fp16: true`", "auto": "memory_budget: auto"},
-    FLAGS: {
-        "bf16": "`--precision bf16`",
-        "fp16": "`--precision fp16 --weights-dtype fp16`",
-        "auto": "--memory-budget auto",
-    },
-}
-"""The words of the notes (`BF16_ON_MPS`, a Mac's default budget) in each vocabulary."""
 MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
 LISTED = 6

@@ -400,7 +400,7 @@ def _fixed_costs(counts: ParamCounts, s: Settings, notes: list[str]) -> _Costs:
     counts times bytes."""
     w = PRECISIONS[s.weights_dtype]
     if s.method == "lora":
-        wrapped = lora_targets(counts, s.targets)
+        wrapped = lora_targets(counts, s.targets, s.vocabulary)
         adapters = [(s.lora_r * m.in_features, s.lora_r * m.out_features) for m in wrapped]
         trainable = sum(a + b for a, b in adapters)
         trainable_tensors = [n for pair in adapters for n in pair]
@@ -498,8 +498,8 @@ def _peak(
     if shape.vocab >= 64_000 and logits > 0.25 * peak and not s.chunked_loss:
         notes.append(
             f"logits and loss are {100 * logits / peak:.0f}% of the peak: vocab "
-            f"{shape.vocab:,} × {tokens:,} tokens; --chunked-loss (the loss "
-            f"{DEFAULT_CHUNK_TOKENS} tokens at a time) or a shorter sequence shrinks it"
+            f"{shape.vocab:,} × {tokens:,} tokens; {s.words('chunked')} (the loss "
+            f"{DEFAULT_CHUNK_TOKENS} tokens at a time) or {s.words('shorter')} shrinks it"
         )
     return peak, phase, formula, rows
 

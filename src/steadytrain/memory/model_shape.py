@@ -14,6 +14,7 @@ from pathlib import Path
 
 from steadytrain.errors import BadInputError
 from steadytrain.memory.layout import Layout, layout_of
+from steadytrain.memory.settings import FLAGS, WORDS
 
 
 @dataclass(frozen=True)
@@ -320,10 +321,13 @@ def _linear_of(module) -> tuple[int, int, bool] | None:
     return None
 
 
-def lora_targets(counts: ParamCounts, targets: tuple[str, ...]) -> list[Linear]:
+def lora_targets(
+    counts: ParamCounts, targets: tuple[str, ...], vocabulary: str = FLAGS
+) -> list[Linear]:
     """The nn.Linear modules peft wraps for `target_modules` given as names: a module matches
     when its name is the target or ends with '.' + target. 'all-linear' is every linear in the
-    decoder layers (peft leaves the output layer out)."""
+    decoder layers (peft leaves the output layer out). A target that matches none is refused
+    in `vocabulary`'s words (a config's `lora.target_modules`, or `--lora-targets`)."""
     if targets == ("all-linear",):
         return [m for m in counts.linears if m.in_layers]
     found = [m for m in counts.linears if any(_matches(m.name, t) for t in targets)]
@@ -331,8 +335,9 @@ def lora_targets(counts: ParamCounts, targets: tuple[str, ...]) -> list[Linear]:
     if missing or not found:
         names = sorted({m.name.rsplit(".", 1)[-1] for m in counts.linears})
         raise BadInputError(
-            f"--lora-targets: {', '.join(missing or targets)} match no linear layer of this "
-            f"model; its linear layers are: {', '.join(names)} (or pass all-linear)"
+            f"{WORDS[vocabulary]['targets']}: {', '.join(missing or targets)} match no linear "
+            f"layer of this model; its linear layers are: {', '.join(names)} (or "
+            f"{WORDS[vocabulary]['all_linear']})"
         )
     return found
 

@@ -41,6 +41,36 @@ not fit."""
 
 BOTH = ("estimate", "plan")
 
+CONFIG, FLAGS = "config", "flags"
+"""The two vocabularies an answer about a run is given in: a fine-tune config's keys
+(`chunked_loss: true`), for a config file, or `estimate`'s command-line flags (`--chunked-loss`),
+for a model named on the command line."""
+WORDS = {
+    CONFIG: {
+        "bf16": "`bf16: true`",
+        "fp16": "`fp16: true`",
+        "auto": "memory_budget: auto",
+        "chunked": "`chunked_loss: true`",
+        "shorter": "a lower `max_seq_length`",
+        "targets": "lora.target_modules",
+        "all_linear": "`lora.target_modules: all-linear`",
+        "device": "set `device: mps` or `device: cuda` in the config",
+        "budget": "set `memory_budget: 16GiB` in the config",
+    },
+    FLAGS: {
+        "bf16": "`--precision bf16`",
+        "fp16": "`--precision fp16 --weights-dtype fp16`",
+        "auto": "--memory-budget auto",
+        "chunked": "--chunked-loss",
+        "shorter": "a shorter --seq",
+        "targets": "--lora-targets",
+        "all_linear": "pass all-linear",
+        "device": "pass --device-type mps or cuda",
+        "budget": "pass --memory-budget 16GiB",
+    },
+}
+"""What the estimate's notes and the advisor call a setting in each vocabulary (`Settings.words`)."""
+
 
 def option(
     default: Any,
@@ -222,6 +252,11 @@ class Settings:
         DEFAULT_CHUNK_TOKENS, "Tokens per chunk with --chunked-loss.", commands=("estimate",)
     )
     """`DEFAULT_CHUNK_TOKENS` says why 1,024."""
+    vocabulary: str = option(
+        FLAGS, "The words of the estimate's notes: a config's keys or the flags.", commands=()
+    )
+    """`CONFIG` where the settings describe a fine-tune config (its notes name `chunked_loss:
+    true`, `lora.target_modules`), `FLAGS` where they came from the command line."""
     fused_loss: bool | None = option(
         False,
         "The chunked loss is the fused linear cross-entropy (Liger Kernel on CUDA), which holds "
@@ -383,6 +418,10 @@ class Settings:
                 found.append(("memory_budget", f"{self._flag('memory_budget')}: {exc}"))
         return found
 
+    def words(self, term: str) -> str:
+        """How this answer names `term` (`WORDS`): in the config's keys or the flags."""
+        return WORDS[self.vocabulary][term]
+
     @property
     def autocast(self) -> bool:
         return self.precision != "fp32"
@@ -432,12 +471,13 @@ def aliases(command: str) -> dict[str, tuple[str, Alias | None]]:
     return found
 
 
-def from_options(command: str, given: dict[str, Any]) -> Settings:
+def from_options(command: str, given: dict[str, Any], vocabulary: str = FLAGS) -> Settings:
     """Settings from `command`'s options by field name or an earlier flag's name (`aliases`:
     `memory` for memory_budget; a bare flag's, `checkpointing=True` for the estimate, sets its
     value, and False leaves the option as it is); the options not given take their
     command-line defaults. For the estimate, `activation_checkpointing` becomes the
-    checkpointing it counts."""
+    checkpointing it counts. `vocabulary`: the words its notes use (`CONFIG` for a config
+    file's settings)."""
     earlier = aliases(command)
     shown = {f.name: f for f in options(command)}
     values = {name: cli_default_of(f, command) for name, f in shown.items()}
@@ -462,6 +502,6 @@ def from_options(command: str, given: dict[str, Any]) -> Settings:
     if command == "estimate":
         mode = values["activation_checkpointing"]
         values |= {"checkpointing": mode in ("on", "offload"), "offload": mode == "offload"}
-    settings = Settings(**values)
+    settings = Settings(**values, vocabulary=vocabulary)
     settings._typed.update(typed)
     return settings

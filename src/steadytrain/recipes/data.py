@@ -19,6 +19,7 @@ each optimizer batch without touching the engine's seeded, resumable sampler. Wi
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from array import array
@@ -56,6 +57,14 @@ class SplitStats:
     target_tokens: int
     max_seq_length: int
     windows: int | None = None
+    longest: int = 0
+    """Tokens in the longest item as trained: a sample cut to max_seq_length, or with packing
+    the longest window. A batch is padded to its own longest item, so this, not
+    max_seq_length, is the longest sequence a step sees."""
+    longest_sample: int = 0
+    """Tokens in the longest sample before truncation."""
+    p95: int = 0
+    """95 % of the samples have at most this many tokens, before truncation."""
 
     def summary(self) -> str:
         lines = [
@@ -176,6 +185,7 @@ def _build(
 ) -> tuple[TokenizedDataset, SplitStats]:
     kept: list[tuple[list[int], list[bool]]] = []
     truncated = tokens_cut = dropped = 0
+    raw = sorted(len(ids) + getattr(ids, "more", 0) for ids, _ in samples)
     for ids, mask in samples:
         if len(ids) > max_seq_length:
             truncated += 1
@@ -220,6 +230,9 @@ def _build(
         target_tokens=sum(sum(mask[1:]) for _, mask in kept),
         max_seq_length=max_seq_length,
         windows=len(dataset) if packing else None,
+        longest=max(dataset.lengths()),
+        longest_sample=raw[-1],
+        p95=raw[min(len(raw) - 1, math.ceil(0.95 * len(raw)) - 1)],
     )
     return dataset, stats
 

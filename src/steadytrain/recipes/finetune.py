@@ -4,8 +4,8 @@ the hang watchdog and telemetry all apply; there is no second loop here).
 
 What it does, top to bottom: read and check the config (docs/finetune.md), resolve the device
 and precision, plan how the base loads (a 4-bit request that cannot run is refused before
-anything loads), load the tokenizer and the data (printing what tokenising did), load the base
-and add the adapter, train, and on a finished run export ``output_dir/final/`` atomically:
+anything loads), load the tokenizer and the data (printing what tokenising did), estimate the
+memory at the data's real lengths (exit 3 where nothing fits), load the base and add the adapter, train, and on a finished run export ``output_dir/final/`` atomically:
 the adapter in peft's format, the tokenizer and the resolved config. Rerunning the same command
 on the same output_dir resumes it.
 """
@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from steadytrain.recipes.data import (
     pad_token_id,
 )
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
-from steadytrain.recipes.finetune_memory import loss_for, memory_line, refusal
+from steadytrain.recipes.finetune_memory import DataLengths, loss_for, memory_line, refusal
 from steadytrain.recipes.finetune_resume import resume_changes
 from steadytrain.recipes.model import (
     add_lora,
@@ -57,6 +58,8 @@ from steadytrain.recipes.options import FinetuneOptions, argparse_options
 from steadytrain.recipes.training_log import training_log
 from steadytrain.run import files as run_files
 from steadytrain.run.durable import make_folder, refuse_link, replace_dir, sync_tree, write_atomic
+from steadytrain.run.events import append_event
+from steadytrain.run.records import Record
 from steadytrain.trainer import FitResult, Trainer
 
 FINAL = run_files.FINAL
@@ -94,11 +97,6 @@ class FinetuneJob:
         if problems:
             raise ConfigError(problems, config._source)
         self.base_load = plan_base_load(config, self.device.type, self.precision)
-        stop = refusal(config, self.device.type, self.device.budget)  # as --dry-run says
-        if stop is not None:
-            raise DoesNotFitError(f"{stop} (steadytrain finetune --dry-run shows the breakdown)")
-        if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
-            say(memory_line(config, self.device.type, self.device.budget))
         self.model_path = resolve_model_path(config.model_name_or_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.train_data, self.eval_data, stats = load_datasets(
@@ -112,6 +110,14 @@ class FinetuneJob:
         )
         say(stats.summary())
         _check_one_batch(config, self.train_config, len(self.train_data))
+        # priced at what a batch is padded to (the data's longest, where it is shorter than
+        # max_seq_length), before the base loads, as --dry-run prices it
+        self.lengths = DataLengths.of(stats.train)
+        stop = refusal(config, self.device.type, self.device.budget, self.lengths)
+        if stop is not None:
+            raise DoesNotFitError(f"{stop} (steadytrain finetune --dry-run shows the breakdown)")
+        if self.train_config.micro_batch_size != "auto":  # "auto": the planner measures
+            say(memory_line(config, self.device.type, self.device.budget, self.lengths))
         if self.base_load.message:
             say(self.base_load.message)
         base = load_base_model(config, self.model_path, self.base_load, self.device)
@@ -180,6 +186,8 @@ class FinetuneJob:
             then(run_dir)
         if int(os.environ.get("RANK", "0")) == 0:
             record_config(self.config, run_dir)
+            record = {"time": time.time(), "event": Record.DATA_LENGTHS, **self.lengths.record()}
+            append_event(run_dir, record)  # what the supervisor's advice prices
 
     def final_evaluation(self, batch_size: int) -> float | None:
         """The loss on the eval data after training, said on the console: the engine's

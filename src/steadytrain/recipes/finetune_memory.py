@@ -34,6 +34,108 @@ def chunk_tokens(config: FinetuneConfig) -> int | None:
     return None if isinstance(value, bool) or value == "auto" else int(value)
 
 
+@dataclass(frozen=True)
+class DataLengths:
+    """The training data's token lengths, as tokenising found them (recipes/data.py
+    `SplitStats`): a batch is padded to its own longest item, so where every sample is shorter
+    than max_seq_length, the longest sample, not max_seq_length, is what a step's activations
+    cost, and a lower max_seq_length at or above it saves nothing. The fine-tune records them
+    (`Record.DATA_LENGTHS`) for the supervisor's advice."""
+
+    longest: int
+    """Tokens in the longest item as trained (cut to max_seq_length; with packing, a window)."""
+    longest_sample: int
+    """Tokens in the longest sample before truncation."""
+    p95: int
+    samples: int
+    max_seq_length: int
+    packing: bool
+
+    @classmethod
+    def of(cls, stats: Any) -> DataLengths:
+        """From the training split's `SplitStats`."""
+        return cls(
+            stats.longest,
+            stats.longest_sample,
+            stats.p95,
+            stats.samples,
+            stats.max_seq_length,
+            stats.windows is not None,
+        )
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> DataLengths | None:
+        try:
+            return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+        except (KeyError, TypeError):
+            return None
+
+    def record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def seq(self, config: FinetuneConfig) -> int:
+        """The sequence length a step of `config` sees at most on this data: max_seq_length,
+        or the longest sample where every one is shorter. With packing, the longest window where
+        the windows were made at this max_seq_length (else max_seq_length)."""
+        if self.packing or config.packing:
+            same = self.packing == config.packing and self.max_seq_length == config.max_seq_length
+            return min(config.max_seq_length, self.longest) if same else config.max_seq_length
+        return max(2, min(config.max_seq_length, self.longest_sample))
+
+    def said(self, config: FinetuneConfig) -> str:
+        """One line for the console: the lengths, and the length the estimate prices."""
+        seq = self.seq(config)
+        head = (
+            f"data: the longest training {'window' if config.packing else 'sample'} is "
+            f"{self.longest_sample if not config.packing else self.longest:,} tokens (95 % of "
+            f"the samples at most {self.p95:,})"
+        )
+        if seq < config.max_seq_length:
+            return (
+                f"{head}, under max_seq_length {config.max_seq_length:,}: the estimate prices "
+                f"activations at {seq:,} tokens, what a batch is padded to at most; a "
+                f"max_seq_length at or above {seq:,} saves nothing"
+            )
+        return f"{head}: the estimate prices activations at max_seq_length {seq:,}"
+
+
+def data_lengths(config: FinetuneConfig) -> tuple[DataLengths | None, str]:
+    """The training data's lengths for `--dry-run`, tokenised as the run tokenises them, with
+    the tokenizer this machine has (a model folder's, or a hub model's in the local cache:
+    nothing is downloaded). None and why where the data or the tokenizer cannot be read here:
+    the estimate then prices max_seq_length, as an upper bound."""
+    if config.data_file_problems() or config.model_folder_problems():
+        return None, "the data or the tokenizer cannot be read (above)"
+    from steadytrain.recipes.data import load_datasets
+    from steadytrain.recipes.model import resolve_model_path
+
+    try:
+        from transformers import AutoTokenizer
+
+        path = resolve_model_path(config.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001  any tokenizer this machine cannot load: no lengths
+        return None, "the tokenizer is not on this machine yet (the run downloads it)"
+    try:
+        _, _, stats = load_datasets(
+            config.train_file,
+            tokenizer,
+            max_seq_length=config.max_seq_length,
+            eval_split=config.eval_split,
+            packing=config.packing,
+            seed=config.seed,
+        )
+    except SteadytrainError as exc:
+        return None, f"the training data did not tokenise ({str(exc).splitlines()[0]})"
+    return DataLengths.of(stats.train), ""
+
+
+def priced_seq(config: FinetuneConfig, lengths: DataLengths | None) -> int:
+    """The sequence length the estimate prices for `config`: max_seq_length, or the data's
+    longest where `lengths` (None: not tokenised yet) shows every sample shorter."""
+    return config.max_seq_length if lengths is None else lengths.seq(config)
+
+
 def loss_for(config: FinetuneConfig):
     """The fine-tune's loss as its `chunked_loss` and `fused_loss` say: chunked from the start
     (true, or a number of tokens), never (false: the planner and the ladder find no chunked mode
@@ -52,8 +154,9 @@ def loss_for(config: FinetuneConfig):
     return PlainLMLoss(None, fused=config.fused_loss)
 
 
-def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
-    """`steadytrain estimate`'s options that describe `config` at its start."""
+def estimate_settings(config: FinetuneConfig, lengths: DataLengths | None = None) -> dict[str, Any]:
+    """`steadytrain estimate`'s options that describe `config` at its start, its sequence at
+    the data's real lengths where they are known (`priced_seq`)."""
     targets = config.lora.target_modules
     precision = config.precision if config.precision in ("fp32", "bf16", "fp16") else "fp32"
     optimizer = (
@@ -66,7 +169,7 @@ def estimate_settings(config: FinetuneConfig) -> dict[str, Any]:
     chunk = chunk_tokens(config)
     return {
         "micro_batch_size": config.per_device_train_batch_size,
-        "seq": config.max_seq_length,
+        "seq": priced_seq(config, lengths),
         "precision": precision,
         "weights_dtype": precision,  # the frozen base loads in the precision's dtype
         "load_in_4bit": config.quantization.load_in_4bit,
@@ -107,9 +210,12 @@ def base_load_settings(config: FinetuneConfig, device_type: str | None) -> dict[
     return {}
 
 
-def _settings(config: FinetuneConfig, device_type: str, **options: Any) -> Settings:
+def _settings(
+    config: FinetuneConfig, device_type: str, lengths: DataLengths | None = None, **options: Any
+) -> Settings:
     loaded = base_load_settings(config, device_type)
-    settings = from_options("estimate", {**estimate_settings(config), **loaded, **options})
+    given = {**estimate_settings(config, lengths), **loaded, **options}
+    settings = from_options("estimate", given, CONFIG)  # its notes in the config's keys
     settings.check("estimate")
     fused = config.fused_loss and settings.chunked_loss and _fused_runs(device_type)
     return dataclasses.replace(
@@ -127,11 +233,16 @@ def _fused_runs(device_type: str) -> bool:
 
 
 def estimate_finetune(
-    config: FinetuneConfig, device_type: str, budget: int | None, **options: Any
+    config: FinetuneConfig,
+    device_type: str,
+    budget: int | None,
+    lengths: DataLengths | None = None,
+    **options: Any,
 ) -> Estimate:
     """The estimate for `config` on a `device_type` device against `budget` bytes (None: no
-    verdict); `options` override estimate settings (memory_budget, device_type)."""
-    settings = _settings(config, device_type, **options)
+    verdict), at the data's `lengths` where known; `options` override estimate settings
+    (memory_budget, device_type)."""
+    settings = _settings(config, device_type, lengths, **options)
     result = estimate(
         load_config(config.model_name_or_path), settings, model_name=config.model_name_or_path
     )
@@ -154,17 +265,23 @@ def advice(config: FinetuneConfig, result: Estimate) -> list[str]:
     return lines(found, CONFIG)
 
 
-def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) -> str:
+def memory_line(
+    config: FinetuneConfig,
+    device_type: str,
+    budget: int | None,
+    lengths: DataLengths | None = None,
+) -> str:
     """The start of a fine-tune: the estimated need at its micro-batch against the budget,
-    before the base loads (the planner does this itself for micro_batch_size: auto), and where
-    it does not fit, what would (the advisor, in the config's keys)."""
+    before the base loads (the planner does this itself for micro_batch_size: auto), at the
+    data's `lengths`, and where it does not fit, what would (the advisor, in the config's
+    keys)."""
     from steadytrain.run.env import ENV_MAX_MICRO_BATCH, max_micro_batch
 
     micro, cap = config.per_device_train_batch_size, max_micro_batch()
     capped = cap is not None and cap < micro
     micro = cap if capped else micro  # the supervisor's cap after a memory kill, as the run
     try:
-        result = estimate_finetune(config, device_type, budget, micro_batch_size=micro)
+        result = estimate_finetune(config, device_type, budget, lengths, micro_batch_size=micro)
     except SteadytrainError as exc:
         return f"memory: no estimate before loading ({str(exc).splitlines()[0]})"
     if result.total is None or budget is None:
@@ -190,14 +307,19 @@ def memory_line(config: FinetuneConfig, device_type: str, budget: int | None) ->
     )
 
 
-def last_rung(config: FinetuneConfig, device_type: str, budget: int | None) -> Estimate:
+def last_rung(
+    config: FinetuneConfig,
+    device_type: str,
+    budget: int | None,
+    lengths: DataLengths | None = None,
+) -> Estimate:
     """The estimate where the out-of-memory ladder ends: micro-batch 1 with every saver this
     config lets the run use (checkpointing unless `gradient_checkpointing: false`, on CUDA its
     inputs offloaded too, the chunked loss unless `chunked_loss: false`), against `budget`."""
     checkpointing = config.gradient_checkpointing is not False
     chunked = config.chunked_loss is not False
     settings = dataclasses.replace(
-        _settings(config, device_type, checkpointing=checkpointing, chunked_loss=chunked),
+        _settings(config, device_type, lengths, checkpointing=checkpointing, chunked_loss=chunked),
         micro_batch_size=1,
     )
     if checkpointing and device_type == "cuda":
@@ -209,7 +331,12 @@ def last_rung(config: FinetuneConfig, device_type: str, budget: int | None) -> E
     return result
 
 
-def refusal(config: FinetuneConfig, device_type: str, budget: int | None) -> str | None:
+def refusal(
+    config: FinetuneConfig,
+    device_type: str,
+    budget: int | None,
+    lengths: DataLengths | None = None,
+) -> str | None:
     """Why the run stops before loading anything (exit 3), or None: the estimate at the
     ladder's last rung (`last_rung`) is over the budget, so no micro-batch and no saver keeps
     the run within `memory_budget`, the memory the process may use in total. The run and its
@@ -218,7 +345,7 @@ def refusal(config: FinetuneConfig, device_type: str, budget: int | None) -> str
     if budget is None:
         return None
     try:
-        result = last_rung(config, device_type, budget)
+        result = last_rung(config, device_type, budget, lengths)
     except SteadytrainError:
         return None
     if result.total is None or result.total <= budget:
@@ -250,8 +377,9 @@ def refusal(config: FinetuneConfig, device_type: str, budget: int | None) -> str
 def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     """The supervisor's last word after the OS killed a fine-tune at micro-batch 1 with every
     saver in force (`in_force`, by the ladder's names): the advisor on the run's own config
-    (RUN_DIR/training_config.json) at micro-batch 1 with those savers, against the budget the
-    run had (its fit_start event), in the config's keys: only the changes that make it fit. Where
+    (RUN_DIR/training_config.json) at micro-batch 1 with those savers, at the sequence length
+    its data really has (its data_lengths event), against the budget the run had (its
+    fit_start event), in the config's keys: only the changes that make it fit. Where
     the estimate fits already, no setting changes the verdict: the memory that ran short was
     held by other programs, and that is what it says. Empty where the run directory holds no
     fine-tune config, or no budget can be found."""
@@ -266,9 +394,8 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     if not written.is_file():
         return []
     config = FinetuneConfig.from_dict(json.loads(written.read_text()), source=str(written))
-    starts = [
-        e for e in read_jsonl(folder / run_files.EVENTS) if e.get("event") == Record.FIT_START
-    ]
+    events = read_jsonl(folder / run_files.EVENTS)
+    starts = [e for e in events if e.get("event") == Record.FIT_START]
     start = starts[-1] if starts else {}
     budget = start.get("budget")
     if budget is None:
@@ -277,8 +404,10 @@ def run_advice(run_dir: Any, in_force: list[str]) -> list[str]:
     device_type = str(start.get("device") or config.to_train_config().device).split(":")[0]
     if budget is None or device_type not in DEVICE_TYPES:
         return []
+    lengths = [e for e in events if e.get("event") == Record.DATA_LENGTHS]
+    data = DataLengths.from_record(lengths[-1]) if lengths else None
     settings = dataclasses.replace(
-        _settings(config, device_type),
+        _settings(config, device_type, data),  # at the data's real lengths, as the run priced
         micro_batch_size=1,
         checkpointing=config.gradient_checkpointing in (True, "offload"),
         offload=False,
@@ -399,10 +528,13 @@ class RunPlan:
         return lines
 
 
-def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
-    """What the run will do at its start, and the estimate of it: the config's micro-batch and
-    savers, or, with micro_batch_size: auto, the plan from the estimate (the run itself probes
-    on the device, on CUDA measuring; the analytic plan is its preview)."""
+def run_plan(
+    config: FinetuneConfig, where: Target, lengths: DataLengths | None = None
+) -> tuple[RunPlan, Estimate]:
+    """What the run will do at its start, and the estimate of it at the data's `lengths`: the
+    config's micro-batch and savers, or, with micro_batch_size: auto, the plan from the
+    estimate (the run itself probes on the device, on CUDA measuring; the analytic plan is its
+    preview)."""
     train = config.to_train_config()
     accumulation = config.gradient_accumulation_steps
     later = []
@@ -411,7 +543,7 @@ def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
     if config.chunked_loss == "auto":
         later.append("the chunked loss (chunked_loss: auto)")
     if train.micro_batch_size != "auto":
-        result = estimate_finetune(config, where.device_type, where.budget)
+        result = estimate_finetune(config, where.device_type, where.budget, lengths)
         plan = RunPlan(
             config.per_device_train_batch_size,
             accumulation,
@@ -426,14 +558,16 @@ def run_plan(config: FinetuneConfig, where: Target) -> tuple[RunPlan, Estimate]:
             later,
         )
         return plan, result
-    return _auto_plan(config, where, later)
+    return _auto_plan(config, where, later, lengths)
 
 
-def _auto_plan(config: FinetuneConfig, where: Target, later: list[str]) -> tuple[RunPlan, Estimate]:
+def _auto_plan(
+    config: FinetuneConfig, where: Target, later: list[str], lengths: DataLengths | None
+) -> tuple[RunPlan, Estimate]:
     from steadytrain.memory.analytic import Analytic
     from steadytrain.memory.config_plan import analytic_plan
 
-    base = _settings(config, where.device_type)
+    base = _settings(config, where.device_type, lengths)
     effective = config.effective_batch_size // config.world_size
     settings = dataclasses.replace(
         base,
@@ -479,16 +613,19 @@ def _in_force(item: str, chosen: Any) -> bool:
 
 
 __all__ = [
+    "DataLengths",
     "RunPlan",
     "Target",
     "advice",
     "base_load_settings",
     "chunk_tokens",
+    "data_lengths",
     "estimate_finetune",
     "estimate_settings",
     "last_rung",
     "loss_for",
     "memory_line",
+    "priced_seq",
     "refusal",
     "run_advice",
     "run_plan",

@@ -80,6 +80,7 @@ from steadytrain.supervisor.options import SupervisorOptions
 from steadytrain.supervisor.progress import AttemptStart, progress_step
 from steadytrain.supervisor.restart_size import (
     folder_of,
+    halved_in_process,
     saver_left,
     smaller_micro_batch,
     smallest_micro_batch,
@@ -128,7 +129,8 @@ class Supervisor:
         self.oom_kill_count = oom_kill_count
         self.restarts = 0
         self.child = ChildProcess(self.command, self.environ, options, self._say, self._record)
-        self._escalations: list[str] = []  # each halving and saver turned on, for the last word
+        self._escalations: list[str] = []  # each halving (in the process or by a cap) and saver
+        # turned on, in order, for the last word's "Tried:"
 
     @property
     def options(self) -> SupervisorOptions:
@@ -170,6 +172,11 @@ class Supervisor:
             if ended is not None and ended["exit_code"] not in STOPPED:
                 returncode, death = self._caught(ended, death)  # judged by its run's end
                 ended = None
+            halved = halved_in_process(
+                folder_of(self.options.run_dir, death), started, self.restarts + 1
+            )
+            if halved is not None:  # the last word's "Tried:" names the attempt's own halvings
+                self._escalations.append(halved)
             error = self._recorded_error(death, started)
             final = self._final_code(death, step, error, error_before, ended)
             if final is not None:

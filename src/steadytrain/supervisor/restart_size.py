@@ -1,7 +1,8 @@
 """How big the next attempt starts after a memory kill or exit 76: half the micro-batch in force
 (the out-of-memory policy's `HALVING`), or, at micro-batch 1, one more memory saver than the
 attempt had in force, as it recorded them at its start (an attempt killed while it started, before
-it recorded them: the ladder's next, `start_kill`)."""
+it recorded them: the ladder's next, `start_kill`). What the attempt halved itself, in the process,
+is read back for the last word's "Tried:" (`halved_in_process`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from steadytrain.events import HALVING  # the out-of-memory policy (no torch)
 from steadytrain.run import files as run_files
 from steadytrain.run.records import Record
 from steadytrain.supervisor.child_exit import SHRINK, ChildExit
-from steadytrain.supervisor.progress import Since, last_micro_batch_size, savers_record
+from steadytrain.supervisor.progress import (
+    Since,
+    attempt_records,
+    last_micro_batch_size,
+    savers_record,
+)
 from steadytrain.supervisor.start_kill import start_ladder
 
 
@@ -62,6 +68,26 @@ def folder_of(run_dir: Path | None, death: ChildExit) -> Path | None:
     """Where the attempt's records are: the run directory, or the folder of the rank that
     failed first."""
     return death.rank.folder if death.rank is not None else run_dir
+
+
+def halved_in_process(folder: Path | None, since: Since, attempt: int) -> str | None:
+    """The micro-batches the attempt started at `since` went through by halving itself on
+    out-of-memory (its `shrink` records: the Trainer's, or an integration's), as "micro-batch
+    8 → 4 → 2 (attempt 1, halved in the process on out-of-memory)"; None where it halved none."""
+    if folder is None:
+        return None
+    shrinks = [
+        r
+        for r in attempt_records(Path(folder) / run_files.EVENTS, since)
+        if r.get("event") == Record.SHRINK and r.get("old") is not None
+    ]
+    if not shrinks:
+        return None
+    sizes = [shrinks[0]["old"], *(r.get("new") for r in shrinks)]
+    return (
+        f"micro-batch {' → '.join(str(s) for s in sizes)} (attempt {attempt}, halved in the "
+        "process on out-of-memory)"
+    )
 
 
 def smallest_micro_batch(folder: Path | None, cap: int | None) -> int | None:

@@ -392,6 +392,29 @@ def test_a_ranks_exit_76_at_micro_batch_1_with_no_saver_left_is_exit_3_naming_gp
     assert "What would help: distributed: fsdp instead of ddp (each of the 2 ranks" in out
 
 
+def test_a_rank_the_os_killed_at_micro_batch_1_restarts_the_group_with_the_next_saver(job):
+    """Rank 1 was killed without a word (the cgroup's oom_kill counter rose) while its last
+    step ran at micro-batch 1: as for one process killed there, the next saver."""
+    folder = job.run_dir / "ranks" / "rank-1"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"step": 2, "micro_batch_size": 1}\n')
+    savers = {"event": "memory_savers", "step": 0, "in_force": [], "left": ["chunked_loss"]}
+    ranks = {
+        "0": [{"event": "fit_start", **GROUP}, savers, {**BROKEN, "exit_code": 143}],
+        "1": [
+            {"event": "fit_start", "process_group": {**GROUP["process_group"], "rank": 1}},
+            savers,
+        ],
+    }
+    (job.state / "ranks.json").write_text(json.dumps(ranks))
+    counts = iter([0, 1, 1, 1])
+    code, out = supervise(job, "ranks+exit:1", "exit:0", oom_kill_count=lambda: next(counts))
+    assert code == 0, out
+    (restart,) = job.events("restart")
+    assert (restart["failed_rank"], restart["memory_savers"]) == (1, 1), restart
+    assert "the OS killed rank 1 of 2 for memory with no smaller micro-batch left" in out
+
+
 def test_a_ranks_bad_input_under_torchrun_is_not_restarted(job):
     ranks = {
         "0": [{"event": "fit_start", **GROUP}, {**BROKEN, "reason": "RuntimeError: peer gone"}],

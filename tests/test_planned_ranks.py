@@ -58,7 +58,7 @@ def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(t
     attempt 1 trains to the end with no out-of-memory and no restart, and its losses are those
     of two ranks started at that size by hand."""
     run_dir = tmp_path / "auto"
-    done = supervised(run_dir, "--limit-mib", "200")
+    done = supervised(run_dir, "--limit-mib", "200", "--steps", "2")
     assert done.returncode == 0, done.stderr[-4000:]
     plans = [[e for e in events(run_dir, r) if e["event"] == "plan"] for r in (0, 1)]
     assert len(plans[0]) == len(plans[1]) == 1, plans
@@ -75,12 +75,12 @@ def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(t
         assert "oom" not in names and "shrink" not in names, names
     assert not [e for e in events(run_dir) if e["event"] == "restart"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["micro_batch_size"] for m in rows] == [micro] * 3
+    assert [m["micro_batch_size"] for m in rows] == [micro] * 2
     assert "plan: micro-batch" in done.stderr
 
     by_hand = tmp_path / "by-hand"
     flags = ["--checkpointing"] if checkpointing else []
-    started = torchrun(by_hand, "--micro", str(micro), *flags)
+    started = torchrun(by_hand, "--micro", str(micro), "--steps", "2", *flags)
     assert started.returncode == 0, started.stderr[-4000:]
     assert losses(run_dir) == losses(by_hand)
 
@@ -93,7 +93,7 @@ def test_out_of_memory_at_micro_batch_1_on_a_rank_climbs_the_ladder_then_exit_3_
     checkpointing on (recorded by every rank) and runs out too; with no saver left the
     supervisor stops with exit 3 and says what would help, in GPUs."""
     run_dir = tmp_path / "ladder"
-    done = supervised(run_dir, "--limit-mib", "20")
+    done = supervised(run_dir, "--limit-mib", "20", "--steps", "2")
     assert done.returncode == 3, done.stderr[-4000:]
     restarts = [e for e in events(run_dir) if e["event"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["memory_savers"] == 1, restarts

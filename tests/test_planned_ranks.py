@@ -125,6 +125,9 @@ def test_auto_under_ddp_each_rank_plans_its_share_and_the_ranks_agree(tmp_path: 
     for key in ("micro_batch_size", "activation_checkpointing", "chunked_loss"):
         assert plan_0[key] == plan_1[key], (plan_0, plan_1)
     assert 1 <= plan_0["micro_batch_size"] < WHOLE_SHARE
+    for plan in (plan_0, plan_1):  # no candidate above the 8 samples a rank holds
+        sizes = [c["micro"] for c in plan["candidates"]]
+        assert sizes and max(sizes) <= WHOLE_SHARE, plan["candidates"]
     assert any("agreed on the smallest micro-batch" in r for r in plan_0["reasons"])
     for rank in (0, 1):
         assert "oom" not in [e["event"] for e in events(run_dir, rank)]

@@ -342,6 +342,79 @@ def test_a_ranks_exit_76_under_torchrun_is_a_smaller_restart(job):
     assert "STEADYTRAIN_MAX_MICRO_BATCH=8" in out and "rank 1 of 2 failed first" in out
 
 
+def ranks_out_of_memory_at_1(in_force: list[str], left: list[str]) -> dict:
+    """A torchrun group whose rank 1 ran out of memory in the plan's trial pass at micro-batch 1
+    and exited 76, with `in_force` and `left` its memory_savers record; rank 0 was ended by
+    torchrun while it waited."""
+    savers = {"event": "memory_savers", "step": 0, "in_force": in_force, "left": left}
+    oom = {"event": "oom", "step": 0, "phase": "plan", "micro_batch_size": 1, "rank": 1}
+    return {
+        "0": [{"event": "fit_start", **GROUP}, savers, {**BROKEN, "exit_code": 143}],
+        "1": [
+            {"event": "fit_start", "process_group": {**GROUP["process_group"], "rank": 1}},
+            savers,
+            {**oom, "error": "DefaultCPUAllocator: can't allocate memory"},
+            {"event": "exit", "step": 0, "exit_code": 76, "reason": "RankOutOfMemory", "rank": 1},
+        ],
+    }
+
+
+def test_a_ranks_exit_76_at_micro_batch_1_restarts_the_group_with_the_next_saver(job):
+    """Not micro-batch 1 again (the issue-40 run restarted 1, 1, 1 until the limit): the next
+    attempt turns on the next saver the failed rank's memory_savers record leaves, and is not
+    counted against --max-restarts."""
+    (job.state / "ranks.json").write_text(
+        json.dumps(ranks_out_of_memory_at_1([], ["activation_checkpointing", "chunked_loss"]))
+    )
+    code, out = supervise(job, "ranks+exit:1", "exit:0", oom_kill_count=lambda: 0, max_restarts=0)
+    assert code == 0, out
+    (restart,) = job.events("restart")
+    assert (restart["failed_rank"], restart["rank_exit"]) == (1, 76)
+    assert restart["memory_savers"] == 1 and restart["max_micro_batch"] == 1
+    (escalation,) = job.events("memory_escalation")
+    assert escalation["saver"] == "activation_checkpointing"
+    assert "rank 1 of 2 ran out of memory (exit 76) with no smaller micro-batch left" in out
+    assert "STEADYTRAIN_MEMORY_SAVERS=1" in out
+
+
+def test_a_ranks_exit_76_at_micro_batch_1_with_no_saver_left_is_exit_3_naming_gpus(job):
+    job.run_dir.mkdir()
+    (job.run_dir / "config.json").write_text(json.dumps({"distributed": "ddp"}))
+    (job.state / "ranks.json").write_text(
+        json.dumps(ranks_out_of_memory_at_1(["activation_checkpointing"], []))
+    )
+    code, out = supervise(job, "ranks+exit:1", "exit:0", oom_kill_count=lambda: 0)
+    assert code == 3, out
+    assert not job.events("restart")
+    (end,) = job.events("supervisor_end")
+    assert end["exit_code"] == 3 and end["in_force"] == ["activation_checkpointing"]
+    assert "2 ranks' memory is too little" in out
+    assert "What would help: distributed: fsdp instead of ddp (each of the 2 ranks" in out
+
+
+def test_a_rank_the_os_killed_at_micro_batch_1_restarts_the_group_with_the_next_saver(job):
+    """Rank 1 was killed without a word (the cgroup's oom_kill counter rose) while its last
+    step ran at micro-batch 1: as for one process killed there, the next saver."""
+    folder = job.run_dir / "ranks" / "rank-1"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"step": 2, "micro_batch_size": 1}\n')
+    savers = {"event": "memory_savers", "step": 0, "in_force": [], "left": ["chunked_loss"]}
+    ranks = {
+        "0": [{"event": "fit_start", **GROUP}, savers, {**BROKEN, "exit_code": 143}],
+        "1": [
+            {"event": "fit_start", "process_group": {**GROUP["process_group"], "rank": 1}},
+            savers,
+        ],
+    }
+    (job.state / "ranks.json").write_text(json.dumps(ranks))
+    counts = iter([0, 1, 1, 1])
+    code, out = supervise(job, "ranks+exit:1", "exit:0", oom_kill_count=lambda: next(counts))
+    assert code == 0, out
+    (restart,) = job.events("restart")
+    assert (restart["failed_rank"], restart["memory_savers"]) == (1, 1), restart
+    assert "the OS killed rank 1 of 2 for memory with no smaller micro-batch left" in out
+
+
 def test_a_ranks_bad_input_under_torchrun_is_not_restarted(job):
     ranks = {
         "0": [{"event": "fit_start", **GROUP}, {**BROKEN, "reason": "RuntimeError: peer gone"}],

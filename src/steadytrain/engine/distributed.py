@@ -252,6 +252,24 @@ class Group:
             dist.all_reduce(value, op=dist.ReduceOp.MIN)
         return int(value.item())
 
+    def largest(self, values: list[float]) -> list[float]:
+        """Each of `values` the largest any rank has (float64, one all-reduce)."""
+        if not self.active:
+            return list(values)
+        value = torch.tensor(values, dtype=torch.float64, device=self.device)
+        with _waiting_in("all-reduce (plan)"):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.tolist()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled: small objects only, the plan's messages)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        with _waiting_in("broadcast (plan)"):
+            dist.broadcast_object_list(box, src=0, device=torch.device(self.collective_device()))
+        return box[0]
+
     def agree(
         self,
         failed: bool,

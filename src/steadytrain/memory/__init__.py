@@ -20,6 +20,7 @@ finalists.py     CUDA's timed finalists: each mode measured at its own finalist 
 analytic.py      the estimate in the planner's terms (linear in the micro-batch per mode)
 plan_record.py   the plan as a record (`Plan`) and its bound (`Room`)
 plan.py          the plan: bound, probe, choose, explain
+lockstep.py      the plan's trial passes run by every rank in lockstep (distributed: fsdp)
 config_plan.py   a plan from a config alone, for `steadytrain plan`
 savers.py        the memory savers: activation checkpointing and the chunked loss
 offload.py       activation checkpointing whose kept inputs live in host memory (CUDA)

@@ -32,16 +32,17 @@ def savers_from_supervisor(
 ) -> None:
     """The child's side of the escalation: under `steadytrain run`, climb the memory savers'
     ladder (`memory.savers.MemorySavers`) until as many rungs are in force as
-    ENV_MEMORY_SAVERS asks (the OS killed an earlier attempt at micro-batch 1), recording a
-    `memory_saver` event for each one turned on; then record which are in force and which are
-    left (`memory_savers`), which the supervisor reads when this attempt is killed too."""
+    ENV_MEMORY_SAVERS asks (the OS killed an earlier attempt at micro-batch 1, or a rank of
+    its torchrun group exited 76 there), recording a `memory_saver` event for each one turned
+    on; then record which are in force and which are left (`memory_savers`), which the
+    supervisor reads when this attempt is killed too."""
     if not run_env.supervised(environ):
         return
     asked = run_env.memory_savers(environ) or None
     if asked:
         reason = (
-            f"{run_files.ENV_MEMORY_SAVERS}={asked} (supervisor: the OS killed an earlier "
-            "attempt with no smaller micro-batch left)"
+            f"{run_files.ENV_MEMORY_SAVERS}={asked} (supervisor: an earlier attempt ran out of "
+            "memory with no smaller micro-batch left: the OS killed it, or a rank exited 76)"
         )
         for info in savers.climb_to(asked, reason):
             record(Record.MEMORY_SAVER, {"step": step, **info})

@@ -59,7 +59,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from steadytrain._terminal import say
-from steadytrain.errors import DISK_FULL_EXIT, DOES_NOT_FIT_EXIT, BadInputError, RunDiskFullError
+from steadytrain.errors import (
+    DISK_FULL_EXIT,
+    DOES_NOT_FIT_EXIT,
+    SHRINK_EXIT,
+    BadInputError,
+    RunDiskFullError,
+)
 from steadytrain.run import env as run_env
 from steadytrain.run.events import append_event
 from steadytrain.run.files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
@@ -89,6 +95,7 @@ from steadytrain.supervisor.start_kill import recorded_a_step, what_is_known, wr
 from steadytrain.supervisor.words import (
     START_ADVICE,
     fit_advice,
+    group_advice,
     restarts,
     saver_name,
     seconds,
@@ -186,7 +193,7 @@ class Supervisor:
             savers = saver_left(self.options.run_dir, death, max_micro, started, savers_asked)
             if savers is not None and not savers["left"]:
                 return self._no_saver_left(death, step, savers, max_micro)
-            smaller = self._smaller_start(death, max_micro)
+            smaller = self._smaller_start(death, max_micro) if savers is None else None
             # a restart with a smaller micro-batch or one more saver on is not the same restart
             # again: not counted (each ladder has an end: micro-batch 1, the last saver)
             same = savers is None and smaller is None
@@ -433,6 +440,8 @@ class Supervisor:
             "the OS killed the child while it started (loading the model), most likely for "
             "memory: as after a kill at micro-batch 1, the next"
             if death.while_starting
+            else f"{_rank_ran_out(death)} with no smaller micro-batch left: the next"
+            if death.rank is not None
             else "the OS killed the child for memory with no smaller micro-batch left: the next"
         )
         self._say(f"{why} attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})")
@@ -457,6 +466,12 @@ class Supervisor:
             f"{in_force}): this machine's memory ran out"
         )
         advice = fit_advice(self.options.advice, folder, savers["in_force"])
+        if death.rank is not None:  # a torchrun group: its memory is its GPUs'
+            reason = (
+                f"{_rank_ran_out(death)} at {micro} with no memory saver left to turn on (in "
+                f"force: {in_force}): {death.rank.world_size} ranks' memory is too little"
+            )
+            advice = f"{group_advice(self.options.run_dir, death.rank.world_size)}; {advice}"
         return self._does_not_fit(death, step, savers, reason, tried, advice)
 
     def _not_loaded(self, death: ChildExit, step: int | None, savers: dict[str, Any]) -> int:
@@ -592,3 +607,12 @@ class Supervisor:
 
     def _say(self, text: str) -> None:
         say(f"steadytrain run: {text}", self.out)  # a closed terminal does not end us
+
+
+def _rank_ran_out(death: ChildExit) -> str:
+    """How a torchrun group's rank ran out of memory, in words."""
+    rank = death.rank
+    which = f"rank {rank.rank} of {rank.world_size}" if rank is not None else "a rank"
+    if death.returncode == SHRINK_EXIT:
+        return f"{which} ran out of memory (exit {SHRINK_EXIT})"
+    return f"the OS killed {which} for memory"

@@ -1,8 +1,9 @@
 """How big the next attempt starts after a memory kill or exit 76: half the micro-batch in force
 (the out-of-memory policy's `HALVING`), or, at micro-batch 1, one more memory saver than the
 attempt had in force, as it recorded them at its start (an attempt killed while it started, before
-it recorded them: the ladder's next, `start_kill`). What the attempt halved itself, in the process,
-is read back for the last word's "Tried:" (`halved_in_process`)."""
+it recorded them: the ladder's next, `start_kill`). Under torchrun, a rank's exit 76 at
+micro-batch 1 climbs the same ladder (`group_out_of_memory_at_one`). What the attempt halved
+itself, in the process, is read back for the last word's "Tried:" (`halved_in_process`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def saver_left(
     attempt recorded none (not a Trainer's run). An attempt killed while it started (before it
     wrote any record: loading the model) is at the smallest size whatever its cap, and its
     savers are the ladder's first `asked` (`start_kill.start_ladder`)."""
+    if group_out_of_memory_at_one(run_dir, death, cap):
+        folder = folder_of(run_dir, death)
+        return savers_record(folder, since) or start_ladder(folder, asked)
     if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
         return None
     folder = folder_of(run_dir, death)
@@ -62,6 +66,25 @@ def saver_left(
     if smallest_micro_batch(folder, cap) not in (None, 1):
         return None  # halving the micro-batch is the next step
     return savers_record(folder, since)
+
+
+def group_out_of_memory_at_one(run_dir: Path | None, death: ChildExit, cap: int | None) -> bool:
+    """A torchrun group whose rank that failed first ran out of memory at micro-batch 1: it
+    exited 76 with its `oom` record (in a step, or in the plan's trial pass before the first
+    step) at micro-batch 1, or the OS killed it (the cgroup's counter rose) with micro-batch 1
+    in force. A restart at the same size would run out the same way: the next memory saver is
+    the next start. (One process that exits 76 at micro-batch 1 has climbed its own ladder
+    in place already, and is restarted fresh at 1.)"""
+    if death.rank is None:
+        return False
+    folder = death.rank.folder
+    if death.returncode == SHRINK:
+        ran_out = last_micro_batch_size(folder, run_files.EVENTS, Record.OOM)
+        known = [v for v in (ran_out, cap) if v is not None]
+        return bool(known) and min(known) == 1
+    if death.rank.exit_code is None and death.oom_kill_delta:
+        return smallest_micro_batch(folder, cap) == 1
+    return False
 
 
 def folder_of(run_dir: Path | None, death: ChildExit) -> Path | None:

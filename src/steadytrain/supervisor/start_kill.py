@@ -66,10 +66,10 @@ def what_is_known(folder: Path | None, machine: int | None) -> list[str]:
     event or estimate.json), and the machine's memory. Empty parts are left out."""
     known = []
     if folder is not None:
-        finetune = _json(Path(folder) / run_files.TRAINING_CONFIG)
+        finetune = run_json(Path(folder) / run_files.TRAINING_CONFIG)
         if finetune:
             known.append(_finetune_words(finetune))
-        config = _json(Path(folder) / run_files.CONFIG)
+        config = run_json(Path(folder) / run_files.CONFIG)
         if config:
             fields = [
                 f"{key}: {config[key]}"
@@ -106,11 +106,11 @@ def _estimated_peak(folder: Path) -> float | None:
     for event in reversed(run_jsonl.tail(folder / run_files.EVENTS)):
         if event.get("event") == Record.ESTIMATE and _number(event.get("peak")) is not None:
             return _number(event.get("peak"))
-    doc = _json(folder / run_files.ESTIMATE)
+    doc = run_json(folder / run_files.ESTIMATE)
     return _number(doc.get("peak")) if doc else None
 
 
-def _json(path: Path) -> dict[str, Any] | None:
+def run_json(path: Path) -> dict[str, Any] | None:
     """A small JSON file of the run directory as a dict; None where it is missing or unreadable."""
     try:
         with run_jsonl.open_regular(path) as file:  # a pipe planted there: OSError, not a wait

@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from steadytrain.run import files as run_files
 from steadytrain.run.savers import saver_words
 from steadytrain.supervisor.child_exit import HANG, ChildExit
+from steadytrain.supervisor.start_kill import run_json
 
 GENERAL_ADVICE = (
     "shorter sequences, 16-bit weights (precision: bf16, or a fine-tune's bf16: true), a smaller "
@@ -59,6 +61,28 @@ def fit_advice(advice: Callable | None, run_dir: Path | None, in_force: list[str
     except Exception:  # noqa: BLE001 - advice must never stop the supervisor's last word
         return GENERAL_ADVICE
     return "; ".join(found) if found else GENERAL_ADVICE
+
+
+def group_advice(run_dir: Path | None, world_size: int) -> str:
+    """What would make a torchrun group's run fit, in GPUs: the run's `distributed` setting as
+    its config.json says it (written by rank 0 before the first step); sharded, more GPUs
+    share the model's state; replicated, every rank holds all of it, so shard it first."""
+    config = run_json(run_dir / run_files.CONFIG) if run_dir is not None else None
+    setting = (config or {}).get("distributed")
+    more = (
+        f"more GPUs with distributed: fsdp (this run had {world_size}; the parameters, "
+        f"gradients and optimizer state are sharded over them, so {2 * world_size} GPUs hold "
+        "half as much of them each)"
+    )
+    if setting == "fsdp":
+        return more
+    instead = (
+        f"distributed: fsdp instead of ddp (each of the {world_size} ranks now holds the whole "
+        "model, its gradients and optimizer state; fsdp shards them over the ranks)"
+    )
+    if setting in ("ddp", "replicate"):
+        return f"{instead}, then {more}"
+    return f"{instead}; or {more}"
 
 
 def start_advice(advice: Callable | None, run_dir: Path | None, in_force: list[str]) -> str:

@@ -51,7 +51,7 @@ from steadytrain.trainer.changed_after_save import ChangedAfterSave
 from steadytrain.trainer.checkpointing import Checkpointing, newest_checkpoint_step
 from steadytrain.trainer.data import loader_at
 from steadytrain.trainer.evaluation import make_evaluation
-from steadytrain.trainer.notes import UNPLANNED_SHARDS, start_events
+from steadytrain.trainer.notes import start_events
 from steadytrain.trainer.parts import RunParts, build_parts
 from steadytrain.trainer.passes import Passes
 from steadytrain.trainer.program import Program
@@ -217,7 +217,9 @@ class Trainer:
             if compiled:
                 check_compiler(parts.device.type)
             checkpointing = Checkpointing(cfg, program, parts, files.record)
-            passes = Passes(cfg, program.loss_fn, program.user_state, program.data, parts)
+            passes = Passes(
+                cfg, program.loss_fn, program.user_state, program.data, parts, files.record
+            )
             resumed = checkpointing.resume()
             for confirmed in self.after_identity_check:  # locked; the checkpoint is this run's
                 confirmed(run_dir)
@@ -231,13 +233,12 @@ class Trainer:
             if eager:  # before the plan: its probe runs eager, its finalists compiled
                 with startup_phase("compile"):
                     compile_event = compile_blocks(parts.model, parts.device.type)
-            if not resumed and cfg.micro_batch_size == "auto" and not parts.group.sharded:
-                with startup_phase("plan"):
-                    planned.events = passes.plan(compiled, eager)
-            elif not resumed and cfg.micro_batch_size == "auto":
-                notes.append(UNPLANNED_SHARDS)
-            # the savers the supervisor asks for after an OS kill (after the plan: fewer there)
+            # the savers the supervisor asks for after an attempt ran out of memory at
+            # micro-batch 1 (an OS kill, a rank's exit 76): in force before the plan measures
             savers_from_supervisor(parts.savers, files.record, parts.state.step)
+            if not resumed and cfg.micro_batch_size == "auto":
+                with startup_phase("plan"):  # under torchrun: every rank, in lockstep if sharded
+                    planned.events = passes.plan(compiled, eager)
             if compiled and not eager:  # after the plan: its probe measures eager passes
                 with startup_phase("compile"):
                     compile_event = compile_blocks(parts.model, parts.device.type)

@@ -1,7 +1,7 @@
 """What a run says at its start, before its first step: the notes (dropout masks drawn per
-micro-batch, a memory budget below what the process holds, the data fingerprint's and the
-unplanned micro-batch's), the `arithmetic` line that lists every setting that changes the
-arithmetic of training, and the warning for a model whose forward depends on the batch."""
+micro-batch, a memory budget below what the process holds, the data fingerprint's), the
+`arithmetic` line that lists every setting that changes the arithmetic of training, and the
+warning for a model whose forward depends on the batch."""
 
 from __future__ import annotations
 
@@ -20,12 +20,6 @@ from steadytrain.trainer.data import DataSource
 
 if TYPE_CHECKING:  # the parts are built with this module's warning
     from steadytrain.trainer.parts import RunParts
-
-UNPLANNED_SHARDS = (
-    "micro_batch_size auto under distributed: fsdp starts at each rank's whole share without "
-    "trial passes (their all-gathers would need every rank to try the same sizes); an "
-    "out-of-memory exits 76 and `steadytrain run` restarts the group at a smaller micro-batch"
-)
 
 
 def start_events(

@@ -5,19 +5,24 @@ which the resumed run's continuity check compares, `probe_next_loss()`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from steadytrain.config import TrainConfig
+from steadytrain.device import OutOfMemory
 from steadytrain.engine.batching import batch_len, split_batch, to_device
 from steadytrain.engine.side_pass import side_pass, trial_pass
 from steadytrain.engine.step import check_loss_output
+from steadytrain.errors import RankOutOfMemory
 from steadytrain.events import Callback, Control, TrainState
 from steadytrain.memory.analytic import analytic_for
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
-from steadytrain.memory.plan import compiled_growth, first_step_bytes, plan
+from steadytrain.memory.lockstep import Lockstep
+from steadytrain.memory.offload import OFFLOAD
+from steadytrain.memory.plan import Plan, compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms
 from steadytrain.run.records import Record
 from steadytrain.trainer.data import DataSource, batch_at
@@ -27,7 +32,7 @@ from steadytrain.user_state import select
 
 class Passes:
     """The side passes of one fit, on its `parts`, with the program's `loss_fn`, `user_state`
-    and `data`."""
+    and `data`; `record` writes a record to this rank's events (a trial's out-of-memory)."""
 
     def __init__(
         self,
@@ -36,28 +41,38 @@ class Passes:
         user_state: dict[str, Any],
         data: DataSource,
         parts: RunParts,
+        record: Callable[[str, dict], None] = lambda name, fields: None,
     ):
         self.cfg, self.loss_fn, self.user_state = cfg, loss_fn, user_state
-        self.data, self.parts = data, parts
+        self.data, self.parts, self.record = data, parts, record
 
     def plan(self, compiled: bool = False, eager=None) -> list[tuple]:
         """micro_batch_size 'auto': measure passes on the first optimizer batch and set the micro
         size (and the memory savers) from `steadytrain.memory.plan`. The probe leaves no trace
         in the run: gradients are dropped, buffers (BatchNorm statistics) and every RNG stream
         are put back, so the run's losses are those of a run started at the chosen size.
-        Returns the `plan` and `estimate` events (what was chosen and why)."""
+        Returns the `plan` and `estimate` events (what was chosen and why).
+
+        Under torchrun each rank measures its own share. Sharded (`distributed: fsdp`), the
+        trial passes are collectives: they run in lockstep (`memory.lockstep`), rank 0 planning
+        on the worst rank's figures, and every rank takes its plan; a rank that runs out of
+        memory in one leaves with exit 76 (`_trial_out_of_memory`). Replicated, the passes hold
+        no collective: each rank plans alone, then the ranks agree on the smallest micro-batch
+        and on every saver any rank chose (`_agreed`)."""
         cfg, run = self.cfg, self.parts
-        state, savers, model = run.state, run.savers, run.model
-        batch = batch_at(self.data, run.sampler, 0, 0, run.group)  # planned per rank, its share
-        analytic, _ = analytic_for(
-            model,
-            batch,
-            precision=run.precision.name,
-            optimizer=run.optimizer,
-            device_type=run.device.type,
-            compiled=compiled,
-            fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
-        )
+        state, savers, model, group = run.state, run.savers, run.model, run.group
+        batch = batch_at(self.data, run.sampler, 0, 0, group)  # planned per rank, its share
+        analytic = None
+        if not group.sharded:  # the per-rank estimate of a sharded model is not priced here
+            analytic, _ = analytic_for(
+                model,
+                batch,
+                precision=run.precision.name,
+                optimizer=run.optimizer,
+                device_type=run.device.type,
+                compiled=compiled,
+                fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
+            )
 
         def one_pass(size: int) -> None:
             piece = to_device(
@@ -68,31 +83,51 @@ class Passes:
                 trial_pass(model, _checked(self.loss_fn), piece, run.precision.autocast)
 
         before = savers.snapshot()
+        runs = {"plain": savers.trial_run(one_pass, before.chunked_loss)}
         # The chunked loss is a candidate when the loss has a chunked mode for this model and
         # the caller did not choose chunking already.
-        offer_chunked = before.chunked_loss is None and savers.can_chunk_loss
-        with side_pass(
-            rng=True, buffers=model.buffers(), user_state=self.user_state, others=[savers]
-        ):
-            chosen = plan(
-                savers.trial_run(one_pass, before.chunked_loss),
-                run.device,
+        if before.chunked_loss is None and savers.can_chunk_loss:
+            runs["chunked"] = savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
+        # savers in force already (the supervisor's, after an attempt ran out at micro-batch 1)
+        # are where the plan starts
+        checkpointing = before.checkpointing or cfg.activation_checkpointing
+        cap = state.micro_batch_size  # under torchrun no more than this rank's share
+        cap = min(cap, batch_len(batch)) if group.active else cap
+
+        def planner(passes: dict, device) -> Plan:
+            return plan(
+                passes["plain"],
+                device,
                 effective_batch_size=cfg.effective_batch_size,
-                activation_checkpointing=cfg.activation_checkpointing,
+                activation_checkpointing=checkpointing,
                 can_checkpoint=savers.can_checkpoint,
                 can_offload=savers.can_offload,
-                chunked_run=savers.trial_run(one_pass, DEFAULT_CHUNK_TOKENS)
-                if offer_chunked
-                else None,
+                chunked_run=passes.get("chunked"),
                 plan_margin=None if cfg.plan_margin == "auto" else cfg.plan_margin,
                 micro_batch_sizes=cfg.micro_batch_sizes,
-                cap=state.micro_batch_size,
+                cap=cap,
                 analytic=analytic,
-                pending=first_step_bytes(run.optimizer),
+                pending=_pending(run.optimizer, group.sharded),
                 compiled=compiled_growth(model) if compiled else False,
                 eager_passes=eager,
             )
-        state.micro_batch_size = run.group.smallest(chosen.micro_batch_size)  # one size for all
+
+        with side_pass(
+            rng=True, buffers=model.buffers(), user_state=self.user_state, others=[savers]
+        ):
+            if group.sharded:
+                lockstep = Lockstep(
+                    run.device,
+                    runs,
+                    broadcast=group.broadcast_object,
+                    largest=group.largest,
+                    out_of_memory=self._trial_out_of_memory,
+                )
+                chosen = lockstep.leader_plan(planner) if group.is_main else lockstep.follow()
+            else:
+                chosen = planner(runs, run.device)
+        chosen = self._agreed(chosen)
+        state.micro_batch_size = chosen.micro_batch_size
         savers.restore(
             Savers(
                 before.checkpointing or chosen.activation_checkpointing,
@@ -102,6 +137,66 @@ class Passes:
         estimate = chosen.estimate_event()
         return [(Record.PLAN, chosen.to_event())] + (
             [(Record.ESTIMATE, estimate)] if estimate else []
+        )
+
+    def _agreed(self, chosen: Plan) -> Plan:
+        """One plan for every rank: sharded, rank 0's already (said in its reasons);
+        replicated, the smallest micro-batch any rank chose, with every saver any rank chose
+        (a rank that needed one at its size needs it at a size no larger)."""
+        group = self.parts.group
+        if not group.active:
+            return chosen
+        ranks = f"{group.world_size} ranks"
+        if group.sharded:
+            why = (
+                f"{ranks} (distributed: fsdp): the trial passes ran in lockstep on every rank, "
+                "with their all-gathers and reduce-scatters, each peak the largest any rank "
+                f"reached; micro {chosen.micro_batch_size} on every rank"
+            )
+            return dataclasses.replace(chosen, reasons=[*chosen.reasons, why])
+        level = _SAVING.index(chosen.activation_checkpointing)
+        smallest = group.smallest(chosen.micro_batch_size)
+        most, chunked = group.largest([float(level), float(chosen.chunked_loss)])
+        checkpointing = _SAVING[int(most)]
+        why = (
+            f"{ranks} (distributed: replicate): each rank planned its own share; agreed on the "
+            f"smallest micro-batch any rank chose, {smallest}, and on every saver any rank chose"
+        )
+        return dataclasses.replace(
+            chosen,
+            micro_batch_size=smallest,
+            checkpointing=bool(checkpointing),
+            offload=checkpointing == OFFLOAD,
+            chunked_loss=bool(chunked),
+            reasons=[*chosen.reasons, why],
+        )
+
+    def _trial_out_of_memory(self, size: int, checkpointing: bool | str, oom: OutOfMemory):
+        """A sharded trial pass ran out of memory on this rank: the other ranks may be inside a
+        collective this rank will not reach, so it records its `oom` (the phase "plan", the
+        size tried) and leaves with exit 76, as the sharded step does: `steadytrain run`
+        restarts the group at half that size, or at micro-batch 1 with the next memory saver
+        on."""
+        run = self.parts
+        group = run.group
+        self.record(
+            Record.OOM,
+            {
+                "step": run.state.step,
+                "phase": "plan",
+                "error": oom.error,
+                "requested": oom.requested,
+                "micro_batch_size": size,
+                "activation_checkpointing": checkpointing,
+                "memory": run.device.memory().to_dict(),
+                "rank": group.rank,
+            },
+        )
+        next_start = "at half that micro-batch" if size > 1 else "with the next memory saver on"
+        raise RankOutOfMemory(
+            f"out of memory on rank {group.rank} of {group.world_size} in the plan's trial pass "
+            f"at micro-batch {size} (distributed: fsdp): {oom.error}; exiting 76 so that "
+            f"`steadytrain run` restarts the group {next_start}"
         )
 
     def probe_next_loss(self, state: TrainState) -> float | None:
@@ -130,6 +225,22 @@ class Passes:
             if batch is None:
                 return None  # its sampler cannot be copied (it holds a lock, a file): no check
             return run.runner.evaluate(batch, autograd=True)  # as the step: same kernels
+
+
+_SAVING = (False, True, OFFLOAD)
+"""activation_checkpointing values, each saving more than the one before."""
+
+
+def _pending(optimizer: torch.optim.Optimizer, sharded: bool) -> int:
+    """The optimizer state the first step creates (`first_step_bytes`), on this rank: a sharded
+    parameter's state is the size of its local shard."""
+    pending = first_step_bytes(optimizer)
+    if not sharded or not pending:
+        return pending
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    whole = sum(p.numel() for p in params)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    return pending * local // max(whole, 1)
 
 
 def _checked(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Callable[..., Any]:

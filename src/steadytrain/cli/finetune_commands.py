@@ -43,7 +43,13 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     keys what would. A missing data file is said (the run would stop on it with exit 2). Exit 2
     where output_dir holds a run this config may not resume (the run refuses it the same way)."""
     from steadytrain.cli.memory_commands import render_advice, render_estimate
-    from steadytrain.recipes.finetune_memory import advice, refusal, run_plan, target
+    from steadytrain.recipes.finetune_memory import (
+        advice,
+        longest_length,
+        refusal,
+        run_plan,
+        target,
+    )
 
     engine = config.to_train_config()
     typer.echo("settings (resolved, as final/training_config.json will hold them):")
@@ -67,6 +73,9 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     )
     for line in plan.describe():
         typer.echo(f"  {line}")
+    longest = longest_length(config, where)
+    if longest:
+        typer.echo(f"  {longest}")
     if plan.fits is False and result.fits is not False:  # the planner found nothing that fits
         render_advice(advice(config, result), console)
     stop = refusal(config, where.device_type, where.budget)

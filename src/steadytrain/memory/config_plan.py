@@ -280,10 +280,13 @@ LONGEST_CAP = 1 << 21
 """`longest_seq` looks no further than this (2,097,152 tokens)."""
 
 
-def longest_seq(config, settings: Settings, budget: int | None) -> dict[str, Any] | None:
+def longest_seq(
+    config, settings: Settings, budget: int | None, chunked: bool = True
+) -> dict[str, Any] | None:
     """The longest sequence one sample of which fits `budget` by the analytic estimate, with
     every saver these settings allow at micro-batch 1 (checkpointing unless it is off, its kept
-    inputs offloaded on CUDA unless it is plainly on, the chunked loss): what `plan` says as the
+    inputs offloaded on CUDA unless it is plainly on, the chunked loss unless `chunked` is
+    False, as a fine-tune's `chunked_loss: false` says): what `plan` says as the
     maximum `--seq`, so that a user of long documents knows the length before a run starts.
     None without a budget, for a family whose activations are not modelled, or when not even
     `LONGEST_STEP` tokens fit. A dict: `seq`, `total` (bytes at that length), `mode` (the savers
@@ -294,7 +297,7 @@ def longest_seq(config, settings: Settings, budget: int | None) -> dict[str, Any
         return None
     ckpt = settings.activation_checkpointing
     offload = ckpt == OFFLOAD or (ckpt == "auto" and settings.device_type == "cuda")
-    mode = Mode(ckpt != "off", True, offload)
+    mode = Mode(ckpt != "off", chunked, offload)
 
     def total(seq: int) -> int | None:
         at = dataclasses.replace(
@@ -303,7 +306,7 @@ def longest_seq(config, settings: Settings, budget: int | None) -> dict[str, Any
             micro_batch_size=1,
             checkpointing=mode.checkpointing,
             offload=mode.offload,
-            chunked_loss=True,
+            chunked_loss=chunked,
         )
         return estimate(config, at).total
 
@@ -326,12 +329,15 @@ def longest_seq(config, settings: Settings, budget: int | None) -> dict[str, Any
     }
 
 
-def longest_seq_line(found: dict[str, Any] | None, budget: int | None) -> str | None:
-    """`longest_seq`'s answer as `plan` prints it."""
+def longest_seq_line(
+    found: dict[str, Any] | None, budget: int | None, key: str = "--seq"
+) -> str | None:
+    """`longest_seq`'s answer as `plan` prints it (`key`: the fine-tune's dry-run says
+    max_seq_length)."""
     if found is None or budget is None:
         return None
     line = (
-        f"longest --seq for this budget: {found['seq']:,} tokens at micro-batch 1 "
+        f"longest {key} for this budget: {found['seq']:,} tokens at micro-batch 1 "
         f"({found['mode']}: estimated {format_bytes(found['total'])} of "
         f"{format_bytes(budget)})"
     )

@@ -437,12 +437,16 @@ def longest_length(config: FinetuneConfig, where: Target) -> str | None:
 
     if where.budget is None:
         return None
-    settings = dataclasses.replace(
-        _settings(config, where.device_type),
-        activation_checkpointing=PLAN_CHECKPOINTING[config.gradient_checkpointing],
-    )
-    model = load_config(config.model_name_or_path)
-    found = longest_seq(model, settings, where.budget, chunked=config.chunked_loss is not False)
+    try:
+        settings = dataclasses.replace(
+            _settings(config, where.device_type),
+            activation_checkpointing=PLAN_CHECKPOINTING[config.gradient_checkpointing],
+        )
+        model = load_config(config.model_name_or_path)
+        chunked = config.chunked_loss is not False
+        found = longest_seq(model, settings, where.budget, chunked=chunked)
+    except SteadytrainError:  # the plan above already said what stands in the way
+        return None
     return longest_seq_line(found, where.budget, "max_seq_length")
 
 

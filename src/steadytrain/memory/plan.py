@@ -15,8 +15,9 @@ The rule (docs/plan.md has the reasons):
    effective batch costs one extra pass.
 3. Otherwise each mode (plain; checkpointed where the model can; on CUDA checkpointed with
    offloaded inputs, unless plain checkpointing already fits the largest allowed size; chunked
-   loss where the loss has a chunked mode for the model, and the savers together) is probed at
-   1, 2 and 4 samples (`probe.py`), and every allowed size of every mode whose predicted peak
+   loss where the loss has a chunked mode for the model, and the savers together; not a mode the
+   analytic estimate puts over the limit at one sample while a mode with more savers is
+   estimated lower, `_Job.outdone`) is probed at 1, 2 and 4 samples (`probe.py`), and every allowed size of every mode whose predicted peak
    is within the limit is a candidate. The winner has the most samples per second: on CPU and
    MPS as predicted by the time line, size / seconds(size) (the fixed time of a pass is paid
    once per micro-batch, so larger micro-batches run faster until memory stops them); on CUDA

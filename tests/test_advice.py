@@ -343,3 +343,33 @@ def test_a_plan_where_nothing_fits_ends_with_the_advice_in_flags(tmp_path, capsy
         r"`--precision bf16 --weights-dtype bf16` → \d+\.\d GiB of 16\.0 GiB: fits", advice[0]
     )
     assert not any("--checkpointing" in line or "--chunked-loss" in line for line in advice)
+
+
+def test_the_dry_run_says_the_longest_max_seq_length_the_run_does_not_refuse(tmp_path, capsys):
+    """The dry-run says the longest max_seq_length one sample of which fits the budget with every
+    saver the config allows: the run starts at that length and refuses 1,024 tokens more (the
+    same estimate, `finetune_memory.refusal`), before a long-document user loads anything."""
+    from steadytrain.cli.finetune_commands import dry_run
+    from steadytrain.recipes.finetune_memory import refusal, target
+
+    config = seed_config(tmp_path, memory_budget="16GiB", micro_batch_size="auto", bf16=True)
+    dry_run(config)
+    found = re.search(
+        r"longest max_seq_length for this budget: ([\d,]+) tokens", capsys.readouterr().out
+    )
+    assert found, "no longest max_seq_length line"
+    longest = int(found.group(1).replace(",", ""))
+    assert longest % 1024 == 0 and longest > config.max_seq_length
+
+    def refused(length: int) -> bool:
+        changed = seed_config(
+            tmp_path,
+            memory_budget="16GiB",
+            micro_batch_size="auto",
+            bf16=True,
+            max_seq_length=length,
+        )
+        where = target(changed)
+        return refusal(changed, where.device_type, where.budget) is not None
+
+    assert not refused(longest) and refused(longest + 1024)

@@ -8,6 +8,7 @@ import contextlib
 import json
 import mmap
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 import pytest
@@ -767,3 +768,103 @@ def test_compiled_layers_finalists_run_compiled_and_a_peak_over_the_limit_is_no_
     assert any("micro 8" in r and "above the limit" in r for r in chosen.reasons), chosen.reasons
     assert chosen.checkpointing and chosen.chunked_loss, chosen.reasons
     assert chosen.predicted_peak <= chosen.limit
+
+
+class LongSequenceEstimate:
+    """The analytic estimate of a long sequence, by mode (GiB at micro 1, +1 GiB a sample): the
+    logits alone outgrow the budget without the chunked loss, and only checkpointing with its
+    inputs offloaded keeps one sample near the budget."""
+
+    TOTALS: ClassVar[dict[Mode, int]] = {
+        Mode(): 90,
+        Mode(True): 40,
+        Mode(True, offload=True): 36,
+        Mode(chunked_loss=True): 80,
+        Mode(True, True): 18,
+        Mode(True, True, True): 14,
+    }
+
+    def total(self, size: int, mode: Mode) -> float:
+        return (self.TOTALS[mode] + size - 1) * GiB
+
+    def of(self, size: int, mode: Mode):
+        return None
+
+    def at(self, *args):
+        return None
+
+
+def test_a_long_sequence_is_planned_with_every_saver_probing_only_the_one_that_may_fit(
+    clock: PassClock,
+):
+    """At a length where one sample's logits outgrow the budget, the modes that the estimate
+    puts over the limit while a mode with more savers is estimated lower are not probed (their
+    passes would only run out of memory), and when the one left is still over the limit, the
+    run starts at micro 1 with checkpointing, offload and the chunked loss, not without it."""
+    from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
+
+    cuda = FakeCUDABackend([("GPU", 16 * GiB)])
+    device = resolve_device(
+        "cuda", backends={"mps": FakeMPSBackend(), "cuda": cuda}, system=FakeMPSBackend().system
+    )
+    cuda.allocate(2 * GiB)  # the weights
+    ran = []
+
+    def passes(chunked: bool):
+        def run(size: int, checkpointing) -> None:
+            ran.append((checkpointing, chunked))
+            need = int(size * 13.5 * GiB)  # over the limit, within the device
+            cuda.allocate(need)
+            clock.spend(4.0)
+            cuda.free(need)
+            cuda.empty_cache()
+
+        return run
+
+    chosen = plan(
+        passes(False),
+        device,
+        effective_batch_size=4,
+        can_checkpoint=True,
+        can_offload=True,
+        chunked_run=passes(True),
+        analytic=LongSequenceEstimate(),
+    )
+    assert set(ran) == {("offload", True)}, chosen.reasons
+    assert chosen.micro_batch_size == 1 and chosen.predicted_peak is None
+    assert (chosen.checkpointing, chosen.offload, chosen.chunked_loss) == (True, True, True)
+    assert any("not probed" in r and "estimated" in r for r in chosen.reasons), chosen.reasons
+
+
+def test_plan_says_the_longest_sequence_one_sample_of_which_fits_the_budget(tmp_path: Path, capsys):
+    """At 65,536 tokens under 16 GiB the analytic plan for CUDA takes checkpointing with its
+    inputs offloaded and the chunked loss, and `plan` says the longest `--seq` that fits with
+    every saver: a whole number of 1,024 tokens whose estimate fits, 1,024 more not."""
+    from steadytrain.cli.memory_commands import plan_command
+    from steadytrain.memory.config_plan import LONGEST_STEP
+    from steadytrain.memory.estimate import Settings, estimate, load_config
+
+    model = llama_1b_dir(tmp_path)
+    lora = {
+        "seq": 65536,
+        "precision": "bf16",
+        "weights_dtype": "bf16",
+        "method": "lora",
+        "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "device_type": "cuda",
+    }
+    assert plan_command(model, 4, memory="16GiB", json_output=True, **lora) == 0
+    event = json.loads(capsys.readouterr().out)
+    assert (event["micro_batch_size"], event["activation_checkpointing"]) == (1, "offload")
+    assert event["chunked_loss"] is True
+    longest = event["longest_seq"]
+    assert longest["seq"] % LONGEST_STEP == 0 and 65536 < longest["seq"] < 98304
+    config = load_config(model)
+    savers = {"micro_batch_size": 1, "checkpointing": True, "offload": True, "chunked_loss": True}
+    args = {**lora, **savers}
+    assert estimate(config, Settings(**{**args, "seq": longest["seq"]})).total <= 16 * GiB
+    after = Settings(**{**args, "seq": longest["seq"] + LONGEST_STEP})
+    assert estimate(config, after).total > 16 * GiB
+    assert plan_command(model, 4, memory="8GiB", **lora) == 3
+    out = " ".join(capsys.readouterr().out.split())
+    assert "longest --seq for this budget: 26,624 tokens at micro-batch 1" in out, out

@@ -48,6 +48,7 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     from steadytrain.recipes.finetune_memory import (
         advice,
         data_lengths,
+        longest_length,
         refusal,
         run_plan,
         target,
@@ -82,6 +83,9 @@ def dry_run(config: FinetuneConfig, console: Any = None) -> int:
     )
     for line in plan.describe():
         typer.echo(f"  {line}")
+    longest = longest_length(config, where)
+    if longest:
+        typer.echo(f"  {longest}")
     if plan.fits is False and result.fits is not False:  # the planner found nothing that fits
         render_advice(advice(config, result), console)
     stop = refusal(config, where.device_type, where.budget, lengths)

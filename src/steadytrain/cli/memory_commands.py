@@ -164,7 +164,7 @@ def plan_command(
     then the plan. Exit 0 with a plan, 3 when nothing fits, 2 bad input."""
     from steadytrain.cli.finetune_commands import is_finetune_file
     from steadytrain.engine.side_pass import trial_pass
-    from steadytrain.memory.config_plan import plan_for_config
+    from steadytrain.memory.config_plan import longest_seq, longest_seq_line, plan_for_config
     from steadytrain.memory.estimate import load_config
 
     if is_finetune_file(model):  # plan takes a model; a fine-tune config's plan is its dry-run
@@ -197,12 +197,17 @@ def plan_command(
     advice = (
         [] if chosen.predicted_peak is not None else _plan_advice(model_config, resolved, budget)
     )
+    longest = longest_seq(model_config, resolved, budget)
     if json_output:
         gpus = resolved.gpus or 1
         ranks = {"world_size": gpus, "distributed": resolved.distributed, "per_rank": gpus > 1}
-        print(json.dumps({**chosen.to_event(), **ranks, "advice": advice}, indent=2, default=str))
+        event = {**chosen.to_event(), **ranks, "advice": advice, "longest_seq": longest}
+        print(json.dumps(event, indent=2, default=str))
     else:
         render_plan(chosen, settings.seq, console)
+        line = longest_seq_line(longest, budget)
+        if line:
+            (console or readable_console()).print(line, markup=False, highlight=False)
         if chosen.predicted_peak is None:
             render_advice(advice, console)
     return 3 if chosen.predicted_peak is None else 0

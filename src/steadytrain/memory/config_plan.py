@@ -3,6 +3,7 @@ or from real passes of the model built with random weights on this device."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -94,6 +95,8 @@ def analytic_plan(
     ckpt = CHECKPOINTING[settings.activation_checkpointing]
     modes = [Mode.of(ckpt if ckpt != "auto" else False)]
     modes += [Mode(True)] if ckpt == "auto" else []
+    if ckpt == "auto" and settings.device_type == "cuda":  # a run there may offload the inputs
+        modes.append(Mode(True, offload=True))
     if chunked is None:
         modes += [m._replace(chunked_loss=True) for m in modes]
     elif chunked:
@@ -126,7 +129,10 @@ def analytic_plan(
         reasons.append(
             "nothing fits, not even one sample checkpointed: what would change it follows"
         )
-        mode, peak = Mode.of(True if ckpt == "auto" else ckpt, chunked is not False), None
+        mode = Mode.of(True if ckpt == "auto" else ckpt, chunked is not False)
+        if ckpt == "auto" and settings.device_type == "cuda":
+            mode = mode._replace(offload=True)
+        peak = None
     else:
         reasons += [r for r in why if "samples/s" not in r]
         reasons.append(accumulation_reason(best.micro_batch_size, room.effective_batch_size))
@@ -266,3 +272,76 @@ def _pending_bytes(settings: Settings, params) -> int:
     """The first optimizer step's state for the optimizer the settings name."""
     size = sum(p.numel() * p.element_size() for p in params)
     return int(size * FIRST_STEP_PARAM_MULTIPLE[settings.optimizer])
+
+
+LONGEST_STEP = 1024
+"""`longest_seq` answers in whole multiples of this many tokens."""
+LONGEST_CAP = 1 << 21
+"""`longest_seq` looks no further than this (2,097,152 tokens)."""
+
+
+def longest_seq(
+    config, settings: Settings, budget: int | None, chunked: bool = True
+) -> dict[str, Any] | None:
+    """The longest sequence one sample of which fits `budget` by the analytic estimate, with
+    every saver these settings allow at micro-batch 1 (checkpointing unless it is off, its kept
+    inputs offloaded on CUDA unless it is plainly on, the chunked loss unless `chunked` is
+    False, as a fine-tune's `chunked_loss: false` says): what `plan` says as the
+    maximum `--seq`, so that a user of long documents knows the length before a run starts.
+    None without a budget, for a family whose activations are not modelled, or when not even
+    `LONGEST_STEP` tokens fit. A dict: `seq`, `total` (bytes at that length), `mode` (the savers
+    in words) and `max_positions` (the model's `max_position_embeddings`, when it has one)."""
+    from steadytrain.memory.estimate import estimate
+
+    if budget is None:
+        return None
+    ckpt = settings.activation_checkpointing
+    offload = ckpt == OFFLOAD or (ckpt == "auto" and settings.device_type == "cuda")
+    mode = Mode(ckpt != "off", chunked, offload)
+
+    def total(seq: int) -> int | None:
+        at = dataclasses.replace(
+            settings,
+            seq=seq,
+            micro_batch_size=1,
+            checkpointing=mode.checkpointing,
+            offload=mode.offload,
+            chunked_loss=chunked,
+        )
+        return estimate(config, at).total
+
+    def fits(steps: int) -> bool:
+        found = total(steps * LONGEST_STEP)
+        return found is not None and found <= budget
+
+    if not fits(1):
+        return None
+    low, high = 1, LONGEST_CAP // LONGEST_STEP
+    while low < high:  # the largest number of steps that fits (the total grows with the length)
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {
+        "seq": low * LONGEST_STEP,
+        "total": total(low * LONGEST_STEP),
+        "mode": mode.describe(),
+        "max_positions": getattr(text, "max_position_embeddings", None),
+    }
+
+
+def longest_seq_line(
+    found: dict[str, Any] | None, budget: int | None, key: str = "--seq"
+) -> str | None:
+    """`longest_seq`'s answer as `plan` prints it (`key`: the fine-tune's dry-run says
+    max_seq_length)."""
+    if found is None or budget is None:
+        return None
+    line = (
+        f"longest {key} for this budget: {found['seq']:,} tokens at micro-batch 1 "
+        f"({found['mode']}: estimated {format_bytes(found['total'])} of "
+        f"{format_bytes(budget)})"
+    )
+    positions = found.get("max_positions")
+    if positions and found["seq"] > positions:
+        line += f"; the model was trained on up to {positions:,} positions"
+    return line

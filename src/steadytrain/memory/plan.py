@@ -15,8 +15,9 @@ The rule (docs/plan.md has the reasons):
    effective batch costs one extra pass.
 3. Otherwise each mode (plain; checkpointed where the model can; on CUDA checkpointed with
    offloaded inputs, unless plain checkpointing already fits the largest allowed size; chunked
-   loss where the loss has a chunked mode for the model, and the savers together) is probed at
-   1, 2 and 4 samples (`probe.py`), and every allowed size of every mode whose predicted peak
+   loss where the loss has a chunked mode for the model, and the savers together; not a mode the
+   analytic estimate puts over the limit at one sample while a mode with more savers is
+   estimated lower, `_Job.outdone`) is probed at 1, 2 and 4 samples (`probe.py`), and every allowed size of every mode whose predicted peak
    is within the limit is a candidate. The winner has the most samples per second: on CPU and
    MPS as predicted by the time line, size / seconds(size) (the fixed time of a pass is paid
    once per micro-batch, so larger micro-batches run faster until memory stops them); on CUDA
@@ -162,6 +163,30 @@ class _Job:
             modes += [m._replace(chunked_loss=True) for m in modes]
         return modes
 
+    def outdone(self, mode: Mode) -> str | None:
+        """Why `mode` is not worth a pass, or None: the analytic estimate puts one sample of it
+        over the limit while a mode with more savers is estimated lower. Its pass would only
+        run out of memory; at long sequences each such failure costs seconds, and the runs it
+        precedes were measured to fail where the same savers set by hand fit (the 1B Llama at
+        65,536 tokens under a 16 GiB cap: plain, checkpointed and offloaded passes, each
+        without the chunked loss, ran out of memory first, and then so did the start with every
+        saver, which trains at 11.4 GiB in a fresh process)."""
+        if self.analytic is None or self.room.limit is None:
+            return None
+        own = self.analytic.total(1, mode)
+        if own is None or own <= self.room.limit:
+            return None
+        for other in self.modes():
+            if other != mode and mode.within(other):
+                theirs = self.analytic.total(1, other)
+                if theirs is not None and theirs < own:
+                    return (
+                        f"{mode.describe()}: not probed; one sample is estimated at "
+                        f"{format_bytes(own)}, over the limit, and {other.describe()} at "
+                        f"{format_bytes(theirs)}"
+                    )
+        return None
+
 
 def plan(
     run: RunPass,
@@ -219,8 +244,11 @@ def plan(
             "out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
         ]
         return job.room.plan(job.sizes[-1], job.start, None, reasons, analytic=analytic)
-    with job.eager():
-        result = _first_pass(job)
+    if job.outdone(job.start):  # said among the probe's reasons
+        result = ProbeResult(baseline=job.room.in_use)
+    else:
+        with job.eager():
+            result = _first_pass(job)
     return _without_probing(job, result) or _probe_and_choose(job, result)
 
 
@@ -328,7 +356,9 @@ def _probe_modes(job: _Job, result: ProbeResult) -> dict[Mode, Fit]:
     fits: dict[Mode, Fit] = {}
     for mode in job.modes():
         top, limit = job.sizes[-1], room.limit - room.pending
-        unneeded = mode != job.start and offload_not_needed(fits, mode, top, limit)
+        unneeded = (
+            mode != job.start and offload_not_needed(fits, mode, top, limit)
+        ) or job.outdone(mode)
         if unneeded:
             job.notes.append(unneeded)
             continue
@@ -426,10 +456,13 @@ def _nothing_fits(job: _Job, reasons: list[str], found: dict[str, Any]) -> Plan:
     mode = job.start
     if job.may_checkpoint and not mode.checkpointing:  # the most a mode saves, then the ladder
         mode = Mode(True, offload=job.offload_here)
+    if job.chunked_run is not None:  # a long sequence's logits alone can outgrow the budget
+        mode = mode._replace(chunked_loss=True)
     reasons.append(
         "nothing is predicted to fit, not even one sample"
-        + (f" {mode.describe()}" if mode.checkpointing else "")
-        + ": starting at micro 1; the out-of-memory ladder has the last word"
+        + (f" {mode.describe()}" if mode != Mode() else "")
+        + ": starting at micro 1 with every saver it may use; the out-of-memory ladder has the "
+        "last word"
     )
     return job.room.plan(1, mode, None, reasons, **found)
 

@@ -561,6 +561,27 @@ def run_plan(
     return _auto_plan(config, where, later, lengths)
 
 
+def longest_length(config: FinetuneConfig, where: Target) -> str | None:
+    """The longest max_seq_length one sample of which fits the run's budget with every saver
+    the config allows (`config_plan.longest_seq`), as the dry-run says it; None where the budget
+    or the model's activations are unknown."""
+    from steadytrain.memory.config_plan import longest_seq, longest_seq_line
+
+    if where.budget is None:
+        return None
+    try:
+        settings = dataclasses.replace(
+            _settings(config, where.device_type),
+            activation_checkpointing=PLAN_CHECKPOINTING[config.gradient_checkpointing],
+        )
+        model = load_config(config.model_name_or_path)
+        chunked = config.chunked_loss is not False
+        found = longest_seq(model, settings, where.budget, chunked=chunked)
+    except SteadytrainError:  # the plan above already said what stands in the way
+        return None
+    return longest_seq_line(found, where.budget, "max_seq_length")
+
+
 def _auto_plan(
     config: FinetuneConfig, where: Target, later: list[str], lengths: DataLengths | None
 ) -> tuple[RunPlan, Estimate]:

@@ -26,10 +26,8 @@ from integration_helpers import (
     kill_child,
     report,
     run_plain,
-    start_plain,
     start_supervised,
     steps_logged,
-    stop_with_sigterm,
     wait_for,
     workload_env,
 )
@@ -118,21 +116,6 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert "1 restart(s)" in report(run_dir).stdout
 
 
-def test_sigterm_saves_through_keras_exits_143_and_the_next_start_finishes(tmp_path: Path):
-    """Keras restarts an epoch from its first batch, so a mid-epoch save repeats that epoch's
-    batches (docs/integrations.md); the resumed fit runs to its last epoch."""
-    run_dir = tmp_path / "stopped"
-    proc = start_plain(SCRIPT, run_dir, "--slow", "0.3", env=workload_env(**ENV))
-    stopped_at = stop_with_sigterm(proc, run_dir)
-    saved = events(run_dir, "checkpoint")[-1]
-    assert saved["step"] == stopped_at
-    again = run_plain(SCRIPT, run_dir, env=workload_env(**ENV))
-    assert again.returncode == 0, again.stderr
-    resume = events(run_dir, "resume")[0]
-    assert resume["checkpoint"].endswith(f"step-{stopped_at:08d}")
-    assert events(run_dir, "fit_end")[-1]["reason"] == "finished"
-
-
 @pytest.fixture(scope="module")
 def dropout_reference(tmp_path_factory) -> Path:
     """An uninterrupted fit of keras_any.py (Dropout) on the torch backend."""
@@ -163,6 +146,30 @@ def test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit(
     assert [r["signal"] for r in events(run_dir, "restart")] == ["SIGKILL"]
     resumed = events(run_dir, "resume")[0]["checkpoint"]
     assert resumed.endswith(("step-00000005", "step-00000010")), resumed
+    assert_same_weights(run_dir, dropout_reference)
+
+
+def test_sigterm_mid_epoch_saves_exits_143_and_the_next_start_is_the_uninterrupted_run(
+    tmp_path: Path, dropout_reference
+):
+    """Stopped at the 2nd of epoch 1's 5 batches, the next start draws that epoch's order again
+    and skips the batches done (before: Keras restarted the epoch from its first batch, 17 steps
+    instead of 15, other weights): the same steps, epochs, losses and weights, bit for bit."""
+    run_dir = tmp_path / "stopped"
+    stopped = run_plain(ANY, run_dir, "--term-at", "7", env=workload_env(**ENV))
+    assert stopped.returncode == 143, stopped.stderr
+    assert events(run_dir, "signal")[0]["signal"] == "SIGTERM"
+    assert events(run_dir, "checkpoint")[-1]["step"] == events(run_dir, "fit_end")[-1]["step"] == 7
+    assert [e["epoch"] for e in events(run_dir, "epoch_end")] == [0]  # epoch 1 did not end
+    again = run_plain(ANY, run_dir, env=workload_env(**ENV))
+    assert again.returncode == 0, again.stderr
+    assert events(run_dir, "resume")[0]["checkpoint"].endswith("step-00000007")
+    assert events(run_dir, "fit_end")[-1]["reason"] == "finished"
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    expected = read_jsonl(dropout_reference / "metrics.jsonl")
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 5) for s in range(1, 16)]
+    # each line's loss is a difference of Keras's running sums, which the resume starts afresh
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
     assert_same_weights(run_dir, dropout_reference)
 
 

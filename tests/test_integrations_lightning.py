@@ -16,10 +16,8 @@ from integration_helpers import (
     kill_child,
     report,
     run_plain,
-    start_plain,
     start_supervised,
     steps_logged,
-    stop_with_sigterm,
     wait_for,
 )
 
@@ -99,15 +97,24 @@ def test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters(
     assert "1 restart(s)" in report(run_dir).stdout
 
 
-@pytest.mark.slow
-def test_sigterm_saves_through_lightning_exits_143_and_the_next_start_finishes(tmp_path: Path):
-    """Mid-epoch, Lightning restarts a plain DataLoader's epoch from its first batch, so the
-    resumed run is not the uninterrupted one's (docs/integrations.md); it finishes the fit."""
+def test_sigterm_mid_epoch_saves_exits_143_and_the_next_start_is_the_uninterrupted_run(
+    tmp_path: Path, reference
+):
+    """Stopped at the 3rd of epoch 1's 4 batches, the save is Lightning's state of the middle of
+    that epoch and the only one made (before: the epoch was ended, ModelCheckpoint saved
+    `epoch=1-step=7.ckpt` as its end, and the resume skipped the epoch's last batch or, from
+    `on-signal.ckpt`, trained a fresh order's first one); the next start trains the batches the
+    epoch had left, in its order, and ends where the uninterrupted run ends."""
     run_dir = tmp_path / "stopped"
-    stopped_at = stop_with_sigterm(start_plain(SCRIPT, run_dir, "--slow", "0.3"), run_dir)
-    saved = [e["checkpoint"] for e in events(run_dir, "checkpoint") if e["step"] == stopped_at]
-    assert any(path.endswith("on-signal.ckpt") for path in saved)
+    stopped = run_plain(SCRIPT, run_dir, "--term-at", "7")
+    assert stopped.returncode == 143, stopped.stderr
+    assert events(run_dir, "signal")[0]["signal"] == "SIGTERM"
+    saved = [e["checkpoint"] for e in events(run_dir, "checkpoint") if e["step"] == 7]
+    assert [Path(path).name for path in saved] == ["on-signal.ckpt"]
     again = run_plain(SCRIPT, run_dir)
     assert again.returncode == 0, again.stderr
     assert events(run_dir, "resume")[0]["checkpoint"] in saved
     assert json.loads((run_dir / "result.json").read_text())["global_step"] == 12
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["epoch"]) for r in rows] == [(s, (s - 1) // 4) for s in range(1, 13)]
+    assert_same_params(run_dir / "params.pt", reference / "params.pt")

@@ -4,9 +4,10 @@ SeedGenerator on the others; one seeded: its SeedGenerator everywhere), steadytr
 its one added line.
 
     python keras_any.py RUN_DIR [--batch B] [--epochs E] [--samples N] [--slow S]
-                        [--limit-mib M] [--width W]
+                        [--limit-mib M] [--width W] [--term-at N]
 
---slow sleeps S seconds per training batch (time to SIGKILL mid-run); --limit-mib caps the address
+--slow sleeps S seconds per training batch (time to SIGKILL mid-run); --term-at sends the process
+SIGTERM as its Nth training batch begins (a stop at a known batch); --limit-mib caps the address
 space at the process's own size plus M MiB before fit (a real out-of-memory of the backend's
 allocator where the batch's activations do not fit). The batch size passed to fit is --batch, or
 the cap `steadytrain run` sets after an out-of-memory (`max_micro_batch()`), whichever is less.
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,12 +36,18 @@ from steadytrain.integrations.keras import SteadytrainCallback
 FEATURES = 16
 
 
-class SlowBatches(keras.callbacks.Callback):
-    """The user's own per-batch code, slow enough to be killed mid-run."""
+class UserBatches(keras.callbacks.Callback):
+    """The user's own per-batch code: slow enough to be killed mid-run, or stopped by a SIGTERM
+    at its `term_at`-th batch."""
 
-    def __init__(self, slow: float):
+    def __init__(self, slow: float, term_at: int | None):
         super().__init__()
-        self.slow = slow
+        self.slow, self.term_at, self.batches = slow, term_at, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches += 1
+        if self.batches == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(self.slow)
@@ -53,6 +62,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32, help="the first layer's")
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--limit-mib", type=int)
+    parser.add_argument("--term-at", type=int)
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -71,8 +81,8 @@ def main() -> None:
     x = rng.standard_normal((args.samples, FEATURES), dtype=np.float32)
     y = rng.standard_normal((args.samples, 1), dtype=np.float32)
     callbacks = [SteadytrainCallback(args.run_dir)]  # the line
-    if args.slow:
-        callbacks.append(SlowBatches(args.slow))
+    if args.slow or args.term_at:
+        callbacks.append(UserBatches(args.slow, args.term_at))
     batch = min(args.batch, max_micro_batch() or args.batch)
     if args.limit_mib:
         model.predict(x[:1], verbose=0)  # the backend's start-up, before the cap

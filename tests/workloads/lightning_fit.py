@@ -1,10 +1,11 @@
 """A Lightning fit with steadytrain's callback as its one added line.
 
     python lightning_fit.py ROOT_DIR [--batch B] [--accum A] [--epochs E] [--samples N] [--limit-mib M]
-                            [--hang-at N] [--hang-timeout T] [--slow S]
+                            [--hang-at N] [--hang-timeout T] [--slow S] [--term-at N]
 
 Lightning's default checkpointing (a ModelCheckpoint at every epoch end, in ROOT_DIR/checkpoints)
 is what the run resumes from. The model and the memory cap are those of hf_trainer.py.
+`--term-at N` sends the process SIGTERM from its Nth training step (a stop at a known batch).
 Writes ROOT_DIR/params.pt and ROOT_DIR/result.json when fit() returns.
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ FEATURES, WIDTH, TOKENS = 64, 1024, 128
 
 
 class WideMLP(L.LightningModule):
-    def __init__(self, hang_at: int | None = None, slow: float = 0.0):
+    def __init__(self, hang_at: int | None = None, slow: float = 0.0, term_at: int | None = None):
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(FEATURES, WIDTH),
@@ -37,7 +39,7 @@ class WideMLP(L.LightningModule):
             torch.nn.GELU(),
             torch.nn.Linear(WIDTH, FEATURES),
         )
-        self.hang_at, self.slow, self.calls = hang_at, slow, 0
+        self.hang_at, self.slow, self.term_at, self.calls = hang_at, slow, term_at, 0
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
@@ -46,6 +48,8 @@ class WideMLP(L.LightningModule):
                 time.sleep(0.5)
         if self.slow:
             time.sleep(self.slow)
+        if self.term_at == self.calls:
+            os.kill(os.getpid(), signal.SIGTERM)
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -64,10 +68,11 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-timeout", type=float, default=300.0)
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--term-at", type=int)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = WideMLP(args.hang_at, args.slow)
+    model = WideMLP(args.hang_at, args.slow, args.term_at)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.samples, TOKENS, FEATURES, generator=g)
     y = torch.randn(args.samples, TOKENS, FEATURES, generator=g)

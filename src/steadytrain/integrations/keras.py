@@ -8,9 +8,10 @@ On every backend (TensorFlow on a Mac, JAX, torch):
   from; TensorFlow's global generator and op seeds where TensorFlow is loaded; torch's where torch
   is), committed atomically with a manifest of hashes
   (``RUN_DIR/checkpoints/step-N/``) at each ``save_every_epochs``-th epoch end and on a signal;
-  ``fit`` resumes by itself from the newest one that verifies. Keras restarts an epoch from its
-  first batch, so a checkpoint taken mid-epoch (on a signal) repeats that epoch's batches; one
-  taken at an epoch end resumes exactly where the uninterrupted run would go on.
+  ``fit`` resumes by itself from the newest one that verifies, where the uninterrupted run would
+  go on: from a checkpoint taken mid-epoch (on a signal) Keras would restart the epoch from its
+  first batch, so the callback draws that epoch's order again from the streams the epoch began
+  with and skips the batches trained before the stop (`_skip_done_batches`).
 * the watchdog (exit 75), memory watch, run files of `RunGuard`; SIGINT / SIGTERM save at the
   end of the batch, stop ``fit`` and exit 130 / 143.
 * a metrics line per batch with the batch's own loss and size (from Keras's loss tracker: the
@@ -109,6 +110,12 @@ class SteadytrainCallback(_Base):
         self._sums: tuple[float, float] | None = None  # the loss tracker's before the batch
         self._batches = 0  # in this epoch
         self._mean: float | None = None  # logs' running mean after the previous batch
+        self._epoch_rng: dict | None = None  # every stream as the epoch began (its order's)
+        self._done = 0  # batches of this epoch trained before this process resumed it
+        self._resuming: tuple[int, dict] | None = None  # a mid-epoch checkpoint's (done, rng)
+        self._cut = (
+            False  # stopped mid-epoch: Keras still calls on_epoch_end, the epoch did not end
+        )
 
     # -- start and end -----------------------------------------------------------------------
 
@@ -120,6 +127,8 @@ class SteadytrainCallback(_Base):
         guard.state.max_steps = guard.state.steps_per_epoch * params.get("epochs", 0)
         self._resume()
         fit_frame = library_frame(("keras",), ("fit",))
+        if self._resuming is not None:
+            _skip_done_batches(self, fit_frame)
         if _backend() == "torch":
             self.model.train_step = _SplitStep(self, self.model.train_step)
         elif getattr(self.model, "train_function", None) is not None:
@@ -171,8 +180,8 @@ class SteadytrainCallback(_Base):
             samples=samples,
         )
         if guard.stop_requested and not self.model.stop_training:
-            self._save(self.guard.state.epoch)  # mid-epoch: a resume repeats this epoch
-            self.model.stop_training = True
+            self._save(self.guard.state.epoch, self._done + self._batches)  # mid-epoch
+            self.model.stop_training = self._cut = True
 
     def on_test_batch_end(self, batch, logs=None) -> None:
         self.guard.beat()  # each validation batch of fit() is progress, not a hang
@@ -180,6 +189,10 @@ class SteadytrainCallback(_Base):
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self.guard.state.epoch = epoch
         self._batches, self._mean = 0, None
+        if self._resuming is not None:  # resumed mid-epoch: the streams it began with, saved
+            (self._done, self._epoch_rng), self._resuming = self._resuming, None
+        else:  # the order is drawn right after this, when Keras makes the epoch's iterator
+            self._done, self._epoch_rng = 0, rng_state(self.model)
 
     def _batch_loss(self, mean: Any) -> tuple[float | None, int | None]:
         """The batch's own loss and size: the change of Keras's loss tracker (a sample-weighted
@@ -214,6 +227,8 @@ class SteadytrainCallback(_Base):
         )
 
     def on_epoch_end(self, epoch, logs=None) -> None:
+        if self._cut:
+            return
         self.guard.end_epoch(epoch)
         if (epoch + 1) % self.save_every_epochs == 0 and not self.guard.stop_requested:
             self._save(epoch + 1)
@@ -224,9 +239,11 @@ class SteadytrainCallback(_Base):
     def checkpoints(self) -> Path:
         return self.run_dir / run_files.CHECKPOINTS
 
-    def _save(self, next_epoch: int) -> Path:
+    def _save(self, next_epoch: int, batches: int = 0) -> Path:
         """Keras's own save_weights, the epoch to resume at and the RNG streams into a staging
-        folder; the manifest last; then the rename that commits it."""
+        folder (mid-epoch also the `batches` of it done and the streams it began with, so the
+        resume draws its order again and skips those); the manifest last; then the rename that
+        commits it."""
         step = self.guard.state.step
         final = self.checkpoints / f"step-{step:08d}"
         staging = self.checkpoints / f".staging-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -237,6 +254,8 @@ class SteadytrainCallback(_Base):
                 sync()
             self.model.save_weights(str(staging / WEIGHTS_FILE))
             state = {"epoch": next_epoch, "step": step, **plain(rng_state(self.model))}
+            if batches:
+                state.update(batches=batches, epoch_start=plain(self._epoch_rng))
             write_atomic(staging / STATE_FILE, json.dumps(state), root=staging)
             write_library_manifest(staging, step)
             if final.exists():
@@ -275,12 +294,17 @@ class SteadytrainCallback(_Base):
         self.guard.state.step, self.guard.state.epoch = step, state["epoch"]
         self.guard.record("resume", {"checkpoint": str(path), "epoch": state["epoch"]})
         epochs, done = (self.params or {}).get("epochs"), state["epoch"]
+        batches = state.get("batches", 0)
+        if batches and state.get("epoch_start") is not None:
+            self._resuming = (batches, unplain(state["epoch_start"]))
         print(
             f"steadytrain: resuming from {path} (step {step}): "
             + (
                 f"all {epochs} epochs are done, fit() trains nothing (raise epochs to go on)"
                 if epochs and done >= epochs
-                else f"fit() goes on at epoch {done + 1}" + (f" of {epochs}" if epochs else "")
+                else f"fit() goes on at epoch {done + 1}"
+                + (f" of {epochs}" if epochs else "")
+                + (f", after its batch {batches}" if self._resuming else "")
             ),
             file=sys.stderr,
             flush=True,
@@ -374,6 +398,45 @@ class _OOMExit:
                 raise
             self.callback._out_of_memory(exc)
             raise  # not reached: _out_of_memory exits
+
+
+def _skip_done_batches(callback: SteadytrainCallback, fit_frame) -> None:
+    """Make the next epoch of ``fit`` the rest of the epoch a mid-epoch checkpoint stopped in.
+
+    Keras has no resume inside an epoch: ``fit`` starts at `initial_epoch` with a new iterator
+    over its data, whose order is drawn from the random streams as the epoch begins. Wrapped
+    once, fit's epoch iterator sets the streams to those the stopped epoch began with, makes
+    the iterator (the same order), draws the batches trained before the stop from it unseen (no
+    step, no callback), puts the streams back as the checkpoint left them, and hands fit the
+    rest; Keras's own step numbers go on from there. Where fit's iterator cannot be found, the
+    epoch is repeated from its first batch, as Keras does."""
+    done, epoch_rng = callback._resuming
+    iterator = fit_frame.f_locals.get("epoch_iterator") if fit_frame is not None else None
+    original = getattr(iterator, "_enumerate_iterator", None)
+    if original is None:
+        callback._resuming = None
+        print(
+            f"steadytrain: fit's epoch iterator not found; the resumed epoch repeats its first "
+            f"{done} batch(es)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    model = callback.model
+
+    def rest_of_the_epoch():
+        del iterator._enumerate_iterator  # once: the next epochs are Keras's own
+        now = rng_state(model)
+        set_rng_state(model, epoch_rng)
+        steps = original()
+        for _ in range(done):
+            _begin, _end, data = next(steps)
+            for _ in range(iterator.steps_per_execution):
+                next(data)
+        set_rng_state(model, now)
+        yield from steps
+
+    iterator._enumerate_iterator = rest_of_the_epoch
 
 
 def _backend() -> str:

@@ -9,7 +9,11 @@ is installed, ``lightning`` first). What it does to the trainer:
   without it (a kill mid-save) is skipped. The callback's state in each checkpoint carries every
   RNG stream, so a resumed run draws what the uninterrupted one drew.
 * SIGINT / SIGTERM: at the end of the batch, a checkpoint through ``trainer.save_checkpoint``, then
-  ``fit`` stops and the process exits 130 / 143.
+  ``fit`` is left at once (as Lightning leaves it on its own SIGTERM: no epoch-end hooks, so no
+  epoch-end checkpoint of an epoch that did not end) and the process exits 130 / 143.
+* Mid-epoch resume: the training DataLoader is made one Lightning resumes in the middle of an
+  epoch (`_ResumableLoader`), so a run resumed from a checkpoint of the middle of an epoch draws
+  that epoch's order again and trains on the batches it had not reached, as the uninterrupted run.
 * Out of memory: exit 76 after recording it; `steadytrain run` restarts with
   ``STEADYTRAIN_MAX_MICRO_BATCH`` at half the batch, and the callback then serves the same samples
   in that many per batch, raising ``accumulate_grad_batches`` to match, so every optimizer step
@@ -23,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from steadytrain.checkpoint.manifest import (
     newest_verified,
@@ -107,13 +113,11 @@ class SteadytrainCallback(_Base):
         self.asked_accumulation = trainer.accumulate_grad_batches
         source = trainer.fit_loop._data_source
         request = source.dataloader
-        source.dataloader = lambda: self._rebatch(trainer, request())
+        source.dataloader = lambda: _resumable(self._rebatch(trainer, request()))
 
     def _rebatch(self, trainer, loader):
         """Serve the same samples `core.max_micro_batch()` at a time (at most), with the
         accumulation raised so the optimizer still sees the batch asked for."""
-        from torch.utils.data import DataLoader
-
         size = getattr(loader, "batch_size", None)
         if not isinstance(loader, DataLoader) or size is None:
             return loader  # a batch sampler or iterable of the user's: left as it is
@@ -147,6 +151,10 @@ class SteadytrainCallback(_Base):
     # -- the fit -----------------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module) -> None:
+        combined = trainer.fit_loop._combined_loader
+        for loader in combined.flattened if combined is not None else ():
+            if isinstance(loader, _ResumableLoader):  # an epoch may be cut short by a limit
+                loader.epoch_batches = trainer.num_training_batches
         guard = self.guard
         guard.state.step = trainer.global_step
         planned = trainer.estimated_stepping_batches
@@ -163,6 +171,7 @@ class SteadytrainCallback(_Base):
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.guard.state.epoch = trainer.current_epoch  # a resumed run's first row included
         if self._step_loss is None:
             self.guard.start_step()
             self._step_loss = 0.0
@@ -185,13 +194,17 @@ class SteadytrainCallback(_Base):
             accumulation=accumulation,
             samples=(self.micro or self.asked_micro) * accumulation,
         )
-        guard.state.epoch = trainer.current_epoch
         self._step_loss = None
-        if guard.stop_requested and not trainer.should_stop:
+        if guard.stop_requested:
             path = Path(trainer.default_root_dir) / run_files.CHECKPOINTS / "on-signal.ckpt"
             with guard.allowance("checkpoint save"):
                 trainer.save_checkpoint(path)
-            trainer.should_stop = True
+            # Leave the fit now, as Lightning's own SIGTERM does: `should_stop` would end the
+            # epoch, running its epoch-end hooks (an epoch-interval scheduler's step) and
+            # ModelCheckpoint's save, whose checkpoint resumes after an epoch never finished.
+            code = guard.exit_code
+            guard.finish(guard.control.stop_reason or "stopped", code)
+            raise stop_exit(code)
 
     def on_validation_batch_end(self, trainer, pl_module, *args, **kwargs) -> None:
         if self.guard is not None:
@@ -210,7 +223,7 @@ class SteadytrainCallback(_Base):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         guard = self.guard
         if guard is None or not guard.started:
-            return
+            return  # not started, or a stop already finished where it was raised
         if is_oom(exception):
             guard.out_of_memory(exception)
             restart_smaller(guard, exception)  # exit 76: Lightning cannot change a fit's batch
@@ -229,6 +242,146 @@ class SteadytrainCallback(_Base):
         if rng is not None:
             name, keys, *rest = rng["numpy"]
             set_rng_state({**rng, "numpy": (name, np.asarray(keys, dtype=np.uint32), *rest)})
+
+
+def _resumable(loader):
+    """`loader` made a `_ResumableLoader` in place (its class, whichever DataLoader subclass it
+    is, gets the resume added), when it is a DataLoader with a sampler. Left as it is: a loader
+    of an IterableDataset (no order to draw again) and one Lightning can resume already (its own
+    ``state_dict``, torchdata's `StatefulDataLoader`)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    cls = type(loader)
+    if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+        return loader  # ours already, or the user's own
+    if cls is DataLoader:
+        loader.__class__ = _ResumableLoader
+    else:
+        if cls not in _SUBCLASSES:
+            _SUBCLASSES[cls] = type(f"Resumable{cls.__name__}", (_ResumableLoader, cls), {})
+        loader.__class__ = _SUBCLASSES[cls]
+    return loader
+
+
+class _ResumableLoader(DataLoader):
+    """A DataLoader Lightning resumes mid-epoch: it has Lightning's ``state_dict`` /
+    ``load_state_dict`` interface of a loader, whose state Lightning keeps in each checkpoint's
+    fit-loop state and loads before the loader's next iterator is made.
+
+    A shuffling loader draws each epoch's order from torch's random generators when the epoch
+    starts; a plain DataLoader restarted mid-epoch draws a new order from its first batch, so
+    the resumed epoch trains on other batches than the uninterrupted one (Lightning warns so).
+    The state keeps the generators' states each epoch's order was drawn from and the batches
+    handed out of it; a loaded state makes the next iterator draw the same order from them,
+    skip the batches already trained on (as indices, none loaded), and put the generators back
+    where the checkpoint left them, so what follows draws what the uninterrupted run drew.
+    Samplers whose order comes from elsewhere (numpy, a seed and `set_epoch`) still skip the
+    right number of batches."""
+
+    _served = 0  # batches handed out of the epoch in progress
+    epoch_batches: float | None = None  # an epoch's batches (`limit_train_batches`); else all
+    _iter_rng: list | None = None  # the generators' states when the epoch's iterator was made
+    _order_rng: list | None = None  # ... when its sampler began drawing the order
+    _resume: dict | None = None  # a loaded state, for the next iterator
+    _skip: dict | None = None  # the same, while that iterator is being made
+
+    def state_dict(self) -> dict[str, Any]:
+        over = self._served >= min(len(self), self.epoch_batches or float("inf"))
+        batches = 0 if over else self._served  # 0: the next epoch draws a new order
+        return {"batches": batches, "iter_rng": self._iter_rng, "order_rng": self._order_rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("batches") and state.get("order_rng") is not None:
+            self._resume = state  # an epoch to go on with, at its next batch
+
+    def __iter__(self):
+        resume, self._resume = self._resume, None
+        now = _rng_states(self)
+        if resume is not None and resume.get("iter_rng") is not None:
+            _set_rng_states(self, resume["iter_rng"])  # the workers' base seed drawn again
+        self._iter_rng = _rng_states(self)
+        self._skip = resume
+        try:
+            iterator = super().__iter__()
+        finally:
+            self._skip = None
+        if resume is None:
+            self._served = 0
+        else:
+            _set_rng_states(self, now)  # the draws of the replayed start undone
+            self._served = resume["batches"]
+        return _Counted(self, iterator)
+
+    @property
+    def _index_sampler(self):
+        return _Order(self, super()._index_sampler, self._skip)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+class _Order:
+    """A loader's index sampler (its batch sampler) that notes the generators' states its order
+    is drawn from and, resuming, draws it from the saved ones and skips the batches done."""
+
+    def __init__(self, loader, sampler, resume: dict | None):
+        self.loader, self.sampler, self.resume = loader, sampler, resume
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # the whole epoch: Lightning counts the batches done itself
+
+    def __iter__(self):
+        loader, resume = self.loader, self.resume
+        self.resume = None  # once: a persistent workers' iterator iterates this again each epoch
+        now = _rng_states(loader)
+        if resume is not None:
+            _set_rng_states(loader, resume["order_rng"])
+        loader._order_rng = _rng_states(loader)
+        indices = iter(self.sampler)
+        if resume is not None:
+            for _ in range(resume["batches"]):
+                next(indices, None)
+            _set_rng_states(loader, now)
+        yield from indices
+
+
+class _Counted:
+    """A loader's iterator that counts the batches it hands out."""
+
+    def __init__(self, loader, iterator):
+        self.loader, self.iterator = loader, iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        self.loader._served += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.iterator)
+
+
+def _generators(loader) -> list:
+    """The torch generators a loader's order and workers' seeds may be drawn from."""
+    found = [torch.default_generator, loader.generator, getattr(loader.sampler, "generator", None)]
+    batch_sampler = loader.batch_sampler
+    found.append(getattr(getattr(batch_sampler, "sampler", None), "generator", None))
+    unique = []
+    for generator in found:
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in unique):
+            unique.append(generator)
+    return unique
+
+
+def _rng_states(loader) -> list:
+    return [generator.get_state() for generator in _generators(loader)]
+
+
+def _set_rng_states(loader, states: list) -> None:
+    for generator, state in zip(_generators(loader), states, strict=False):
+        generator.set_state(state)
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

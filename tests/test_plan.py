@@ -780,8 +780,8 @@ class LongSequenceEstimate:
         Mode(True): 40,
         Mode(True, offload=True): 36,
         Mode(chunked_loss=True): 80,
-        Mode(True, True): 18,
-        Mode(True, True, True): 14,
+        Mode(True, chunked_loss=True): 18,
+        Mode(True, offload=True, chunked_loss=True): 14,
     }
 
     def total(self, size: int, mode: Mode) -> float:

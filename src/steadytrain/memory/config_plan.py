@@ -297,7 +297,7 @@ def longest_seq(
         return None
     ckpt = settings.activation_checkpointing
     offload = ckpt == OFFLOAD or (ckpt == "auto" and settings.device_type == "cuda")
-    mode = Mode(ckpt != "off", chunked, offload)
+    mode = Mode(ckpt != "off", offload=offload, chunked_loss=chunked)
 
     def total(seq: int) -> int | None:
         at = dataclasses.replace(

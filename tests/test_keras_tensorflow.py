@@ -147,3 +147,40 @@ def test_a_real_out_of_memory_exits_76_and_the_restart_at_half_the_batch_finishe
     assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
     assert json.loads((run_dir / "result.json").read_text())["batch"] == 128
     assert "1 out-of-memory" in report(run_dir).stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "phase", "words"),
+    [
+        pytest.param("--val-batch", "evaluation", "fit's validation", id="validation"),
+        pytest.param(
+            "--callback-batch",
+            "callback EpochEndPredict.on_epoch_end",
+            "the callback EpochEndPredict.on_epoch_end",
+            id="callback",
+        ),
+    ],
+)
+def test_an_out_of_memory_outside_the_train_step_exits_76_and_the_restart_finishes(
+    tmp_path: Path, where: str, phase: str, words: str
+):
+    """Training at batch 128 fits the address-space cap; fit's validation (or the user's own
+    epoch-end callback, a predict) in one batch of 2048 does not. Keras lets that error leave
+    fit without calling a callback: before, the process ended with exit 1, no `oom` record, and
+    each restart failed at the same batch until exit 4. Now it is one out-of-memory: the record
+    names where, exit 76, and the restart at the cap of 64 (which the program passes to
+    validation_batch_size and its callback too) finishes."""
+    run_dir = tmp_path / "oom-outside"
+    args = ("--width", "65536", "--samples", "512", "--batch", "128", where, "2048")
+    proc = start_tf_supervised(
+        run_dir, *args, "--epochs", "2", "--limit-mib", "300", TF_ENABLE_ONEDNN_OPTS="0"
+    )
+    code, _out, err = finish(proc, timeout=480)
+    assert code == 0, err
+    ooms = events(run_dir, "oom")
+    assert len(ooms) == 1 and real_oom(ooms[0]["error"]), ooms
+    assert ooms[0]["kind"] == "tf.errors.ResourceExhaustedError"
+    assert ooms[0]["phase"] == phase
+    assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
+    assert json.loads((run_dir / "result.json").read_text())["batch"] == 64
+    assert f"out of memory in {words} (tensorflow" in err

@@ -29,8 +29,8 @@ program passes it to ``fit`` as ``batch_size``).
 
 On every backend, an out-of-memory anywhere else in ``fit`` (its validation, a callback's own
 work, the data pipeline) is one too: Keras lets it leave ``fit`` without ``on_train_end``, so
-the callback catches it where it ends the program (`_uncaught_oom`, a ``sys.excepthook``
-installed as ``fit`` starts) and records it and exits 76 the same way.
+the callback catches it where it would end the program (`_watch_uncaught_oom`: a
+``sys.excepthook`` installed as ``fit`` starts), records it and exits 76 the same way.
 """
 
 from __future__ import annotations

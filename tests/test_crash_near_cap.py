@@ -13,6 +13,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from steadytrain.supervisor import Supervisor, SupervisorOptions
 from steadytrain.supervisor.address_space import AddressSpace, read_address_space
 from steadytrain.supervisor.child_exit import ChildExit
@@ -66,6 +68,7 @@ def test_a_segfault_near_the_address_space_cap_restarts_at_half_the_batch(tmp_pa
     assert "STEADYTRAIN_MAX_MICRO_BATCH=4" in said
 
 
+@pytest.mark.slow  # the judgment of SIGABRT: test_only_a_native_crash_near_the_cap_counts_...
 def test_an_abort_near_the_cap_is_one_too(tmp_path: Path):
     """TensorFlow aborts when a thread cannot get its stack under the cap; a C++ bad_alloc
     aborts too."""
@@ -73,6 +76,7 @@ def test_an_abort_near_the_cap_is_one_too(tmp_path: Path):
     assert code == 0, said
 
 
+@pytest.mark.slow  # the same judgment in-process: test_only_a_native_crash_near_the_cap_...
 def test_a_segfault_far_from_any_cap_is_restarted_as_a_crash_then_given_up(tmp_path: Path):
     code, run_dir, said = supervise(tmp_path, "SIGSEGV", 0.0)  # no cap: a bug in native code
     assert code == 4, said

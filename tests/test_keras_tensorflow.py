@@ -5,7 +5,9 @@ Python that has TensorFlow and no torch (`STEADYTRAIN_TF_PYTHON`; `make test-ten
 What they show: the callback imports and runs without torch; a SIGKILL with Dropout resumes to
 the uninterrupted run's weights bit for bit; each metrics line holds its batch's own loss and size;
 TensorFlow's real out-of-memory (`ResourceExhaustedError`, recognised by type) ends the attempt
-with exit 76 and `steadytrain run` restarts it with half the batch, which then finishes.
+with exit 76 and `steadytrain run` restarts it with half the batch, which then finishes; the same
+for one outside the train step (fit's validation, a callback's predict), and for a crash of
+TensorFlow's native code near the address-space cap (judged by the supervisor).
 
 Without such a Python every test here is skipped (CI has no TensorFlow: its install is ~600 MB)."""
 
@@ -184,3 +186,23 @@ def test_an_out_of_memory_outside_the_train_step_exits_76_and_the_restart_finish
     assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
     assert json.loads((run_dir / "result.json").read_text())["batch"] == 64
     assert f"out of memory in {words} (tensorflow" in err
+
+
+def test_a_native_crash_under_the_address_space_cap_restarts_smaller_and_finishes(
+    tmp_path: Path,
+):
+    """oneDNN on (TensorFlow's default) and the cap 100 MiB above the process's size: a batch of
+    256 ends in no Python error but a crash of native code (here SIGABRT: TensorFlow cannot start
+    a thread; the SIGSEGV of a oneDNN kernel is judged the same way), with no record. Before,
+    `steadytrain run` restarted the same batch until it gave up (exit 4). It reads the child's
+    address space near its cap, takes the crash for an out-of-memory and restarts at half the
+    batch the attempt's fit_start names; smaller attempts then finish."""
+    run_dir = tmp_path / "crash"
+    args = ("--width", "65536", "--samples", "512", "--batch", "256", "--epochs", "1")
+    proc = start_tf_supervised(run_dir, *args, "--limit-mib", "100")
+    code, _out, err = finish(proc, timeout=560)
+    assert code == 0, err
+    first = events(run_dir, "restart")[0]
+    assert first["signal"] in ("SIGABRT", "SIGSEGV") and first["max_micro_batch"] == 128, first
+    assert "cap (RLIMIT_AS): taken for an allocation that failed there" in first["reason"]
+    assert json.loads((run_dir / "result.json").read_text())["batch"] <= 128

@@ -7,11 +7,12 @@ its one added line.
                         [--limit-mib M] [--width W] [--val-batch V] [--callback-batch C]
 
 --slow sleeps S seconds per training batch (time to SIGKILL mid-run); --limit-mib caps the address
-space at the process's own size plus M MiB before fit (a real out-of-memory of the backend's
-allocator where the batch's activations do not fit). The batch size passed to fit is --batch, or
-the cap `steadytrain run` sets after an out-of-memory (`max_micro_batch()`), whichever is less.
---val-batch validates on V samples (the training data repeated) at each epoch end in one batch
-(in batches of the cap where it is less): fit's validation, outside the compiled train step. --callback-batch has a callback of the user's
+space at the process's own size plus M MiB for fit (a real out-of-memory of the backend's
+allocator where the batch's activations do not fit), lifted again before the results are
+written. The batch size passed to fit is --batch, or the cap `steadytrain run` sets after an
+out-of-memory (`max_micro_batch()`), whichever is less. --val-batch validates on V samples (the
+training data repeated) at each epoch end in one batch (in batches of the cap where it is less):
+fit's validation, outside the compiled train step. --callback-batch has a callback of the user's
 predict on C samples (capped the same way) at each epoch end: a callback's own work.
 Writes RUN_DIR/weights.npz and RUN_DIR/result.json (the batch size, the epochs' losses of this
 process's fit, whether torch got loaded) when fit() returns.
@@ -101,10 +102,11 @@ def main() -> None:
     if args.callback_batch:
         size = min(args.callback_batch, cap or args.callback_batch)
         callbacks.append(EpochEndPredict(np.resize(x, (size, FEATURES))))
+    uncapped = resource.getrlimit(resource.RLIMIT_AS)
     if args.limit_mib:
         model.predict(x[:1], verbose=0)  # the backend's start-up, before the cap
         limit = vm_size() + args.limit_mib * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, uncapped[1]))
     history = model.fit(
         x,
         y,
@@ -115,12 +117,14 @@ def main() -> None:
         callbacks=callbacks,
         **validation,
     )
+    resource.setrlimit(resource.RLIMIT_AS, uncapped)  # the cap is the training's, not ours
     out = Path(args.run_dir)
     np.savez(out / "weights.npz", *[np.asarray(w) for w in model.get_weights()])
     torch_loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
     result = {
         "batch": batch,
-        "epoch_losses": history.history["loss"],  # Keras's running mean at each epoch's end
+        # Keras's running mean at each epoch's end (none when a resumed fit had nothing left)
+        "epoch_losses": history.history.get("loss", []),
         "torch_loaded": bool(torch_loaded),
     }
     (out / "result.json").write_text(json.dumps(result))

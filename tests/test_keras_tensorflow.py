@@ -5,7 +5,9 @@ Python that has TensorFlow and no torch (`STEADYTRAIN_TF_PYTHON`; `make test-ten
 What they show: the callback imports and runs without torch; a SIGKILL with Dropout resumes to
 the uninterrupted run's weights bit for bit; each metrics line holds its batch's own loss and size;
 TensorFlow's real out-of-memory (`ResourceExhaustedError`, recognised by type) ends the attempt
-with exit 76 and `steadytrain run` restarts it with half the batch, which then finishes.
+with exit 76 and `steadytrain run` restarts it with half the batch, which then finishes; the same
+for one outside the train step (fit's validation, a callback's predict), and for a crash of
+TensorFlow's native code near the address-space cap (judged by the supervisor).
 
 Without such a Python every test here is skipped (CI has no TensorFlow: its install is ~600 MB)."""
 
@@ -147,3 +149,65 @@ def test_a_real_out_of_memory_exits_76_and_the_restart_at_half_the_batch_finishe
     assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
     assert json.loads((run_dir / "result.json").read_text())["batch"] == 128
     assert "1 out-of-memory" in report(run_dir).stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "phase", "words"),
+    [
+        pytest.param("--val-batch", "evaluation", "fit's validation", id="validation"),
+        pytest.param(
+            "--callback-batch",
+            "callback EpochEndPredict.on_epoch_end",
+            "the callback EpochEndPredict.on_epoch_end",
+            id="callback",
+        ),
+    ],
+)
+def test_an_out_of_memory_outside_the_train_step_exits_76_and_the_restart_finishes(
+    tmp_path: Path, where: str, phase: str, words: str
+):
+    """Training at batch 128 fits the address-space cap; fit's validation (or the user's own
+    epoch-end callback, a predict) in one batch of 2048 does not. Keras lets that error leave
+    fit without calling a callback: before, the process ended with exit 1, no `oom` record, and
+    each restart failed at the same batch until exit 4. Now it is one out-of-memory: the record
+    names where, exit 76, and the restart at the cap of 64 (which the program passes to
+    validation_batch_size and its callback too) finishes."""
+    run_dir = tmp_path / "oom-outside"
+    args = ("--width", "65536", "--samples", "512", "--batch", "128", where, "2048")
+    proc = start_tf_supervised(
+        run_dir, *args, "--epochs", "2", "--limit-mib", "300", TF_ENABLE_ONEDNN_OPTS="0"
+    )
+    code, _out, err = finish(proc, timeout=480)
+    assert code == 0, err
+    ooms = events(run_dir, "oom")
+    assert len(ooms) == 1 and real_oom(ooms[0]["error"]), ooms
+    assert ooms[0]["kind"] == "tf.errors.ResourceExhaustedError"
+    assert ooms[0]["phase"] == phase
+    assert [r["exit_code"] for r in events(run_dir, "restart")] == [76]
+    assert json.loads((run_dir / "result.json").read_text())["batch"] == 64
+    assert f"out of memory in {words} (tensorflow" in err
+
+
+def test_a_native_crash_under_the_address_space_cap_restarts_smaller_and_finishes(
+    tmp_path: Path,
+):
+    """oneDNN on (TensorFlow's default) and the cap 100 MiB above the process's size: from a
+    batch of 256 down, some attempts end in no Python error but a crash of native code
+    (tensorflow-cpu 2.21: SIGABRT, a thread that cannot get its stack; issue 41 saw SIGSEGV in a
+    oneDNN kernel, judged the same way), others in TensorFlow's own out-of-memory (exit 76);
+    which, varies from run to run. Before, `steadytrain run` restarted a crash at the same batch
+    until it gave up (exit 4). It reads the child's address space near its cap, takes the crash
+    for an out-of-memory too, and each restart starts smaller until one finishes."""
+    run_dir = tmp_path / "crash"
+    args = ("--width", "65536", "--samples", "512", "--batch", "256", "--epochs", "1")
+    proc = start_tf_supervised(run_dir, *args, "--limit-mib", "100")
+    code, _out, err = finish(proc, timeout=560)
+    assert code == 0, err
+    restarts = events(run_dir, "restart")
+    crashes = [r for r in restarts if r["signal"] in ("SIGABRT", "SIGSEGV")]
+    assert crashes, restarts  # the cap made native code crash at some size
+    for crash in crashes:
+        assert "cap (RLIMIT_AS): taken for an allocation that failed there" in crash["reason"]
+    caps = [r["max_micro_batch"] for r in restarts]
+    assert all(b < a for a, b in zip([256, *caps], caps, strict=False)), caps  # each smaller
+    assert json.loads((run_dir / "result.json").read_text())["batch"] == caps[-1]

@@ -4,13 +4,18 @@ SeedGenerator on the others; one seeded: its SeedGenerator everywhere), steadytr
 its one added line.
 
     python keras_any.py RUN_DIR [--batch B] [--epochs E] [--samples N] [--slow S]
-                        [--limit-mib M] [--width W] [--term-at N]
+                        [--limit-mib M] [--width W] [--term-at N] [--val-batch V]
+                        [--callback-batch C]
 
 --slow sleeps S seconds per training batch (time to SIGKILL mid-run); --term-at sends the process
 SIGTERM as its Nth training batch begins (a stop at a known batch); --limit-mib caps the address
-space at the process's own size plus M MiB before fit (a real out-of-memory of the backend's
-allocator where the batch's activations do not fit). The batch size passed to fit is --batch, or
-the cap `steadytrain run` sets after an out-of-memory (`max_micro_batch()`), whichever is less.
+space at the process's own size plus M MiB for fit (a real out-of-memory of the backend's
+allocator where the batch's activations do not fit), lifted again before the results are
+written. The batch size passed to fit is --batch, or the cap `steadytrain run` sets after an
+out-of-memory (`max_micro_batch()`), whichever is less. --val-batch validates on V samples (the
+training data repeated) at each epoch end in one batch (in batches of the cap where it is less):
+fit's validation, outside the compiled train step. --callback-batch has a callback of the user's
+predict on C samples (capped the same way) at each epoch end: a callback's own work.
 Writes RUN_DIR/weights.npz and RUN_DIR/result.json (the batch size, the epochs' losses of this
 process's fit, whether torch got loaded) when fit() returns.
 """
@@ -34,6 +39,17 @@ from steadytrain.integrations import max_micro_batch
 from steadytrain.integrations.keras import SteadytrainCallback
 
 FEATURES = 16
+
+
+class EpochEndPredict(keras.callbacks.Callback):
+    """The user's own epoch-end code: a prediction over `samples` in one batch."""
+
+    def __init__(self, samples: np.ndarray):
+        super().__init__()
+        self.samples = samples
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.predict(self.samples, batch_size=len(self.samples), verbose=0)
 
 
 class UserBatches(keras.callbacks.Callback):
@@ -63,6 +79,8 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--limit-mib", type=int)
     parser.add_argument("--term-at", type=int)
+    parser.add_argument("--val-batch", type=int)
+    parser.add_argument("--callback-batch", type=int)
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -83,20 +101,41 @@ def main() -> None:
     callbacks = [SteadytrainCallback(args.run_dir)]  # the line
     if args.slow or args.term_at:
         callbacks.append(UserBatches(args.slow, args.term_at))
-    batch = min(args.batch, max_micro_batch() or args.batch)
+    cap = max_micro_batch()
+    batch = min(args.batch, cap or args.batch)
+    validation = {}
+    if args.val_batch:
+        size = args.val_batch  # one batch of V samples, in pieces of the cap where it is less
+        validation = {
+            "validation_data": (np.resize(x, (size, FEATURES)), np.resize(y, (size, 1))),
+            "validation_batch_size": min(size, cap or size),
+        }
+    if args.callback_batch:
+        size = min(args.callback_batch, cap or args.callback_batch)
+        callbacks.append(EpochEndPredict(np.resize(x, (size, FEATURES))))
+    uncapped = resource.getrlimit(resource.RLIMIT_AS)
     if args.limit_mib:
         model.predict(x[:1], verbose=0)  # the backend's start-up, before the cap
         limit = vm_size() + args.limit_mib * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, uncapped[1]))
     history = model.fit(
-        x, y, batch_size=batch, epochs=args.epochs, shuffle=True, verbose=0, callbacks=callbacks
+        x,
+        y,
+        batch_size=batch,
+        epochs=args.epochs,
+        shuffle=True,
+        verbose=0,
+        callbacks=callbacks,
+        **validation,
     )
+    resource.setrlimit(resource.RLIMIT_AS, uncapped)  # the cap is the training's, not ours
     out = Path(args.run_dir)
     np.savez(out / "weights.npz", *[np.asarray(w) for w in model.get_weights()])
     torch_loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
     result = {
         "batch": batch,
-        "epoch_losses": history.history["loss"],  # Keras's running mean at each epoch's end
+        # Keras's running mean at each epoch's end (none when a resumed fit had nothing left)
+        "epoch_losses": history.history.get("loss", []),
         "torch_loaded": bool(torch_loaded),
     }
     (out / "result.json").write_text(json.dumps(result))

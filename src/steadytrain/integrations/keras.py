@@ -27,6 +27,11 @@ caps the piece size from the start. Other backends compile the step: an out-of-m
 event and ends the process with exit 76, so that `steadytrain run` restarts it from the newest
 checkpoint with ``STEADYTRAIN_MAX_MICRO_BATCH`` at half the batch (`max_micro_batch()`: the
 program passes it to ``fit`` as ``batch_size``).
+
+On every backend, an out-of-memory anywhere else in ``fit`` (its validation, a callback's own
+work, the data pipeline) is one too: Keras lets it leave ``fit`` without ``on_train_end``, so
+the callback catches it where it would end the program (`_watch_uncaught_oom`: a
+``sys.excepthook`` installed as ``fit`` starts), records it and exits 76 the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -116,6 +122,7 @@ class SteadytrainCallback(_Base):
         self._cut = (
             False  # stopped mid-epoch: Keras still calls on_epoch_end, the epoch did not end
         )
+        self._validating = False  # between fit's on_test_begin and on_test_end
 
     # -- start and end -----------------------------------------------------------------------
 
@@ -136,7 +143,10 @@ class SteadytrainCallback(_Base):
             self.batch = _fit_batch_size(fit_frame)
             guard.state.micro_batch_size = self.batch or 0
         config = {"library": "keras", "backend": _backend(), "fit": plain(params)}
-        guard.start(config, fit_frame=fit_frame)
+        # the batch the first step runs at: what `steadytrain run` halves after a crash in it
+        start = {"micro_batch_size": self.batch} if self.batch else {}
+        guard.start(config, fit_frame=fit_frame, **start)
+        _watch_uncaught_oom(self)
         model = self.model
         sizes = [(int(np.prod(w.shape)), np.dtype(w.dtype).itemsize) for w in model.weights]
         trainable = [
@@ -183,6 +193,12 @@ class SteadytrainCallback(_Base):
             self._save(self.guard.state.epoch, self._done + self._batches)  # mid-epoch
             self.model.stop_training = self._cut = True
 
+    def on_test_begin(self, logs=None) -> None:
+        self._validating = True
+
+    def on_test_end(self, logs=None) -> None:
+        self._validating = False
+
     def on_test_batch_end(self, batch, logs=None) -> None:
         self.guard.beat()  # each validation batch of fit() is progress, not a hang
 
@@ -212,19 +228,41 @@ class SteadytrainCallback(_Base):
         k = self._batches
         return k * mean - (k - 1) * previous, self.batch
 
-    def _out_of_memory(self, exc: BaseException) -> None:
-        """A compiled step (TensorFlow, JAX) ran out of memory: record it and exit 76, so that
-        `steadytrain run` restarts from the newest checkpoint with half the batch as the cap."""
-        self.guard.out_of_memory(exc)
-        batch = f"batch {self.batch}" if self.batch else "this batch"
+    def _out_of_memory(self, exc: BaseException, where: tuple[str, str] | None = None) -> None:
+        """Out of memory in ``fit``: in the compiled step (TensorFlow, JAX), or elsewhere
+        (`where`: its phase and words, `_where`, for an error that left ``fit``). Record it and
+        exit 76, so that `steadytrain run` restarts from the newest checkpoint with half the
+        batch as the cap."""
+        phase, words = where or ("", "the compiled step")
+        self.guard.out_of_memory(exc, **({"phase": phase} if phase else {}))
+        batch = f"batch {self.batch or self.guard.state.micro_batch_size or '?'}"
+        also = "" if where is None else ", and to validation_batch_size and your callbacks"
         restart_smaller(
             self.guard,
             exc,
-            f"steadytrain: out of memory in the compiled step ({_backend()}, {oom_kind(exc)}) at "
+            f"steadytrain: out of memory in {words} ({_backend()}, {oom_kind(exc)}) at "
             f"{batch}; exiting {SHRINK} so that `steadytrain run` restarts from the newest "
             "verified checkpoint with STEADYTRAIN_MAX_MICRO_BATCH at half of it (pass "
-            "`max_micro_batch()` to fit as batch_size)",
+            f"`max_micro_batch()` to fit as batch_size{also})",
         )
+
+    def _where(self, trace: TracebackType | None) -> tuple[str, str]:
+        """Where in ``fit`` an error that left it arose, as the ``oom`` event's phase and in
+        words: the innermost callback method on its traceback (Keras filters its own frames
+        out; a callback's stay), else fit's validation when it was running, else fit."""
+        found = None
+        while trace is not None:
+            frame = trace.tb_frame
+            if frame.f_code.co_name.startswith("on_") and isinstance(
+                frame.f_locals.get("self"), _Base
+            ):
+                found = f"callback {type(frame.f_locals['self']).__name__}.{frame.f_code.co_name}"
+            trace = trace.tb_next
+        if found is not None:
+            return found, f"the {found}"
+        if self._validating:
+            return "evaluation", "fit's validation"
+        return "fit", "fit, outside the compiled step"
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._cut:
@@ -437,6 +475,35 @@ def _skip_done_batches(callback: SteadytrainCallback, fit_frame) -> None:
         yield from steps
 
     iterator._enumerate_iterator = rest_of_the_epoch
+
+
+_fitting: SteadytrainCallback | None = None
+"""The callback whose ``fit`` started last in this process (`_watch_uncaught_oom`)."""
+
+
+def _watch_uncaught_oom(callback: SteadytrainCallback) -> None:
+    """Make an out-of-memory that leaves `callback`'s ``fit`` (fit's validation, a callback's
+    own work, the data pipeline: anything but the compiled step, which `_OOMExit` wraps) end the
+    program as the step's does: an ``oom`` event and exit 76. Keras calls no callback when an
+    error leaves ``fit``, so the place to catch it is where it ends the program: a
+    ``sys.excepthook``, chained before the one there was, installed once."""
+    global _fitting
+    _fitting = callback
+    if getattr(sys.excepthook, "_steadytrain_keras_oom", False):
+        return
+    previous = sys.excepthook
+
+    def _uncaught_oom(
+        kind: type[BaseException], error: BaseException, trace: TracebackType | None
+    ) -> None:
+        fitting, interactive = _fitting, sys.flags.interactive or hasattr(sys, "ps1")
+        if fitting is not None and fitting.guard.started and is_oom(error) and not interactive:
+            where = fitting._where(trace or error.__traceback__)
+            fitting._out_of_memory(error, where)  # raises SystemExit(76)
+        previous(kind, error, trace)
+
+    _uncaught_oom._steadytrain_keras_oom = True  # type: ignore[attr-defined]
+    sys.excepthook = _uncaught_oom
 
 
 def _backend() -> str:

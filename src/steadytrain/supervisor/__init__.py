@@ -7,6 +7,8 @@ trainer. Its modules, by concern:
                      in that module's docstring)
     child_process    one attempt's process: start, wait, forward signals, kill, back off
     heartbeat_watch  the out-of-process hang check on RUN_DIR/heartbeat
+    address_space    the child's address space against its RLIMIT_AS, sampled while it runs:
+                     a native crash near that cap is taken for an out-of-memory
     child_exit       how the child ended (ChildExit), in words
     attempt_end      what the run directory says about that end: the memory at a kill, the
                      error the trainer recorded, which rank of a torchrun group failed first

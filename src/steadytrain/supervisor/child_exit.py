@@ -15,6 +15,7 @@ from steadytrain.errors import (
     SIGNAL_EXITS,
     USER_CODE_EXIT,
 )
+from steadytrain.supervisor.address_space import AddressSpace
 from steadytrain.supervisor.attempt_end import MemoryAtKill, RankEnd
 
 HANG = RESTARTABLE_EXIT
@@ -33,6 +34,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in SIGNAL_EXITS if hasattr(s
 # A shell or launcher between us and the trainer reports a process killed by signal N as exit
 # 128 + N. Only these are read that way: for other values above 128 the guess would be wild.
 SHELL_REPORTED = (signal.SIGKILL, signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
+# How native code ends when an allocation fails under an address-space cap instead of raising
+# (`address_space`): oneDNN's kernels in TensorFlow dereference it (SIGSEGV); a C++ bad_alloc or
+# a thread without a stack aborts (SIGABRT).
+NATIVE_CRASHES = (signal.SIGSEGV, signal.SIGABRT)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class ChildExit:
     while_starting: bool = False
     """Before the first step, and before the attempt wrote any record: it died before `fit()`
     began (loading the model)."""
+    address_space: AddressSpace | None = None
+    """The child's address space and its cap as last sampled (None: no cap, or no reading)."""
 
     @classmethod
     def of(
@@ -117,12 +124,20 @@ class ChildExit:
         return "restart"
 
     @property
+    def crashed_near_cap(self) -> bool:
+        """Killed by SIGSEGV or SIGABRT with its address space near its cap (RLIMIT_AS): an
+        allocation that failed in native code, taken for an out-of-memory (`address_space`)."""
+        space = self.address_space
+        return self.killed_by in NATIVE_CRASHES and space is not None and space.near
+
+    @property
     def memory_kill_suspected(self) -> bool:
         """The kernel's counter rose; or a SIGKILL where no counter can be read (macOS jetsam);
         or a SIGKILL with an unchanged counter (a user-space killer such as systemd-oomd or
-        earlyoom, or a plain kill -9) when memory was high at the last step. Exit 76: the
-        child ran out of memory and asks for a smaller start itself."""
-        if self.oom_kill_delta or self.returncode == SHRINK:
+        earlyoom, or a plain kill -9) when memory was high at the last step; or a native crash
+        near the address-space cap. Exit 76: the child ran out of memory and asks for a smaller
+        start itself."""
+        if self.oom_kill_delta or self.returncode == SHRINK or self.crashed_near_cap:
             return True
         if self.killed_by != signal.SIGKILL:
             return False
@@ -187,6 +202,11 @@ class ChildExit:
             signal.SIGSEGV: "a crash in native code",
             signal.SIGBUS: "a bad memory access; on a Mac, Metal state corrupted (e.g. by fork)",
         }.get(sig)
+        if self.crashed_near_cap and self.address_space is not None:
+            why = (
+                f"a crash in native code, and {self.address_space.text}: taken for an "
+                "allocation that failed there (out of memory)"
+            )
         return f"{head}: {why}" if why else head
 
     def _start(self) -> str | None:

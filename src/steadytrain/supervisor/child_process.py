@@ -1,8 +1,9 @@
 """The supervised command's process, one attempt at a time: started in its own session (process
 group) with the environment the supervisor gives it, waited for while the signals the supervisor
 gets are forwarded to its group (SIGKILL if it is still there --stop-timeout later) and its
-heartbeat is watched, its leftovers killed after it ended, and the backoff before the next
-attempt, which a stop signal cuts short. Learns the run directory when the child announces it."""
+heartbeat is watched and its address space sampled (`address_space`), its leftovers killed after
+it ended, and the backoff before the next attempt, which a stop signal cuts short. Learns the run
+directory when the child announces it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from steadytrain.run.files import (
     ENV_START_WATCH,
     ENV_SUPERVISED,
 )
+from steadytrain.supervisor.address_space import AddressSpace, read_address_space
 from steadytrain.supervisor.heartbeat_watch import HeartbeatWatch
 from steadytrain.supervisor.options import SupervisorOptions
 from steadytrain.supervisor.words import seconds
@@ -53,6 +55,7 @@ class ChildProcess:
         self.stop_signal: int | None = None  # the first stop signal we got
         self.sent_kill = False  # the stop timeout ran out and we sent SIGKILL
         self.heartbeat = HeartbeatWatch(say, record, self.signal)
+        self.address_space: AddressSpace | None = None  # the attempt's last reading
         self._pending: list[int] = []  # signals received, not yet forwarded
         self._forwarded = 0
         self._announced: int | None = None  # read end of the ENV_ANNOUNCE_FD pipe
@@ -69,6 +72,7 @@ class ChildProcess:
             }
             env[ENV_START_WATCH] = json.dumps(start)
         self.heartbeat.new_attempt()
+        self.address_space = None
         if max_micro is not None:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
         if savers is not None:
@@ -157,6 +161,7 @@ class ChildProcess:
             if self.stop_signal is None:
                 self._learn_run_dir()
                 self.heartbeat.check(proc, self.options)
+            self.address_space = read_address_space(proc.pid) or self.address_space
             try:
                 return proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:

@@ -22,7 +22,10 @@ must outlive whatever kills the trainer. One pass of its loop::
       2, 3, 6                 -> bad input / does not fit / disk full: a restart fails the
                                  same way, so exit with that code
       anything else           -> a crash, a kill (SIGKILL: OS memory kill suspected), a hang
-                                 (75), out of memory in a library's loop (76), an error in the
+                                 (75), out of memory in a library's loop (76), a SIGSEGV or
+                                 SIGABRT with the child's address space near its RLIMIT_AS
+                                 (address_space: an allocation that failed in native code,
+                                 judged as a memory kill), an error in the
                                  user's code (5): the same error as the attempt before, at the
                                  same step (the trainer's "error" event): exit with that code, a
                                  restart fails the same way; a memory kill (SIGKILL) at
@@ -326,7 +329,8 @@ class Supervisor:
         delta = None if None in (oom_before, oom_after) else oom_after - oom_before
         rank = failed_rank(rank_ends(self.options.run_dir, since)) if returncode > 0 else None
         folder = rank.folder if rank is not None else self.options.run_dir
-        return ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
+        death = ChildExit.of(returncode, delta, memory_at_kill(folder), rank)
+        return dataclasses.replace(death, address_space=self.child.address_space)
 
     def _recorded_error(self, death: ChildExit, since: AttemptStart) -> dict[str, Any] | None:
         """The error event the attempt started at `since` recorded (under torchrun: the one of
@@ -436,14 +440,20 @@ class Supervisor:
             left=savers["left"],
             memory_savers=asked,
         )
-        why = (
-            "the OS killed the child while it started (loading the model), most likely for "
-            "memory: as after a kill at micro-batch 1, the next"
-            if death.while_starting
-            else f"{_rank_ran_out(death)} with no smaller micro-batch left: the next"
-            if death.rank is not None
-            else "the OS killed the child for memory with no smaller micro-batch left: the next"
-        )
+        if death.while_starting:
+            why = (
+                "the OS killed the child while it started (loading the model), most likely for "
+                "memory: as after a kill at micro-batch 1, the next"
+            )
+        elif death.rank is not None:
+            why = f"{_rank_ran_out(death)} with no smaller micro-batch left: the next"
+        elif death.crashed_near_cap:
+            why = (
+                "the child crashed near its address-space cap (out of memory) with no smaller "
+                "micro-batch left: the next"
+            )
+        else:
+            why = "the OS killed the child for memory with no smaller micro-batch left: the next"
         self._say(f"{why} attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})")
         return asked
 

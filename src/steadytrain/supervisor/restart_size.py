@@ -1,9 +1,10 @@
-"""How big the next attempt starts after a memory kill or exit 76: half the micro-batch in force
-(the out-of-memory policy's `HALVING`), or, at micro-batch 1, one more memory saver than the
-attempt had in force, as it recorded them at its start (an attempt killed while it started, before
-it recorded them: the ladder's next, `start_kill`). Under torchrun, a rank's exit 76 at
-micro-batch 1 climbs the same ladder (`group_out_of_memory_at_one`). What the attempt halved
-itself, in the process, is read back for the last word's "Tried:" (`halved_in_process`)."""
+"""How big the next attempt starts after a memory kill, exit 76 or a native crash near the
+address-space cap (`address_space`): half the micro-batch in force (the out-of-memory policy's
+`HALVING`), or, at micro-batch 1, one more memory saver than the attempt had in force, as it
+recorded them at its start (an attempt killed while it started, before it recorded them: the
+ladder's next, `start_kill`). Under torchrun, a rank's exit 76 at micro-batch 1 climbs the same
+ladder (`group_out_of_memory_at_one`). What the attempt halved itself, in the process, is read
+back for the last word's "Tried:" (`halved_in_process`)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ def smaller_micro_batch(
     run_dir: Path | None, cap: int | None, death: ChildExit | None = None
 ) -> int | None:
     """Half the micro-batch in force when the child was killed: the last one metrics.jsonl
-    shows (the child, or the rank that failed, exited 76: its last oom event's), no more
-    than the cap already set; None (no cap) when none is known."""
+    shows (the child, or the rank that failed, exited 76: its last oom event's; it crashed
+    near its address-space cap, often in its first step at that size: the one its last
+    fit_start names), no more than the cap already set; None (no cap) when none is known."""
     known = [last_micro_batch_size(run_dir), cap]
+    folder = death.rank.folder if death is not None and death.rank is not None else run_dir
     if death is not None and death.returncode == SHRINK:
-        folder = death.rank.folder if death.rank is not None else run_dir
         known.append(last_micro_batch_size(folder, run_files.EVENTS, Record.OOM))
+    if death is not None and death.crashed_near_cap:
+        known.append(last_micro_batch_size(folder, run_files.EVENTS, Record.FIT_START))
     known = [v for v in known if v is not None]
     return (HALVING.next(min(known)) or 1) if known else None
 
@@ -46,8 +50,8 @@ def saver_left(
     asked: int | None = None,
 ) -> dict[str, Any] | None:
     """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
-    step, or no counter and no reading to tell, or before the run's first step) with no smaller
-    micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
+    step, or no counter and no reading to tell, or before the run's first step), or a native
+    crash near the address-space cap, with no smaller micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
     force and those left, as it recorded them at its start (`safety.supervised.savers_from_supervisor`);
     None when there is no escalation to decide: another end, a shrink is left, or the
     attempt recorded none (not a Trainer's run). An attempt killed while it started (before it
@@ -56,12 +60,18 @@ def saver_left(
     if group_out_of_memory_at_one(run_dir, death, cap):
         folder = folder_of(run_dir, death)
         return savers_record(folder, since) or start_ladder(folder, asked)
-    if death.killed_by != signal.SIGKILL or not death.memory_kill_suspected:
+    crashed = death.crashed_near_cap  # its own reading says memory: no counter needed
+    if not crashed and (death.killed_by != signal.SIGKILL or not death.memory_kill_suspected):
         return None
     folder = folder_of(run_dir, death)
     if death.while_starting:
         return savers_record(folder, since) or start_ladder(folder, asked)
-    if not death.oom_kill_delta and death.memory is not None and not death.memory.high:
+    if (
+        not crashed
+        and not death.oom_kill_delta
+        and death.memory is not None
+        and not death.memory.high
+    ):
         return None  # no counter to tell, and memory was not high: maybe a plain kill -9
     if smallest_micro_batch(folder, cap) not in (None, 1):
         return None  # halving the micro-batch is the next step

@@ -39,7 +39,134 @@ def run_workload(script: str, *args: str, env: dict | None = None, timeout: floa
     )
 
 
+# Repeats moved to `make test-all` to keep `make test` under 10 minutes on CI's 2 cores. Each is a
+# second real test of a fault or an integration that keeps one in `make test`; the value names
+# that one. Measured with STEADYTRAIN_TEST_CPU (bench/test_cpu.py): these cost about 800 of the
+# suite's 2,150 CPU seconds. A name here that matches no test is an error, so a rename cannot
+# quietly bring a repeat back into `make test`.
+REPEATS = {
+    "test_kill_storm.py::test_kill_storm_finishes_with_the_uninterrupted_result[6-kills]": (
+        "SIGKILL mid-run: test_resume.py, test_distributed.py's killed rank, the ports"
+    ),
+    "test_integrations_lightning.py::test_oom_restarts_at_half_the_batch_and_matches_a_clean_run": (
+        "Lightning: its SIGTERM mid-epoch test; out-of-memory: test_engine_oom.py"
+    ),
+    "test_integrations_hf.py::test_sigkill_resumes_from_a_verified_checkpoint_to_the_same_parameters": (
+        "Hugging Face: its out-of-memory test; SIGKILL: test_resume.py"
+    ),
+    "test_ports.py::test_the_port_survives_a_real_out_of_memory_and_two_sigkills[plateau_regression]": (
+        "the ports' bit-exact runs; out-of-memory and kills: test_engine_oom.py, test_resume.py"
+    ),
+    "test_seed_night.py::test_the_seed_night_under_run_without_run_dir_resumes_bitwise": (
+        "the seed night's other tests; a supervised resume: test_watchdog.py, test_report.py"
+    ),
+    "test_seed_night.py::test_resume_goes_on_when_the_effective_batch_is_kept_and_names_the_field_when_not": (
+        "a refused resume: test_resume.py"
+    ),
+    "test_families.py::test_the_gpu_bench_runs_in_smoke_mode": "the families' estimate tests",
+    "test_offload.py::test_the_gpu_bench_times_both_ways_of_copying_in_one_call": (
+        "offload's own tests"
+    ),
+    "test_offload.py::test_the_gpu_bench_runs_in_smoke_mode": "offload's own tests",
+    "test_bench_overhead.py::test_the_overhead_bench_runs_every_arm_it_compares_in_smoke_mode": (
+        "test_bench_overhead.py's other tests"
+    ),
+    "test_integrations_own_loop.py::test_a_blocked_step_exits_75_and_the_restart_finishes": (
+        "RunGuard: its out-of-memory test; a blocked step: test_watchdog.py"
+    ),
+    "test_engine_oom.py::test_surviving_leaves_no_growing_memory[300]": (
+        "test_engine_oom.py's real out-of-memory test"
+    ),
+    "test_ported_programs_more.py::test_a_vision_loop_with_an_ema_killed_under_steadytrain_run_ends_as_the_uninterrupted_run": (
+        "a killed port: test_ported_programs.py"
+    ),
+    "test_ported_programs_third.py::test_the_siamese_network_over_a_concat_of_subsets_killed_under_run_ends_as_run_through": (
+        "a killed port: test_ported_programs.py"
+    ),
+    "test_after_finetune.py::test_evaluate_survives_a_real_out_of_memory": (
+        "test_eval_out_of_memory_halves_the_batch_and_gives_the_same_loss"
+    ),
+    "test_signal_seams.py::test_a_child_that_ends_0_after_its_run_failed_is_restarted_as_that_failure": (
+        "test_a_child_that_ends_0_after_its_run_was_stopped_is_a_stop_not_a_finish"
+    ),
+    "test_resume_seams.py::test_sigterm_ends_a_plain_script_with_143_before_its_final_save": (
+        "SIGTERM: test_stop_workers.py"
+    ),
+    "test_edges.py::test_a_read_that_blocks_before_the_first_step_is_a_hang_named_by_its_phase": (
+        "test_a_hang_before_fit_in_a_new_run_dir_is_caught_from_the_process_start"
+    ),
+    "test_seed_users.py::test_a_keras_fit_started_again_says_where_it_resumes": (
+        "Keras: test_integrations_keras.py"
+    ),
+    "test_seed_users.py::test_the_ladders_lora_rank_on_a_finished_run_is_refused_as_a_finished_run": (
+        "a finished run: test_resume.py"
+    ),
+    "test_start_kill.py::test_a_run_that_loads_once_savers_are_on_trains_to_the_end": (
+        "test_killed_while_loading_every_time_turns_on_each_saver_then_exits_3"
+    ),
+    "test_plan.py::test_plan_command_plans_for_compiled_layers_when_asked": (
+        "test_estimate_compiled.py; the plan command: test_plan_output.py"
+    ),
+    "test_fused_projections.py::test_each_lora_term_is_added_inside_its_frozen_product[True]": (
+        "the same test's [False]"
+    ),
+    "test_resume_seams.py::test_an_lstm_killed_right_after_an_epoch_end_save_finishes_as_the_uninterrupted_run": (
+        "test_the_loss_check_is_made_after_an_epoch_end_save_of_a_shuffling_dataloader"
+    ),
+    "test_supervisor.py::test_a_runguard_loop_killed_three_times_after_newer_checkpoints_finishes": (
+        "RunGuard: test_integrations_own_loop.py; kills: test_resume.py"
+    ),
+    "test_watchdog.py::test_report_mode_goes_on_records_one_hang_and_a_slow_save_is_no_hang": (
+        "test_supervised_hang_restarts_resumes_and_finishes"
+    ),
+    "test_stop_workers.py::test_sighup_after_the_terminal_closed_saves_the_step_and_exits_129[pty]": (
+        "the same test's [pipe]"
+    ),
+    "test_user_errors.py::test_supervised_script_exits_5_and_is_not_restarted_when_the_error_repeats": (
+        "test_user_errors.py's exit-5 tests; not restarted: test_signal_seams.py"
+    ),
+    "test_own_programs.py::test_under_a_cap_with_no_room_for_a_second_copy_saves_are_written_without_a_shrink": (
+        "saves under a cap: test_checkpoint_store.py"
+    ),
+    "test_edges.py::test_the_supervisor_does_not_restart_a_run_stopped_by_a_full_disk": (
+        "test_disk_full_while_training_stops_with_exit_6_and_keeps_the_last_checkpoint"
+    ),
+    "test_env_faults.py::test_a_stop_recorded_after_the_clock_stepped_back_is_still_a_stop": (
+        "test_signal_seams.py's stop-not-finish test"
+    ),
+    "test_supervisor_env.py::test_the_hugging_face_callback_reads_the_cap_as_the_trainer_does[4]": (
+        "the same test's [abc]"
+    ),
+    "test_supervisor_env.py::test_the_hugging_face_callback_reads_the_cap_as_the_trainer_does[-1]": (
+        "the same test's [abc]"
+    ),
+    "test_supervisor_env.py::test_the_hugging_face_callback_reads_the_cap_as_the_trainer_does[0]": (
+        "the same test's [abc]"
+    ),
+    "test_planned_ranks.py::test_auto_under_ddp_each_rank_plans_its_share_and_the_ranks_agree": (
+        "test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory; the ranks' "
+        "agreement: test_distributed.py"
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Mark `REPEATS` slow before `-m 'not slow'` deselects."""
+    found = set()
+    for item in items:
+        name = item.nodeid.split("tests/", 1)[-1]
+        if name in REPEATS:
+            item.add_marker(pytest.mark.slow)
+            found.add(name)
+    files = {item.nodeid.split("::")[0].split("tests/", 1)[-1] for item in items}
+    missing = [n for n in REPEATS if n.split("::")[0] in files and n not in found]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py REPEATS names no test: {missing}")
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items) -> None:
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

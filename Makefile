@@ -43,7 +43,7 @@ TEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 # $(call pytest,ARGS[,ENV]): each run's temporary files (about 1 GB: runs, checkpoints, copies
 # of the code) go in a folder of its own, removed when the tests pass, kept and named when not.
-pytest = base=$$(mktemp -d /tmp/st.XXXXXX); $(2) $(PY) -m pytest -q -n $(TEST_WORKERS) \
+pytest = base=$$(mktemp -d /tmp/st.XXXXXX); $(2) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
 	--basetemp=$$base $(1) $(PYTEST_ARGS); code=$$?; if [ $$code -eq 0 ]; then rm -rf $$base; \
 	else echo "the tests' files are kept in $$base"; fi; exit $$code
 

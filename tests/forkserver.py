@@ -180,6 +180,7 @@ def _child(request: dict) -> None:
     """In the forked child: become the command, run it, end as Python would."""
     code = 1
     try:
+        _fresh_signals()
         if request.get("new_group"):
             os.setsid()
         if "fds" in request:  # a rank: the client's own streams
@@ -215,6 +216,18 @@ def _child(request: dict) -> None:
         code = _uncaught(error)
     _end()
     os._exit(code)
+
+
+def _fresh_signals() -> None:
+    """The signals as a process started from a shell has them: none blocked, Ctrl-C raising
+    KeyboardInterrupt, SIGTERM and SIGHUP ending it. The server inherits its signal mask and
+    ignored signals from the test worker that started it (both survive exec): a server started
+    while the worker had SIGINT blocked gave every child a Ctrl-C that never arrived, and a run
+    meant to stop at it trained to the end (test_signal_seams, now and then under xdist)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _run(argv: list[str]) -> int:

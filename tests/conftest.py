@@ -41,9 +41,9 @@ def run_workload(script: str, *args: str, env: dict | None = None, timeout: floa
 
 # Repeats moved to `make test-all` to keep `make test` under 10 minutes on CI's 2 cores. Each is a
 # second real test of a fault or an integration that keeps one in `make test`; the value names
-# that one. Measured with STEADYTRAIN_TEST_CPU (bench/test_cpu.py): these cost about 900 of the
-# suite's 2,150 CPU seconds (measured under load; 1,200 on an idle machine after the move). A name here that matches no test is an error, so a rename cannot
-# quietly bring a repeat back into `make test`.
+# that one. Measured with STEADYTRAIN_TEST_CPU (bench/test_cpu.py): they cost about 1,000 of
+# the suite's 2,150 CPU seconds (measured under load; what stays, idle: about 950). A name here
+# that matches no test is an error, so a rename cannot quietly bring a repeat back.
 REPEATS = {
     "test_kill_storm.py::test_kill_storm_finishes_with_the_uninterrupted_result[6-kills]": (
         "SIGKILL mid-run: test_resume.py, test_distributed.py's killed rank, the ports"
@@ -159,6 +159,21 @@ REPEATS = {
     ),
     "test_planned_ranks.py::test_out_of_memory_at_micro_batch_1_on_a_rank_climbs_the_ladder_then_exit_3_naming_gpus": (
         "test_supervisor.py's ranks that exit 76 or are killed at micro-batch 1"
+    ),
+    "test_compile.py::test_a_compiled_run_resumes_to_the_bit": (
+        "test_a_model_without_named_blocks_is_compiled_whole; a bitwise resume: test_resume.py"
+    ),
+    "test_user_programs.py::test_ctrl_c_before_the_first_step_exits_130_without_a_traceback": (
+        "test_signal_seams.py's Ctrl-C while auto plans (before the loop)"
+    ),
+    "test_estimate_compiled.py::test_a_run_that_does_not_fit_is_told_of_compile_and_offload": (
+        "test_advice.py's does-not-fit advice"
+    ),
+    "test_report.py::test_report_renders_in_a_headless_browser": (
+        "test_the_first_hour_page_in_a_headless_browser"
+    ),
+    "test_integrations_keras.py::test_sigkill_with_dropout_resumes_to_the_same_weights_bit_for_bit": (
+        "Keras: test_sigterm_mid_epoch_saves_exits_143_and_the_next_start_is_the_uninterrupted_run"
     ),
 }
 

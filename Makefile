@@ -36,7 +36,9 @@ quickstart: $(VENV)/.demo-installed  ## train through the engine, surviving a re
 	$(VENV)/bin/steadytrain report runs/quickstart
 
 # Test workers (pytest-xdist). Most tests wait on child processes (kills, restarts, resumes), so
-# more workers than cores pays; `make test TEST_WORKERS=0` runs in one process. A short fresh
+# more workers than cores pays; `make test TEST_WORKERS=0` runs in one process. Work stealing
+# (--dist worksteal): an idle worker takes queued tests from a busy one, so no long test ends the
+# run alone on one worker. A short fresh
 # base folder keeps the workers' paths short: messages that name a file must fit a console line.
 TEST_WORKERS ?= 4
 # PYTEST_ARGS adds pytest options, e.g. `make test PYTEST_ARGS=--durations=30`.

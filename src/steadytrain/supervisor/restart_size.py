@@ -51,8 +51,9 @@ def saver_left(
 ) -> dict[str, Any] | None:
     """After an OS memory kill (SIGKILL: the counter rose, or memory was high at the last
     step, or no counter and no reading to tell, or before the run's first step), or a native
-    crash near the address-space cap, with no smaller micro-batch left (micro-batch 1 in force, or none known): the savers the attempt had in
-    force and those left, as it recorded them at its start (`safety.supervised.savers_from_supervisor`);
+    crash near the address-space cap, with no smaller micro-batch left (micro-batch 1 in force,
+    or none known): the savers the attempt had in force and those left, as it recorded them at
+    its start (`safety.supervised.savers_from_supervisor`);
     None when there is no escalation to decide: another end, a shrink is left, or the
     attempt recorded none (not a Trainer's run). An attempt killed while it started (before it
     wrote any record: loading the model) is at the smallest size whatever its cap, and its

@@ -85,6 +85,32 @@ def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(t
     assert losses(run_dir) == losses(by_hand)
 
 
+def test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain(tmp_path: Path):
+    """A tiny Hugging Face Llama (a family the estimate models; about 0.5 GiB of activations a
+    sample plain, under 0.1 GiB checkpointed), each rank capped 550 MiB above its size. The
+    per-rank estimate puts one sample plain over the limit and checkpointed under it, so the
+    plan never runs the plain trial pass (which would run out of memory on a rank: exit 76 and
+    a restart) and starts with activation checkpointing on; both ranks record the per-rank
+    estimate."""
+    run_dir = tmp_path / "priced"
+    args = ("--model", "llama", "--batch", "4", "--steps", "1", "--limit-mib", "550")
+    done = torchrun(run_dir, *args)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        records = events(run_dir, rank)
+        assert "oom" not in [e["event"] for e in records]
+        (plan,) = [e for e in records if e["event"] == "plan"]
+        assert plan["activation_checkpointing"] is True, plan
+        assert any(
+            r.startswith("plain: not probed; one sample is estimated at") for r in plan["reasons"]
+        )
+        assert any(r.startswith("per-rank estimate (fsdp over 2 ranks") for r in plan["reasons"])
+        assert all(s["checkpointing"] for s in plan["probe"]["samples"]), plan["probe"]
+        (estimate,) = [e for e in records if e["event"] == "estimate"]
+        assert (estimate["world_size"], estimate["distributed"]) == (2, "fsdp"), estimate
+        assert estimate["analytic_total"] > 0, estimate
+
+
 def test_out_of_memory_at_micro_batch_1_on_a_rank_climbs_the_ladder_then_exit_3_naming_gpus(
     tmp_path: Path,
 ):

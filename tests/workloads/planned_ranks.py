@@ -3,7 +3,7 @@ CPU), each rank's address space capped.
 
     python -m torch.distributed.run --nproc_per_node 2 planned_ranks.py RUN_DIR
         [--distributed fsdp|ddp] [--micro auto|N] [--limit-mib M] [--steps S]
-        [--checkpointing]
+        [--checkpointing] [--model blocks|llama]
 
 The model has its own activation checkpointing switch (as Hugging Face models have), so the
 planner and the memory ladder can turn it on (--checkpointing: on from the start); under fsdp each block is sharded on its own.
@@ -12,6 +12,11 @@ activations a sample. With --limit-mib every rank's address space is capped at i
 MiB, after a warm-up pass and a warm-up collective (thread pools and arenas started under a
 tight limit abort instead of raising). Rank 0 writes RUN_DIR/result.json (steps, micro-batch,
 out-of-memory count).
+
+--model llama: a Hugging Face Llama of 8 decoder layers, 16 wide with an MLP 8192 wide, 512
+tokens a sample (the 4 samples of an optimizer batch, 2 a rank): a family the estimate models,
+so the plan is priced per rank. One sample's activations are about 0.5 GiB plain, under 0.1 GiB
+with activation checkpointing (one layer recomputed at a time).
 """
 
 from __future__ import annotations
@@ -70,8 +75,36 @@ def mean_loss(model, batch):
     return F.mse_loss(model(x), y)
 
 
-def limit_memory(model, data, mib: int) -> None:
-    mean_loss(model, tuple(torch.stack([s[i] for s in data[:2]]) for i in range(2))).backward()
+def lm_loss(model, batch):
+    return model(**batch).loss
+
+
+def llama():
+    """The tiny Llama and its samples (see the module's docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=8192,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=LLAMA_TOKENS,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (8, LLAMA_TOKENS), generator=g)
+    return model, [{"input_ids": row, "labels": row} for row in ids]
+
+
+LLAMA_TOKENS = 512
+
+
+def limit_memory(model, warm_up, mib: int, loss=mean_loss) -> None:
+    loss(model, warm_up).backward()
     model.zero_grad(set_to_none=True)
     limit = vm_size() + mib * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -87,17 +120,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--limit-mib", type=int)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--model", default="blocks")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Net()
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(SAMPLES, TOKENS, WIDTH, generator=g)
-    y = torch.randn(SAMPLES, TOKENS, WIDTH, generator=g)
-    data = list(zip(x, y, strict=True))
+    loss = lm_loss if args.model == "llama" else mean_loss
+    if args.model == "llama":
+        model, data = llama()
+    else:
+        model = Net()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, TOKENS, WIDTH, generator=g)
+        y = torch.randn(SAMPLES, TOKENS, WIDTH, generator=g)
+        data = list(zip(x, y, strict=True))
     dist.init_process_group("gloo")  # before the limit; the Trainer takes this group
     dist.all_reduce(torch.zeros(4096))  # and the collectives' buffers
     if args.limit_mib:
-        limit_memory(model, data, args.limit_mib)
+        if args.model == "llama":  # a short sample: a whole one is about 1 GiB plain
+            warm_up = {k: v[None, :64] for k, v in data[0].items()}
+        else:
+            warm_up = tuple(torch.stack([s[i] for s in data[:2]]) for i in range(2))
+        limit_memory(model, warm_up, args.limit_mib, loss)
     config = TrainConfig(
         run_dir=args.run_dir,
         effective_batch_size=args.batch,
@@ -111,7 +153,7 @@ def main() -> None:
         activation_checkpointing=True if args.checkpointing else "auto",
     )
     optimizer = lambda p: torch.optim.AdamW(p, lr=0.01)  # noqa: E731
-    result = Trainer(model, optimizer, mean_loss, data, config).fit()
+    result = Trainer(model, optimizer, loss, data, config).fit()
     dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":
         summary = {

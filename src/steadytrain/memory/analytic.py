@@ -73,11 +73,14 @@ def analytic_for(
     device_type: str,
     compiled: bool = False,
     fused_loss: bool = False,
+    sharding: Sharding | None = None,
 ):
     """(Analytic, None) for a known Hugging Face family, read off the live model (its config,
     peft adapters, weights dtype, attention), the batch (sequence length), the optimizer,
     whether the run compiles its layers and whether its chunked loss is the fused kernel;
-    (None, why not) otherwise."""
+    (None, why not) otherwise. `sharding`: the model is sharded over several ranks (FSDP2), and
+    the estimate is one rank's (memory/ranks.py: its shard of the model state, the gathered
+    layers, the backward's gradient buffers, its own micro-batch's activations)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         return None, "the model has no Hugging Face config"
@@ -105,11 +108,33 @@ def analytic_for(
             fused_loss=fused_loss,
             load_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
             **_method_of(model),
+            **(sharding.settings() if sharding is not None else {}),
         )
         chosen.check()
     except BadInputError as exc:
         return None, str(exc)
     return Analytic(config, chosen), None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A run sharded over `world_size` ranks (`distributed: fsdp`), each rank holding `share`
+    samples of every optimizer batch; `fsdp_offload`: the shards live in host memory (FSDP2's
+    `CPUOffloadPolicy`)."""
+
+    world_size: int
+    share: int
+    fsdp_offload: bool = False
+
+    def settings(self) -> dict[str, Any]:
+        """The estimate's fields for one rank of this run (`Analytic.of` then prices each
+        micro-batch with the accumulation that covers the share)."""
+        return {
+            "gpus": self.world_size,
+            "distributed": "fsdp",
+            "effective_batch_size": self.share,
+            "fsdp_offload": self.fsdp_offload,
+        }
 
 
 def _method_of(model) -> dict[str, Any]:

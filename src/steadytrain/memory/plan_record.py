@@ -78,8 +78,13 @@ class Plan:
         `peak` is the tensor peak (CUDA's counter), `total` what the process holds. On CPU the
         report's measurement is the process's resident set, interpreter and libraries included,
         which the analytic total does not model: the probe's prediction is recorded there, with
-        the analytic figures beside it."""
+        the analytic figures beside it. A sharded run's estimate is one rank's: `world_size`
+        and `distributed` say so."""
         extra = {}
+        ranks = {}
+        if self.analytic is not None and (self.analytic.settings.gpus or 1) > 1:
+            settings = self.analytic.settings
+            ranks = {"world_size": settings.gpus, "distributed": settings.distributed}
         if self.analytic is not None:
             at = self.analytic.at(
                 self.micro_batch_size, self.checkpointing, self.chunked_loss, self.offload
@@ -91,9 +96,10 @@ class Plan:
                     "total": at.total,
                     "probe_peak": _int(self.predicted_peak),
                     "micro_batch_size": self.micro_batch_size,
+                    **ranks,
                 }
             if at is not None:
-                extra = {"analytic_peak": at.peak, "analytic_total": at.total}
+                extra = {"analytic_peak": at.peak, "analytic_total": at.total, **ranks}
         if self.predicted_peak is None:
             return None
         return {

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from steadytrain._units import format_bytes
 from steadytrain.config import TrainConfig
 from steadytrain.device import OutOfMemory
 from steadytrain.engine.batching import batch_len, split_batch, to_device
@@ -18,7 +19,8 @@ from steadytrain.engine.side_pass import side_pass, trial_pass
 from steadytrain.engine.step import check_loss_output
 from steadytrain.errors import RankOutOfMemory
 from steadytrain.events import Callback, Control, TrainState
-from steadytrain.memory.analytic import analytic_for
+from steadytrain.memory.analytic import Analytic, Sharding, analytic_for
+from steadytrain.memory.choice import Mode
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.lockstep import Lockstep
 from steadytrain.memory.offload import OFFLOAD
@@ -62,17 +64,18 @@ class Passes:
         cfg, run = self.cfg, self.parts
         state, savers, model, group = run.state, run.savers, run.model, run.group
         batch = batch_at(self.data, run.sampler, 0, 0, group)  # planned per rank, its share
-        analytic = None
-        if not group.sharded:  # the per-rank estimate of a sharded model is not priced here
-            analytic, _ = analytic_for(
-                model,
-                batch,
-                precision=run.precision.name,
-                optimizer=run.optimizer,
-                device_type=run.device.type,
-                compiled=compiled,
-                fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
-            )
+        # sharded, the estimate is one rank's: its share of the batch, its shard of the state
+        sharding = Sharding(group.world_size, batch_len(batch)) if group.sharded else None
+        analytic, unpriced = analytic_for(
+            model,
+            batch,
+            precision=run.precision.name,
+            optimizer=run.optimizer,
+            device_type=run.device.type,
+            compiled=compiled,
+            fused_loss=_chunked_method(self.loss_fn, model, run.device.torch_device) == "fused",
+            sharding=sharding,
+        )
 
         def one_pass(size: int) -> None:
             piece = to_device(
@@ -126,7 +129,7 @@ class Passes:
                 chosen = lockstep.leader_plan(planner) if group.is_main else lockstep.follow()
             else:
                 chosen = planner(runs, run.device)
-        chosen = self._agreed(chosen)
+        chosen = self._agreed(chosen, unpriced)
         state.micro_batch_size = chosen.micro_batch_size
         savers.restore(
             Savers(
@@ -139,10 +142,11 @@ class Passes:
             [(Record.ESTIMATE, estimate)] if estimate else []
         )
 
-    def _agreed(self, chosen: Plan) -> Plan:
-        """One plan for every rank: sharded, rank 0's already (said in its reasons);
-        replicated, the smallest micro-batch any rank chose, with every saver any rank chose
-        (a rank that needed one at its size needs it at a size no larger)."""
+    def _agreed(self, chosen: Plan, unpriced: str | None = None) -> Plan:
+        """One plan for every rank: sharded, rank 0's already (said in its reasons, with how
+        the per-rank estimate priced it, or `unpriced`: why there is none); replicated, the
+        smallest micro-batch any rank chose, with every saver any rank chose (a rank that
+        needed one at its size needs it at a size no larger)."""
         group = self.parts.group
         if not group.active:
             return chosen
@@ -153,7 +157,8 @@ class Passes:
                 "with their all-gathers and reduce-scatters, each peak the largest any rank "
                 f"reached; micro {chosen.micro_batch_size} on every rank"
             )
-            return dataclasses.replace(chosen, reasons=[*chosen.reasons, why])
+            priced = _per_rank_reason(chosen.analytic, unpriced, group.world_size)
+            return dataclasses.replace(chosen, reasons=[*chosen.reasons, priced, why])
         level = _SAVING.index(chosen.activation_checkpointing)
         smallest = group.smallest(chosen.micro_batch_size)
         most, chunked = group.largest([float(level), float(chosen.chunked_loss)])
@@ -229,6 +234,25 @@ class Passes:
 
 _SAVING = (False, True, OFFLOAD)
 """activation_checkpointing values, each saving more than the one before."""
+
+
+def _per_rank_reason(analytic: Analytic | None, unpriced: str | None, world_size: int) -> str:
+    """How the per-rank estimate priced a sharded plan, or why it could not."""
+    problem = unpriced or (analytic.problem if analytic is not None else None)
+    totals = None if analytic is None else [analytic.total(1, m) for m in (Mode(), Mode(True))]
+    if totals is None or None in totals:
+        return (
+            f"per-rank estimate: none ({problem or 'not made'}); the trial passes alone price "
+            "the plan"
+        )
+    plain, checkpointed = (format_bytes(t) for t in totals)
+    return (
+        f"per-rank estimate (fsdp over {world_size} ranks: each rank's shard of the weights, "
+        "gradients and optimizer state, the root and two decoder layers gathered whole, its "
+        f"own micro-batch's activations): one sample {plain} plain, {checkpointed} with "
+        "activation checkpointing; a mode it puts over the limit is not tried when one with "
+        "more savers is estimated lower"
+    )
 
 
 def _pending(optimizer: torch.optim.Optimizer, sharded: bool) -> int:

@@ -54,6 +54,7 @@ def test_defaults():
         "activation_checkpointing": "auto",
         "compile": "auto",
         "distributed": "auto",
+        "fsdp_offload": False,
         "log_every_steps": 10,
         "async_save": "auto",
         "eval_every_steps": None,

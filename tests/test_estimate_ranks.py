@@ -194,3 +194,101 @@ def test_each_gloo_rank_holds_what_the_estimate_says(tmp_path: Path):
     assert measured["states"] < expected.row("optimizer states")  # rank 1: the smaller half
     rank0 = json.loads((tmp_path / "rank-0.json").read_text())
     assert rank0["states"] == expected.row("optimizer states")
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"device": "cpu"}, "fsdp_offload: needs a GPU with memory of its own (CUDA); on cpu"),
+        ({"device": "mps"}, "fsdp_offload: needs a GPU with memory of its own (CUDA); on mps"),
+        ({"distributed": "ddp"}, "fsdp_offload: FSDP2's offload policy needs a sharded model"),
+    ],
+)
+def test_fsdp_offload_is_refused_where_it_frees_nothing(fields, said):
+    """The run's `fsdp_offload` (the estimate's `--fsdp-offload`) is refused, naming the field,
+    on a device whose memory is the host's and with a replicated model."""
+    from steadytrain.config import TrainConfig
+    from steadytrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig(effective_batch_size=4, fsdp_offload=True, **fields)
+    assert said in str(raised.value), raised.value
+
+
+def test_the_sharded_plan_is_priced_per_rank_with_the_shards_on_the_host():
+    """The plan's per-rank estimate of a live sharded model (`analytic_for(..., sharding=)`):
+    one rank's shard of the state on the device, and with fsdp_offload none of it (the host
+    holds it); the gathered layers and the activations stay."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from steadytrain.memory.analytic import Sharding, analytic_for
+    from steadytrain.memory.choice import Mode
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = {"input_ids": torch.zeros(2, 128, dtype=torch.long)}
+    found = {}
+    for name, sharding in (
+        ("one", None),
+        ("fsdp", Sharding(2, 2)),
+        ("offload", Sharding(2, 2, fsdp_offload=True)),
+    ):
+        analytic, why = analytic_for(
+            model,
+            batch,
+            precision="bf16",
+            optimizer=optimizer,
+            device_type="cuda",
+            sharding=sharding,
+        )
+        assert analytic is not None, why
+        found[name] = analytic.of(1, Mode())
+    one, fsdp, offload = found["one"], found["fsdp"], found["offload"]
+    assert (fsdp.world_size, fsdp.distributed) == (2, "fsdp")
+    assert 0 < fsdp.row("optimizer states") < one.row("optimizer states")
+    assert offload.row("weights") == offload.row("optimizer states") == 0
+    assert offload.row("FSDP gathered parameters") == fsdp.row("FSDP gathered parameters") > 0
+    assert offload.ranks.host > 0 and offload.total < fsdp.total
+
+
+def test_shard_hands_fsdp2_the_offload_policy(monkeypatch):
+    """`fsdp_offload` reaches FSDP2: every unit (each decoder layer and the root) is sharded
+    with `CPUOffloadPolicy`, and the `sharding` record says so. FSDP2 refuses that policy on a
+    machine without an accelerator, so `fully_shard` is stood in for here; the GPU runs it."""
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from steadytrain.engine import sharding
+    from steadytrain.engine.distributed import Group
+
+    calls = []
+
+    class Unit:
+        pass
+
+    monkeypatch.setattr(sharding, "_fsdp2", lambda gloo: (Unit, lambda m, **kw: calls.append(kw)))
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: "mesh")
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([Layer(), Layer()]))
+    found = sharding.shard(model, Group(world_size=2), offload=True)
+    assert found["offload"] is True and found["blocks"] == 2
+    assert len(calls) == 3, calls
+    assert all(isinstance(kw["offload_policy"], CPUOffloadPolicy) for kw in calls), calls
+    calls.clear()
+    assert sharding.shard(model, Group(world_size=2))["offload"] is False
+    assert calls and all("offload_policy" not in kw for kw in calls), calls

@@ -301,6 +301,15 @@ class TrainConfig(BaseModel):
         "optimizer state fit the per-rank memory budget, fsdp otherwise. One process always "
         "replicates (nothing to shard).",
     )
+    fsdp_offload: bool = Field(
+        False,
+        description="Under fsdp: each rank's shard of the parameters, gradients and optimizer "
+        "state in pinned host memory, and the optimizer step on the CPU (FSDP2's "
+        "CPUOffloadPolicy); the GPU holds the gathered layers, the backward's gradients and "
+        "the activations. Frees the model state from the GPU for a slower step; `steadytrain "
+        "estimate --fsdp-offload` prices it. CUDA only; with 'auto' it applies only where the "
+        "run shards.",
+    )
     log_every_steps: int = Field(
         10,
         ge=1,
@@ -525,6 +534,16 @@ def _combination_problems(values: Mapping[str, Any], given: set[str]) -> list[st
     device = values.get("device")
     if values.get("activation_checkpointing") == "offload" and isinstance(device, str):
         problems += [offload_problem(kind) for kind in ("cpu", "mps") if device.startswith(kind)]
+    if values.get("fsdp_offload") is True:
+        distributed = values.get("distributed")
+        if distributed in ("replicate", "ddp"):
+            problems.append(
+                f"fsdp_offload: FSDP2's offload policy needs a sharded model, not distributed "
+                f"'{distributed}' (found true); set distributed to 'fsdp', or fsdp_offload to "
+                "false"
+            )
+        if isinstance(device, str):
+            problems += [fsdp_offload_problem(k) for k in ("cpu", "mps") if device.startswith(k)]
     keep, async_save = values.get("keep_last"), values.get("async_save")
     if async_save is True and isinstance(keep, int) and keep < 2:
         problems.append(
@@ -541,6 +560,15 @@ def offload_problem(device_type: str, name: str = "activation_checkpointing") ->
         f"{name}: 'offload' needs a GPU with memory of its own (CUDA); on "
         f"{device_type} host memory is the same memory, so a copy there frees nothing (found "
         "'offload'); use true"
+    )
+
+
+def fsdp_offload_problem(device_type: str) -> str:
+    """Why `fsdp_offload` is refused on a device without memory of its own."""
+    return (
+        f"fsdp_offload: needs a GPU with memory of its own (CUDA); on {device_type} host "
+        "memory is the same memory, so a shard there frees nothing (found true); set "
+        "fsdp_offload to false"
     )
 
 
@@ -621,7 +649,8 @@ def reference_markdown() -> str:
         "Rules between fields:",
         "",
         "- a `micro_batch_size` number must divide `effective_batch_size`;",
-        "- `save_every_steps` must be at most `max_steps` when `max_steps` is set.",
+        "- `save_every_steps` must be at most `max_steps` when `max_steps` is set;",
+        "- `fsdp_offload: true` needs `distributed` 'fsdp' or 'auto' and a CUDA device.",
     ]
     return "\n".join(lines) + "\n"
 

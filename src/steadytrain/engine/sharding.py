@@ -89,9 +89,12 @@ def _let_workers_release() -> None:
 _RELEASE_S = 0.2
 
 
-def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
+def shard(model: torch.nn.Module, group: Group, offload: bool = False) -> dict[str, Any]:
     """Shard `model` in place over the group's ranks (every rank must hold the same values:
-    `Group.broadcast_module` first). Returns what was sharded, for the `sharding` event."""
+    `Group.broadcast_module` first). `offload` (the config's `fsdp_offload`): every unit with
+    FSDP2's `CPUOffloadPolicy`, its shards of parameters, gradients and (the optimizer being
+    built on them) optimizer state in pinned host memory. Returns what was sharded, for the
+    `sharding` event."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device(group.device)
@@ -108,15 +111,26 @@ def shard(model: torch.nn.Module, group: Group) -> dict[str, Any]:
     atexit.register(_let_workers_release)
     blocks = repeated_blocks(model)
     kinds = ", ".join(sorted({type(b).__name__ for b in blocks})) or "none"  # before: FSDP<cls>
+    policy = {}
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        policy = {"offload_policy": CPUOffloadPolicy()}
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the losses carry the global weights
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # required on gloo: above
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
-    return {"mode": "fsdp", "blocks": len(blocks), "kinds": kinds, "world_size": group.world_size}
+    return {
+        "mode": "fsdp",
+        "blocks": len(blocks),
+        "kinds": kinds,
+        "world_size": group.world_size,
+        "offload": offload,
+    }
 
 
 def _fsdp2(gloo: bool) -> tuple[type, Any]:

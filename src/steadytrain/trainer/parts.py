@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from steadytrain.config import TrainConfig, offload_problem
+from steadytrain.config import TrainConfig, fsdp_offload_problem, offload_problem
 from steadytrain.device import Device, resolve_device, seed_everything
 from steadytrain.engine import OptimizerBatchSampler, Precision, StepRunner, resolve_precision
 from steadytrain.engine.distributed import Group
@@ -111,6 +111,8 @@ def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
     device = resolve_device(group.device_name(cfg.device), cfg.budget_bytes_or_fraction())
     if cfg.activation_checkpointing == "offload" and not device.discrete_memory:
         raise ConfigError([offload_problem(device.type)])
+    if cfg.fsdp_offload and not device.discrete_memory:
+        raise ConfigError([fsdp_offload_problem(device.type)])
     return device
 
 
@@ -123,6 +125,8 @@ def _place(
     group.broadcast_module(model)
     distributed = choose(cfg.distributed, model, group, budget)
     if distributed["mode"] != "fsdp":
+        if cfg.fsdp_offload:  # distributed auto chose to replicate, or one process
+            distributed["reason"] += "; fsdp_offload: nothing offloaded, the run does not shard"
         return group, distributed
-    distributed |= shard(model, group)
+    distributed |= shard(model, group, offload=cfg.fsdp_offload)
     return dataclasses.replace(group, sharded=True), distributed

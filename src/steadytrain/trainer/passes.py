@@ -65,7 +65,8 @@ class Passes:
         state, savers, model, group = run.state, run.savers, run.model, run.group
         batch = batch_at(self.data, run.sampler, 0, 0, group)  # planned per rank, its share
         # sharded, the estimate is one rank's: its share of the batch, its shard of the state
-        sharding = Sharding(group.world_size, batch_len(batch)) if group.sharded else None
+        offload = bool(run.distributed.get("offload"))  # the shards in host memory
+        sharding = Sharding(group.world_size, batch_len(batch), offload) if group.sharded else None
         analytic, unpriced = analytic_for(
             model,
             batch,
@@ -110,7 +111,7 @@ class Passes:
                 micro_batch_sizes=cfg.micro_batch_sizes,
                 cap=cap,
                 analytic=analytic,
-                pending=_pending(run.optimizer, group.sharded),
+                pending=0 if offload else _pending(run.optimizer, group.sharded),
                 compiled=compiled_growth(model) if compiled else False,
                 eager_passes=eager,
             )
@@ -246,9 +247,10 @@ def _per_rank_reason(analytic: Analytic | None, unpriced: str | None, world_size
             "the plan"
         )
     plain, checkpointed = (format_bytes(t) for t in totals)
+    where = " in host memory (fsdp_offload)" if analytic.settings.fsdp_offload else ""
     return (
         f"per-rank estimate (fsdp over {world_size} ranks: each rank's shard of the weights, "
-        "gradients and optimizer state, the root and two decoder layers gathered whole, its "
+        f"gradients and optimizer state{where}, the root and two decoder layers gathered whole, its "
         f"own micro-batch's activations): one sample {plain} plain, {checkpointed} with "
         "activation checkpointing; a mode it puts over the limit is not tried when one with "
         "more savers is estimated lower"

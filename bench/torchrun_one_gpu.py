@@ -71,7 +71,7 @@ def child(args) -> None:
     config = TrainConfig(
         run_dir=str(run_dir),
         effective_batch_size=effective,
-        micro_batch_size=args.micro,
+        micro_batch_size="auto" if args.auto_micro else args.micro,
         precision="fp32" if args.smoke else "bf16",
         device=str(device),
         max_steps=args.steps,
@@ -81,6 +81,7 @@ def child(args) -> None:
         log_every_steps=1,
         compile=args.compile,
         distributed=args.distributed,
+        fsdp_offload=args.fsdp_offload,
     )
     C.reset_peak(device)
     optimizer = lambda params: torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")  # noqa: E731
@@ -145,6 +146,8 @@ def add_child_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--method", default="lora", choices=["lora", "full"])
     p.add_argument("--distributed", default="auto", choices=["auto", "replicate", "fsdp"])
+    p.add_argument("--auto-micro", action="store_true", help="micro_batch_size: auto (planned)")
+    p.add_argument("--fsdp-offload", action="store_true", help="fsdp_offload: true (CUDA)")
 
 
 def child_command(args, work: Path, result: Path, **extra: Any) -> list[str]:

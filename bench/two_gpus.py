@@ -20,6 +20,14 @@ Scenarios (each run in its own processes, each with a time limit so a hang is a 
   tokens/s against the one process of 'scale' (run 'scale' first in the same call), and each
   rank's peak allocated memory against the one process's.
 
+* fsdp_auto, fsdp_offload: the 'fsdp' workload under the same cap with `micro_batch_size: auto`,
+  the second with `fsdp_offload: true` (FSDP2's CPUOffloadPolicy; CUDA only, left out with
+  --smoke): the plan each rank chose before its first step (the per-rank estimate's reason,
+  the savers), whether attempt 1 trained with no out-of-memory, its peak allocated and speed.
+  Run both in one call to set the offload's cost against the plan without it:
+
+    python bench/two_gpus.py --scenarios fsdp_auto,fsdp_offload --out $OUT/two_gpus_plan.json
+
 --gpus N runs every scenario on N ranks instead of 2 (each rank's share of the batch is 64 / N;
 rank 1 is the one capped in 'oom' and killed in 'kill'). The JSON is written after each scenario,
 so a call cut short keeps the scenarios it finished.
@@ -212,6 +220,40 @@ def fsdp(args, work: Path) -> dict[str, Any]:
     }
 
 
+def fsdp_planned(args, work: Path, offload: bool) -> dict[str, Any]:
+    """The 'fsdp' workload, each GPU capped at --fsdp-cap-gib, with `micro_batch_size: auto`
+    (and `fsdp_offload: true` where `offload`): what the plan chose before the first step and
+    how attempt 1 went. A run that fails is reported, not raised: its out-of-memory is the
+    finding."""
+    name = "fsdp-offload" if offload else "fsdp-auto"
+    run_dir, result = work / f"{name}-run", work / f"{name}.json"
+    command = one.child_command(
+        args,
+        work / name,
+        result,
+        effective=8,
+        run_dir=run_dir,
+        method="full",
+        distributed="fsdp",
+        cap_gib=args.fsdp_cap_gib,
+        cap_rank=-1,
+    )
+    command += ["--auto-micro"] + (["--fsdp-offload"] if offload else [])
+    done = launch([*one.torchrun(args.gpus), *command], args.limit)
+    events = C.read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    plans = [e for e in events if e["event"] == "plan"]
+    return {
+        "ranks": args.gpus,
+        "offload": offload,
+        "exit_code": done.returncode,
+        "result": json.loads(result.read_text()) if done.returncode == 0 else None,
+        "plan": plans[-1] if plans else None,
+        "estimate": next((e for e in events if e["event"] == "estimate"), None),
+        "ooms": [e for e in events if e["event"] == "oom"],
+        "stderr_tail": done.stderr[-3000:] if done.returncode else "",
+    }
+
+
 def fsdp_scale(args, work: Path) -> dict[str, Any]:
     """The scale workload sharded over --gpus ranks, against 'scale''s one process when it ran."""
     result = work / "fsdp-scale.json"
@@ -260,7 +302,12 @@ def main() -> None:
                 "kill": kill,
                 "fsdp": fsdp,
                 "fsdp_scale": fsdp_scale,
+                "fsdp_auto": lambda a, w: fsdp_planned(a, w, offload=False),
+                "fsdp_offload": lambda a, w: fsdp_planned(a, w, offload=True),
             }[name]
+            if args.smoke and name == "fsdp_offload":
+                print("fsdp_offload: left out with --smoke (CUDA only)", flush=True)
+                continue
             if args.smoke:
                 figures[name] = scenario(args, Path(work))
             else:
@@ -305,6 +352,15 @@ def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
             "checkpoint files": f["checkpoint"]["files"],
             "resumed_from": f["resumed_from"],
             "one GPU": {k: one_gpu[k] for k in ("steps", "peak_allocated", "losses")},
+        }
+    if name in ("fsdp_auto", "fsdp_offload"):
+        plan, r = f["plan"] or {}, f["result"] or {}
+        return several | {
+            "exit_code": f["exit_code"],
+            "plan": {k: plan.get(k) for k in ("micro_batch_size", "activation_checkpointing")},
+            "per-rank reason": [x for x in plan.get("reasons", []) if "per-rank" in x],
+            "ooms": len(f["ooms"]),
+            **{k: r.get(k) for k in ("steps", "peak_allocated", "tokens_per_s")},
         }
     r = f["result"]
     out = several | {k: r[k] for k in ("steps", "micro_batch_size", "oom_count", "samples")}

@@ -94,6 +94,8 @@ for action in plan[min(k, len(plan) - 1)].split("+"):
             (state / "probe").write_text("gone")
     elif verb == "ready":
         (state / "ready").write_text("")
+    elif verb == "env":  # the variables named (comma-separated) as this attempt got them
+        (state / f"env-{k}.json").write_text(json.dumps({n: os.environ.get(n) for n in arg.split(",")}))
     elif verb == "sleep":
         time.sleep(float(arg))
     elif verb == "error":  # the trainer's "error" event for an error ARG at step 1, then exit 5
@@ -390,6 +392,39 @@ def test_a_ranks_exit_76_at_micro_batch_1_with_no_saver_left_is_exit_3_naming_gp
     assert end["exit_code"] == 3 and end["in_force"] == ["activation_checkpointing"]
     assert "2 ranks' memory is too little" in out
     assert "What would help: distributed: fsdp instead of ddp (each of the 2 ranks" in out
+
+
+def test_a_sharded_group_out_of_memory_at_1_with_every_saver_on_next_puts_its_shards_on_the_host(
+    job,
+):
+    """Sharded on GPUs (each rank's fit_start: distributed fsdp, its shards on the GPU), rank 1
+    ran out at micro-batch 1 with every saver in force: the next start is asked for FSDP2's
+    offload policy (ENV_FSDP_OFFLOAD), not counted against --max-restarts; when that start runs
+    out the same way, nothing is left: exit 3, naming the offload among what was in force."""
+    savers = ["activation_checkpointing", "chunked_loss"]
+    ranks = ranks_out_of_memory_at_1(savers, [])
+    for rank, records in ranks.items():
+        start = records[0]
+        start |= {"device": f"cuda:{rank}", "distributed": {"mode": "fsdp", "offload": False}}
+    (job.state / "ranks.json").write_text(json.dumps(ranks))
+    variable = "STEADYTRAIN_FSDP_OFFLOAD"
+    code, out = supervise(
+        job,
+        f"env:{variable}+ranks+exit:1",
+        f"env:{variable}+ranks+exit:1",
+        oom_kill_count=lambda: 0,
+        max_restarts=0,
+    )
+    assert code == 3, out
+    first, second = (json.loads((job.state / f"env-{k}.json").read_text()) for k in (0, 1))
+    assert (first[variable], second[variable]) == (None, "1")
+    (escalation,) = job.events("memory_escalation")
+    assert escalation["saver"] == "fsdp_offload" and escalation["in_force"] == savers
+    assert "the next attempt puts the shards in host memory (FSDP2's offload policy, " in out
+    assert f"{variable}=1" in out
+    assert "in force: activation checkpointing, the chunked loss, the shards in host memory" in out
+    (end,) = job.events("supervisor_end")
+    assert end["exit_code"] == 3
 
 
 def test_a_rank_the_os_killed_at_micro_batch_1_restarts_the_group_with_the_next_saver(job):

@@ -11,6 +11,7 @@ above may read the environment through it, without torch.
     STEADYTRAIN_RESTART            restart()          whole number >= 0      0
     STEADYTRAIN_MAX_MICRO_BATCH    max_micro_batch()  whole number >= 1      no cap (None)
     STEADYTRAIN_MEMORY_SAVERS      memory_savers()    whole number >= 0      0
+    STEADYTRAIN_FSDP_OFFLOAD       fsdp_offload()     "1" (yes) or "0"       no
     STEADYTRAIN_RUN_DIR            run_dir()          a path                 None
     STEADYTRAIN_START_WATCH        start_watch()      {"run_dir", "limit_s"} None
     STEADYTRAIN_ANNOUNCE_FD        announce_fd()      "FD:INODE"             None
@@ -40,6 +41,9 @@ ENV_RESTART = "STEADYTRAIN_RESTART"  # how many times the supervisor has restart
 ENV_MAX_MICRO_BATCH = "STEADYTRAIN_MAX_MICRO_BATCH"  # cap after the OS killed it for memory
 ENV_RUN_DIR = "STEADYTRAIN_RUN_DIR"  # where the supervisor looks for progress
 ENV_MEMORY_SAVERS = "STEADYTRAIN_MEMORY_SAVERS"  # rungs of the saver ladder to have in force
+# "1": shard with FSDP2's offload policy, a sharded group's rung after every saver (a rank ran
+# out of memory at micro-batch 1 with all of them in force)
+ENV_FSDP_OFFLOAD = "STEADYTRAIN_FSDP_OFFLOAD"
 # JSON {"run_dir": ..., "limit_s": ...} when the run directory is known: a process that imports
 # steadytrain with it set watches itself for a hang from then on (safety.start_watch).
 ENV_START_WATCH = "STEADYTRAIN_START_WATCH"
@@ -87,6 +91,13 @@ def memory_savers(environ: Environ = os.environ) -> int:
     OS killed an earlier attempt with no smaller micro-batch left); 0: none asked."""
     value = _whole(environ, ENV_MEMORY_SAVERS, least=0, what="how many memory savers to turn on")
     return 0 if value is None else value
+
+
+def fsdp_offload(environ: Environ = os.environ) -> bool:
+    """Whether `steadytrain run` asks a sharded run (`distributed: fsdp`) for its shards in host
+    memory (FSDP2's offload policy, as the config's `fsdp_offload`): a rank of the attempt before
+    ran out of memory at micro-batch 1 with every memory saver in force."""
+    return _switch(environ, ENV_FSDP_OFFLOAD, default=False)
 
 
 def run_dir(environ: Environ = os.environ) -> Path | None:

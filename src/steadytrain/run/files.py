@@ -38,6 +38,7 @@ from pathlib import Path
 # The variables the supervisor sets in its child's environment: named, and read, in run_env.
 from steadytrain.run.env import (
     ENV_ANNOUNCE_FD,
+    ENV_FSDP_OFFLOAD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,
     ENV_RESTART,
@@ -156,6 +157,7 @@ __all__ = [
     "CHECKPOINTS",
     "CONFIG",
     "ENV_ANNOUNCE_FD",
+    "ENV_FSDP_OFFLOAD",
     "ENV_MAX_MICRO_BATCH",
     "ENV_MEMORY_SAVERS",
     "ENV_RESTART",

@@ -21,6 +21,7 @@ from pathlib import Path
 from steadytrain.errors import BadInputError
 from steadytrain.run.files import (
     ENV_ANNOUNCE_FD,
+    ENV_FSDP_OFFLOAD,
     ENV_MAX_MICRO_BATCH,
     ENV_MEMORY_SAVERS,
     ENV_RESTART,
@@ -62,8 +63,11 @@ class ChildProcess:
         self._said_unlocated = False
         self._given_run_dir = options.run_dir  # --run-dir, $STEADYTRAIN_RUN_DIR, output_dir
 
-    def run(self, attempt: int, max_micro: int | None, savers: int | None) -> int:
-        """Start attempt `attempt` (0 first) and wait for its end: its `Popen.returncode`."""
+    def run(
+        self, attempt: int, max_micro: int | None, savers: int | None, fsdp_offload: bool = False
+    ) -> int:
+        """Start attempt `attempt` (0 first) and wait for its end: its `Popen.returncode`.
+        `fsdp_offload`: a sharded group's shards in host memory (ENV_FSDP_OFFLOAD)."""
         env = {**self.environ, ENV_SUPERVISED: "1", ENV_RESTART: str(attempt)}
         if self.options.run_dir is not None:  # the child watches itself from its start
             start = {
@@ -77,6 +81,8 @@ class ChildProcess:
             env[ENV_MAX_MICRO_BATCH] = str(max_micro)
         if savers is not None:
             env[ENV_MEMORY_SAVERS] = str(savers)
+        if fsdp_offload:
+            env[ENV_FSDP_OFFLOAD] = "1"
         self.proc = self._start(env)
         self.say(f"attempt {attempt + 1} runs as pid {self.proc.pid}")
         returncode = self._wait(self.proc)

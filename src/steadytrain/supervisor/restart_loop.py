@@ -71,7 +71,7 @@ from steadytrain.errors import (
 )
 from steadytrain.run import env as run_env
 from steadytrain.run.events import append_event
-from steadytrain.run.files import ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
+from steadytrain.run.files import ENV_FSDP_OFFLOAD, ENV_MAX_MICRO_BATCH, ENV_MEMORY_SAVERS
 from steadytrain.run.records import Record
 from steadytrain.supervisor.attempt_end import (
     ended_run,
@@ -90,6 +90,7 @@ from steadytrain.supervisor.progress import AttemptStart, progress_step
 from steadytrain.supervisor.restart_size import (
     folder_of,
     halved_in_process,
+    offload_left,
     saver_left,
     smaller_micro_batch,
     smallest_micro_batch,
@@ -107,6 +108,7 @@ from steadytrain.supervisor.words import (
 )
 
 GAVE_UP = 4
+FSDP_OFFLOAD_WORDS = "the shards in host memory (FSDP2's offload policy, fsdp_offload)"
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -141,6 +143,8 @@ class Supervisor:
         self.child = ChildProcess(self.command, self.environ, options, self._say, self._record)
         self._escalations: list[str] = []  # each halving (in the process or by a cap) and saver
         # turned on, in order, for the last word's "Tried:"
+        self._fsdp_offload = False  # asked of every start since a sharded group ran out with
+        # every saver in force (ENV_FSDP_OFFLOAD)
 
     @property
     def options(self) -> SupervisorOptions:
@@ -194,8 +198,11 @@ class Supervisor:
             error_before = error
 
             savers = saver_left(self.options.run_dir, death, max_micro, started, savers_asked)
+            offload = False  # the next start shards with FSDP2's offload policy
             if savers is not None and not savers["left"]:
-                return self._no_saver_left(death, step, savers, max_micro)
+                offload = not self._fsdp_offload and offload_left(death, started)
+                if not offload:
+                    return self._no_saver_left(death, step, savers, max_micro)
             smaller = self._smaller_start(death, max_micro) if savers is None else None
             # a restart with a smaller micro-batch or one more saver on is not the same restart
             # again: not counted (each ladder has an end: micro-batch 1, the last saver)
@@ -209,7 +216,9 @@ class Supervisor:
                 max_micro = smaller_micro_batch(self.options.run_dir, max_micro, death)
             if smaller is not None:  # a halving: the last word's "Tried:" names it
                 self._escalations.append(f"micro-batch {smaller} (attempt {self.restarts + 2})")
-            if savers is not None:
+            if offload:
+                self._offload(savers, step, death)
+            elif savers is not None:
                 savers_asked = self._escalate(savers, step, death)
             self.child.kill_leftovers()
 
@@ -235,7 +244,7 @@ class Supervisor:
         """One attempt, start to end: its return code, how it ended, and how long it ran."""
         oom_before = self._oom_kill_count()
         started = time.monotonic()
-        returncode = self.child.run(self.restarts, max_micro, savers)
+        returncode = self.child.run(self.restarts, max_micro, savers, self._fsdp_offload)
         ran_s = time.monotonic() - started
         watch = self.child.heartbeat
         if watch.hang is not None:
@@ -318,6 +327,7 @@ class Supervisor:
             f"{short(death)}; {self._progress_note(progressed, step, no_progress, counted)}"
             + (f"; {ENV_MAX_MICRO_BATCH}={max_micro}" if max_micro else "")
             + (f"; {ENV_MEMORY_SAVERS}={savers_asked}" if savers_asked else "")
+            + (f"; {ENV_FSDP_OFFLOAD}=1" if self._fsdp_offload else "")
         )
 
     def _death(self, returncode: int, oom_before: int | None, since: AttemptStart) -> ChildExit:
@@ -457,6 +467,24 @@ class Supervisor:
         self._say(f"{why} attempt turns on {saver_name(saver)} ({ENV_MEMORY_SAVERS}={asked})")
         return asked
 
+    def _offload(self, savers: dict[str, Any], step: int | None, death: ChildExit) -> None:
+        """A sharded group ran out at micro-batch 1 with every saver in force: every next start
+        shards with FSDP2's offload policy (ENV_FSDP_OFFLOAD); record it and say so."""
+        self._fsdp_offload = True
+        self._escalations.append(f"{FSDP_OFFLOAD_WORDS} (attempt {self.restarts + 2})")
+        self._record(
+            Record.MEMORY_ESCALATION,
+            step,
+            saver="fsdp_offload",
+            in_force=savers["in_force"],
+            left=[],
+            memory_savers=len(savers["in_force"]) or None,
+        )
+        self._say(
+            f"{_rank_ran_out(death)} with no smaller micro-batch left and every memory saver in "
+            f"force: the next attempt puts {FSDP_OFFLOAD_WORDS} ({ENV_FSDP_OFFLOAD}=1)"
+        )
+
     def _no_saver_left(
         self, death: ChildExit, step: int | None, savers: dict[str, Any], cap: int | None
     ) -> int:
@@ -465,7 +493,9 @@ class Supervisor:
         help."""
         if death.while_starting:
             return self._not_loaded(death, step, savers)
-        in_force = ", ".join(saver_name(s) for s in savers["in_force"]) or "none it can use"
+        named = [saver_name(s) for s in savers["in_force"]]
+        named += [FSDP_OFFLOAD_WORDS] if self._fsdp_offload else []
+        in_force = ", ".join(named) or "none it can use"
         folder = folder_of(self.options.run_dir, death)
         smallest = smallest_micro_batch(folder, cap)
         micro = f"micro-batch {smallest}" if smallest is not None else "before its first step"

@@ -3,7 +3,8 @@ address-space cap (`address_space`): half the micro-batch in force (the out-of-m
 `HALVING`), or, at micro-batch 1, one more memory saver than the attempt had in force, as it
 recorded them at its start (an attempt killed while it started, before it recorded them: the
 ladder's next, `start_kill`). Under torchrun, a rank's exit 76 at micro-batch 1 climbs the same
-ladder (`group_out_of_memory_at_one`). What the attempt halved itself, in the process, is read
+ladder (`group_out_of_memory_at_one`), and past its last saver, where the group is sharded on
+GPUs, asks for the shards in host memory (`offload_left`). What the attempt halved itself, in the process, is read
 back for the last word's "Tried:" (`halved_in_process`)."""
 
 from __future__ import annotations
@@ -96,6 +97,27 @@ def group_out_of_memory_at_one(run_dir: Path | None, death: ChildExit, cap: int 
     if death.rank.exit_code is None and death.oom_kill_delta:
         return smallest_micro_batch(folder, cap) == 1
     return False
+
+
+def offload_left(death: ChildExit, since: Since) -> bool:
+    """A torchrun group sharded on GPUs (`distributed: fsdp`, a CUDA device) whose rank ran out
+    of memory at micro-batch 1 with every saver in force, and whose shards were on the GPU (its
+    `fit_start` says how it was placed): FSDP2's offload policy (`fsdp_offload`) is the rung
+    left, which moves each rank's shards of parameters, gradients and optimizer state to host
+    memory. It must be chosen before the model is sharded, so it is asked of the next start
+    (ENV_FSDP_OFFLOAD), not climbed in the process as the savers are."""
+    if death.rank is None:
+        return False
+    starts = [
+        r
+        for r in attempt_records(Path(death.rank.folder) / run_files.EVENTS, since)
+        if r.get("event") == Record.FIT_START
+    ]
+    if not starts:
+        return False
+    placed = starts[-1].get("distributed") or {}
+    on_gpu = str(starts[-1].get("device") or "").startswith("cuda")
+    return on_gpu and placed.get("mode") == "fsdp" and placed.get("offload") is False
 
 
 def folder_of(run_dir: Path | None, death: ChildExit) -> Path | None:

@@ -19,6 +19,7 @@ from steadytrain.engine.sharding import choose, shard
 from steadytrain.errors import ConfigError
 from steadytrain.events import Control, Dispatcher, TrainState
 from steadytrain.memory.savers import MemorySavers
+from steadytrain.run import env as run_env
 from steadytrain.trainer.data import check_order_fits, make_sampler
 from steadytrain.trainer.evaluation import check_evaluation
 from steadytrain.trainer.notes import warn_if_batch_dependent
@@ -54,7 +55,7 @@ def build_parts(cfg: TrainConfig, program: Program, group: Group) -> RunParts:
     if cfg.seed is not None:  # null: the RNG streams as the program left them
         seed_everything(cfg.seed + group.rank)  # each rank its own dropout masks
     model = program.model.to(device.torch_device)
-    group, distributed = _place(cfg, model, group, device.budget)
+    group, distributed = _place(cfg, model, group, device)
     model.train()
     optimizer = build_optimizer(program.optimizer, model)
     scheduler = make_scheduler(program.scheduler, optimizer)
@@ -117,16 +118,24 @@ def _resolve_device(cfg: TrainConfig, group: Group) -> Device:
 
 
 def _place(
-    cfg: TrainConfig, model: torch.nn.Module, group: Group, budget: int | None
+    cfg: TrainConfig, model: torch.nn.Module, group: Group, device: Device
 ) -> tuple[Group, dict[str, Any]]:
     """Every rank starts from rank 0's model; then it is replicated or sharded (the
-    `distributed` field, engine/sharding.py), before the optimizer takes its parameters.
+    `distributed` field, engine/sharding.py), before the optimizer takes its parameters;
+    sharded with the shards in host memory where the config's `fsdp_offload` or the
+    supervisor (ENV_FSDP_OFFLOAD, on a device with memory of its own) asks.
     Returns the group (sharded or not) and the mode chosen."""
     group.broadcast_module(model)
-    distributed = choose(cfg.distributed, model, group, budget)
+    distributed = choose(cfg.distributed, model, group, device.budget)
+    asked = run_env.fsdp_offload() and device.discrete_memory and not cfg.fsdp_offload
     if distributed["mode"] != "fsdp":
         if cfg.fsdp_offload:  # distributed auto chose to replicate, or one process
             distributed["reason"] += "; fsdp_offload: nothing offloaded, the run does not shard"
         return group, distributed
-    distributed |= shard(model, group, offload=cfg.fsdp_offload)
+    distributed |= shard(model, group, offload=cfg.fsdp_offload or asked)
+    if asked:
+        distributed["reason"] += (
+            f"; the shards in host memory: {run_env.ENV_FSDP_OFFLOAD}=1 (supervisor: a rank "
+            "ran out of memory at micro-batch 1 with every memory saver in force)"
+        )
     return dataclasses.replace(group, sharded=True), distributed

@@ -111,6 +111,23 @@ def test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain(
         assert estimate["analytic_total"] > 0, estimate
 
 
+def test_a_trial_pass_out_of_memory_counts_the_savers_it_had_on(tmp_path: Path):
+    """The tiny Llama capped 80 MiB above its size: the per-rank estimate sends the plan
+    straight to a checkpointed trial pass, which runs out of memory at micro-batch 1. The ranks
+    record that pass's savers as in force, so `steadytrain run` stops with exit 3 after that
+    one attempt (nothing is left on the CPU) instead of restarting to try checkpointing again."""
+    run_dir = tmp_path / "counted"
+    args = ("--model", "llama", "--batch", "4", "--steps", "1", "--limit-mib", "80")
+    done = supervised(run_dir, *args)
+    assert done.returncode == 3, done.stderr[-4000:]
+    assert not [e for e in events(run_dir) if e["event"] == "restart"]
+    ooms = [e for r in (0, 1) for e in events(run_dir, r) if e["event"] == "oom"]
+    assert ooms and all(o["phase"] == "plan" and o["micro_batch_size"] == 1 for o in ooms)
+    assert all(o["activation_checkpointing"] is True for o in ooms), ooms
+    (end,) = [e for e in events(run_dir) if e["event"] == "supervisor_end"]
+    assert end["exit_code"] == 3 and end["in_force"] == ["activation_checkpointing"], end
+
+
 def test_out_of_memory_at_micro_batch_1_on_a_rank_climbs_the_ladder_then_exit_3_naming_gpus(
     tmp_path: Path,
 ):

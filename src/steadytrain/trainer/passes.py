@@ -26,6 +26,7 @@ from steadytrain.memory.lockstep import Lockstep
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.plan import Plan, compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms
+from steadytrain.run import env as run_env
 from steadytrain.run.records import Record
 from steadytrain.trainer.data import DataSource, batch_at
 from steadytrain.trainer.parts import RunParts
@@ -182,9 +183,23 @@ class Passes:
         collective this rank will not reach, so it records its `oom` (the phase "plan", the
         size tried) and leaves with exit 76, as the sharded step does: `steadytrain run`
         restarts the group at half that size, or at micro-batch 1 with the next memory saver
-        on."""
+        on. Supervised, it records the savers the pass had on as in force (`memory_savers`,
+        which the supervisor reads the newest of): the next start then has one more than the
+        pass, rather than the one the start had before its plan chose more (a pass the
+        per-rank estimate sent straight to checkpointing must not be retried with
+        checkpointing alone)."""
         run = self.parts
         group = run.group
+        if run_env.supervised():
+            self.record(
+                Record.MEMORY_SAVERS,
+                {
+                    "step": run.state.step,
+                    "in_force": run.savers.in_force(),
+                    "left": run.savers.left(),
+                    "asked": run_env.memory_savers() or None,
+                },
+            )
         self.record(
             Record.OOM,
             {

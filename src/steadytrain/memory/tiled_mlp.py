@@ -21,7 +21,8 @@ an up projection (`gate_proj` and `up_proj`, or Phi-3's fused `gate_up_proj`), a
 (a mixture of experts routes tokens, and its router's losses are not token-wise). Llama,
 Mistral, Qwen2/3, Gemma, OLMo 2 and Phi-3 have such an `mlp`. The forward is replaced on the
 instance (the class's own forward, or a wrapper another library put there, runs inside each
-piece) and put back when tiling is turned off.
+piece) and put back when tiling is turned off. In a compiled layer the tiled MLP runs eager
+(`torch.compiler.disable`: the layer's graph breaks around it), as the lever was measured.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _tiled(forward: Callable[..., torch.Tensor], tokens: int) -> Callable[..., t
         out = torch.cat([checkpoint(forward, piece, use_reentrant=False) for piece in pieces])
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    tiled = torch.compiler.disable(tiled)  # in a compiled layer: eager, as measured
     tiled.tile_tokens = tokens
     return tiled
 

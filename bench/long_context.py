@@ -8,7 +8,8 @@ LoRA r16 / alpha 32 / dropout 0 on the 7 projections, AdamW (fused) lr 2e-4, cli
 tokens. Every arm runs in its own process under
 `torch.cuda.set_per_process_memory_fraction` so that `--cap-gib` is usable.
 
-Arms (`--arms`, comma-separated, each `KIND@SEQ`; SEQ defaults to 1024):
+Arms (`--arms`, comma-separated, each `KIND@SEQ`, SEQ defaulting to 1024; an ours arm may add
+`:BUDGET`, its config's `memory_budget`, e.g. `ours-tiled@131072:17GiB`):
 
 * ours@N: `steadytrain finetune --config` (the CLI's `main`) with `max_seq_length: N`, every
   sample N tokens long, per_device_train_batch_size 1 × gradient_accumulation_steps 1,
@@ -36,10 +37,13 @@ its error against the measured peak.
 
     python bench/long_context.py --arms ours@65536,unsloth@65536 --out $OUT/long_context.json
 
-The tiled MLP at the lengths Unsloth does not reach (about 3 minutes on an H200):
+The tiled MLP at the lengths Unsloth does not reach (about 4 minutes on an H200): 98,304 tokens
+under the cap; 131,072 as the fine-tune command decides it (its estimate, 16.2 GiB, is over
+`memory_budget: auto`'s 14.4 GiB: refused before loading, exit 3), then with `memory_budget`
+raised past the estimate so that it trains under the same 16 GiB cap:
 
-    python bench/long_context.py --arms ours-tiled@98304,ours-tiled@131072 --steps 3 \
-        --out $OUT/long_context_tiled.json
+    python bench/long_context.py --steps 3 --out $OUT/long_context_tiled.json \
+        --arms ours-tiled@98304,ours-tiled@131072,ours-tiled@131072:17GiB
 
 `--smoke` runs the given ours arms on the CPU with a tiny Llama shape (no cap, fp32, a few
 hundred tokens, the tiled MLP by 64 tokens): the code path, not a figure.
@@ -92,7 +96,13 @@ def parse_arm(text: str) -> tuple[str, int]:
     kind, _, seq = text.partition("@")
     if kind not in KINDS:
         sys.exit(f"--arms: unknown kind {kind!r}; choose from {', '.join(KINDS)}")
-    return kind, int(seq or 1024)
+    return kind, int(seq.partition(":")[0] or 1024)
+
+
+def budget_of(text: str) -> str | None:
+    """An ours arm's `memory_budget` (`KIND@SEQ:BUDGET`, e.g. `ours-tiled@131072:17GiB`); None:
+    the config leaves it at auto (0.9 of the capped memory)."""
+    return text.partition("@")[2].partition(":")[2] or None
 
 
 def batch_of(kind: str) -> tuple[int, int]:
@@ -163,6 +173,8 @@ def ours_config(args, kind: str, seq: int, work: Path) -> dict[str, Any]:
         del config["micro_batch_size"]  # per_device_train_batch_size 1 is the micro-batch
     if kind == "ours-tiled":
         config["tiled_mlp"] = SMOKE_TILE if args.smoke else True
+    if budget_of(args.arm) is not None:
+        config["memory_budget"] = budget_of(args.arm)
     if kind in ("ours-eager", "ours-manual-eager", "ours-tiled"):
         config["torch_compile"] = False
     if kind.startswith("ours-qlora"):

@@ -449,10 +449,14 @@ def _weights(counts: ParamCounts, s: Settings, notes: list[str]) -> tuple[int, s
         return counts.total * w, f"{counts.total:,} params × {w} B ({s.weights_dtype})"
     quantized = sum(m.in_features * m.out_features for m in counts.linears if m.in_layers)
     notes.append("a 4-bit base needs bitsandbytes, which runs on CUDA only")
+    # The fine-tune keeps the others bf16 over a bf16 base; peft's preparation, which it keeps
+    # for fp16, casts them to fp32 (recipes/model.py `prepare_4bit`).
+    other = w if s.weights_dtype != "fp16" else PRECISIONS["fp32"]
     return (
-        int(quantized * NF4_BYTES_PER_PARAM) + (counts.total - quantized) * w,
+        int(quantized * NF4_BYTES_PER_PARAM) + (counts.total - quantized) * other,
         f"{quantized:,} linear weights × {NF4_BYTES_PER_PARAM:.4f} B (NF4, double quant) + "
-        f"{counts.total - quantized:,} others × {w} B",
+        f"{counts.total - quantized:,} others × {other} B"
+        + (" (fp32: peft's 4-bit preparation under fp16)" if other != w else ""),
     )
 
 

@@ -57,7 +57,7 @@ def loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointing", [False, True, "offload"])
 def test_the_tiled_mlp_gives_the_untiled_loss_and_gradients(checkpointing):
     """2 × 40 tokens in pieces of 16 (the last one 16 of 80 rows, then 16: uneven on purpose,
     and each piece spans both samples' rows in turn): the loss and every gradient but the MLP
@@ -65,8 +65,8 @@ def test_the_tiled_mlp_gives_the_untiled_loss_and_gradients(checkpointing):
     the whole's); the MLP weights' gradients are the same sums over the same tokens, added in
     pieces, equal to fp32's rounding of the order."""
     model = tiny_llama()
-    if checkpointing:  # the pieces' checkpoints nested in the layers' own
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # the pieces' checkpoints nested in the layers' own (inputs offloaded)
+        MemorySavers(model, CausalLMLoss(), discrete_memory=True).set_checkpointing(checkpointing)
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     loss, grads = loss_and_grads(model, ids)
     assert set_tiling(model, 16) == 2 and tiled_tokens(model) == 16

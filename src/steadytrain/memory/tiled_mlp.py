@@ -81,10 +81,13 @@ def _tiled(forward: Callable[..., torch.Tensor], tokens: int) -> Callable[..., t
     sequence) `tokens` at a time, each piece under a non-reentrant checkpoint. Without
     gradients, or where the input has no more rows than one piece, `forward` as it is."""
 
-    def tiled(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1) if x.dim() >= 2 else 0
-        if rows <= tokens or not torch.is_grad_enabled() or args or kwargs:
-            return forward(x, *args, **kwargs)
+    def tiled(*args: Any, **kwargs: Any) -> torch.Tensor:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        rows = (
+            x.numel() // max(x.shape[-1], 1) if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
+        )
+        if rows <= tokens or not torch.is_grad_enabled():  # one piece, or another call
+            return forward(*args, **kwargs)
         pieces = x.reshape(rows, x.shape[-1]).split(tokens)
         out = torch.cat([checkpoint(forward, piece, use_reentrant=False) for piece in pieces])
         return out.reshape(*x.shape[:-1], out.shape[-1])

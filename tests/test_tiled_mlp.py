@@ -269,3 +269,19 @@ def test_plan_turns_the_tiled_mlp_on_at_98304_tokens_and_says_the_longer_seq(
     settings = Settings(seq=1024, activation_checkpointing="auto", **LORA_1B)
     untiled = longest_seq(load_config(model), settings, 16 * GiB, tiled=False)
     assert untiled["seq"] < 98304 < event["longest_seq"]["seq"]
+
+
+def test_the_advice_offers_the_tiled_mlp_past_one_piece_of_tokens():
+    """The advisor offers `--tiled-mlp` (`tiled_mlp: true` in a config) where a micro-batch holds
+    more tokens than one piece, and not at 8,192 tokens or fewer, where it changes nothing."""
+    from test_estimate import tiny
+
+    from steadytrain.memory.advice import FLAGS, knobs
+    from steadytrain.memory.estimate import Settings
+
+    def offered(seq: int) -> list[str]:
+        settings = Settings(seq=seq, device_type="cuda", checkpointing=True)
+        return [k.flags for k in knobs(tiny(), settings, 2**30, FLAGS)]
+
+    assert "--tiled-mlp" in offered(16384)
+    assert "--tiled-mlp" not in offered(DEFAULT_TILE_TOKENS)

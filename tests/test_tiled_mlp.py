@@ -171,9 +171,7 @@ def test_the_estimate_prices_the_tiled_mlp_at_long_sequences_only(tmp_path: Path
     assert total(131072, False) - total(131072, True) > 4 * GiB
     assert total(DEFAULT_TILE_TOKENS, True) == total(DEFAULT_TILE_TOKENS, False)
     found = estimate(config, Settings(seq=131072, tiled_mlp=True, **LORA_1B, **savers))
-    assert "the MLP tiled by 8,192 tokens" in found.rows[5].formula or any(
-        "the MLP tiled by 8,192 tokens" in row.formula for row in found.rows
-    )
+    assert any("the MLP tiled by 8,192 tokens" in row.formula for row in found.rows)
 
 
 class TiledEstimate:

@@ -220,8 +220,7 @@ class MemorySavers:
         if tiles is None and self.tiled_mlp not in ("auto", False):
             tiles = DEFAULT_TILE_TOKENS if self.tiled_mlp is True else int(self.tiled_mlp)
         self.state.tiled_mlp = None
-        if tiles is not None:
-            self.set_tiled_mlp(tiles)
+        self.set_tiled_mlp(tiles)  # None: untiled, even where a run before tiled this model
 
     def next_rung(self, reason: str) -> dict[str, Any] | None:
         """Turn on the next saver of the out-of-memory ladder (`run_savers.SAVERS`' order:

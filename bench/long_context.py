@@ -8,7 +8,8 @@ LoRA r16 / alpha 32 / dropout 0 on the 7 projections, AdamW (fused) lr 2e-4, cli
 tokens. Every arm runs in its own process under
 `torch.cuda.set_per_process_memory_fraction` so that `--cap-gib` is usable.
 
-Arms (`--arms`, comma-separated, each `KIND@SEQ`; SEQ defaults to 1024):
+Arms (`--arms`, comma-separated, each `KIND@SEQ`, SEQ defaulting to 1024; an ours arm may add
+`:BUDGET`, its config's `memory_budget`, e.g. `ours-tiled@131072:17GiB`):
 
 * ours@N: `steadytrain finetune --config` (the CLI's `main`) with `max_seq_length: N`, every
   sample N tokens long, per_device_train_batch_size 1 × gradient_accumulation_steps 1,
@@ -17,8 +18,10 @@ Arms (`--arms`, comma-separated, each `KIND@SEQ`; SEQ defaults to 1024):
 * ours-manual@N: the same with the savers set by hand (`gradient_checkpointing: offload`,
   `chunked_loss: true`, micro-batch 1): what the planner should find.
 * ours-eager@N, ours-manual-eager@N: the same with `torch_compile: false`.
-* ours-tiled@N: ours-manual-eager with each Llama MLP run over 8,192 tokens at a time, each piece
-  under its own checkpoint (`tile_mlp`): a lever measured here, not a steadytrain saver.
+* ours-tiled@N: ours-manual-eager with the tiled MLP on from the start (`tiled_mlp: true`:
+  each decoder layer's MLP over 8,192 tokens at a time, each piece checkpointed,
+  memory/tiled_mlp.py); ours@N, with `micro_batch_size: auto`, gets it where the planner
+  estimates that one sample does not fit without it.
 * ours-qlora@N: `quantization.load_in_4bit: true`, per_device 16 × 4, `micro_batch_size: auto`;
   ours-qlora-nockpt@N: the same with `gradient_checkpointing: false`.
 * unsloth@N: FastLanguageModel (bf16) at max_seq_length N, its get_peft_model with
@@ -33,6 +36,17 @@ analytic estimate (`steadytrain estimate FILE --json`, the config with the plan'
 its error against the measured peak.
 
     python bench/long_context.py --arms ours@65536,unsloth@65536 --out $OUT/long_context.json
+
+The tiled MLP at the lengths Unsloth does not reach (about 4 minutes on an H200): 98,304 tokens
+under the cap; 131,072 as the fine-tune command decides it (its estimate, 16.2 GiB, is over
+`memory_budget: auto`'s 14.4 GiB: refused before loading, exit 3), then with `memory_budget`
+raised past the estimate so that it trains under the same 16 GiB cap:
+
+    python bench/long_context.py --steps 3 --out $OUT/long_context_tiled.json \
+        --arms ours-tiled@98304,ours-tiled@131072,ours-tiled@131072:17GiB
+
+`--smoke` runs the given ours arms on the CPU with a tiny Llama shape (no cap, fp32, a few
+hundred tokens, the tiled MLP by 64 tokens): the code path, not a figure.
 """
 
 from __future__ import annotations
@@ -59,6 +73,8 @@ import torch  # noqa: E402
 
 GiB = 2**30
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SMOKE_TILE = 64
+"""--smoke's tokens per piece of the tiled MLP: several pieces in its few hundred tokens."""
 LLAMA_3B = dataclasses.replace(
     C.LLAMA_1B, hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8
 )
@@ -80,7 +96,13 @@ def parse_arm(text: str) -> tuple[str, int]:
     kind, _, seq = text.partition("@")
     if kind not in KINDS:
         sys.exit(f"--arms: unknown kind {kind!r}; choose from {', '.join(KINDS)}")
-    return kind, int(seq or 1024)
+    return kind, int(seq.partition(":")[0] or 1024)
+
+
+def budget_of(text: str) -> str | None:
+    """An ours arm's `memory_budget` (`KIND@SEQ:BUDGET`, e.g. `ours-tiled@131072:17GiB`); None:
+    the config leaves it at auto (0.9 of the capped memory)."""
+    return text.partition("@")[2].partition(":")[2] or None
 
 
 def batch_of(kind: str) -> tuple[int, int]:
@@ -149,6 +171,10 @@ def ours_config(args, kind: str, seq: int, work: Path) -> dict[str, Any]:
     if kind in ("ours-manual", "ours-manual-eager", "ours-tiled"):
         config |= {"gradient_checkpointing": "offload", "chunked_loss": True}
         del config["micro_batch_size"]  # per_device_train_batch_size 1 is the micro-batch
+    if kind == "ours-tiled":
+        config["tiled_mlp"] = SMOKE_TILE if args.smoke else True
+    if budget_of(args.arm) is not None:
+        config["memory_budget"] = budget_of(args.arm)
     if kind in ("ours-eager", "ours-manual-eager", "ours-tiled"):
         config["torch_compile"] = False
     if kind.startswith("ours-qlora"):
@@ -156,25 +182,6 @@ def ours_config(args, kind: str, seq: int, work: Path) -> dict[str, Any]:
     if kind == "ours-qlora-nockpt":
         config["gradient_checkpointing"] = False
     return config
-
-
-def tile_mlp(tokens: int) -> None:
-    """A lever measured here, not (yet) a saver of steadytrain's: each Llama MLP runs over
-    `tokens` positions at a time, each piece under its own checkpoint, so that the backward of a
-    recomputed layer holds one piece's intermediate activations (4 × 8,192 values a token in
-    the 1B shape) instead of the whole sequence's."""
-    from torch.utils.checkpoint import checkpoint
-    from transformers.models.llama import modeling_llama
-
-    forward = modeling_llama.LlamaMLP.forward
-
-    def tiled(self, x):
-        if x.shape[-2] <= tokens or not torch.is_grad_enabled():
-            return forward(self, x)
-        pieces = x.split(tokens, dim=-2)
-        return torch.cat([checkpoint(forward, self, p, use_reentrant=False) for p in pieces], -2)
-
-    modeling_llama.LlamaMLP.forward = tiled
 
 
 def spy_attention(calls: int = 2) -> None:
@@ -203,9 +210,12 @@ def run_ours(args, kind: str, seq: int, work: Path) -> dict[str, Any]:
     from steadytrain.cli import main as steadytrain_main
 
     config = ours_config(args, kind, seq, work)
-    if kind == "ours-tiled":
-        tile_mlp(8192)
-    spy_attention()
+    if args.smoke:
+        config |= {"bf16": False, "optim": "adamw_torch", "device": "cpu"}
+        if config.get("gradient_checkpointing") == "offload":  # CUDA only
+            config["gradient_checkpointing"] = True
+    else:
+        spy_attention()
     path = work / "finetune.json"
     path.write_text(json.dumps(config, indent=1))
     code = 0
@@ -290,9 +300,10 @@ def child(args) -> None:
         args.steps = max(args.steps, 8)  # short steps: enough of them to time
     if kind.startswith("unsloth"):
         import unsloth  # noqa: F401  before transformers, as Unsloth requires
-    device = C.resolve("cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
+    device = C.resolve("cpu" if args.smoke else "cuda")
+    if not args.smoke:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
     result: dict[str, Any] = {"arm": args.arm, "kind": kind, "seq": seq, "cap_gib": args.cap_gib}
     try:
         with tempfile.TemporaryDirectory(prefix="long-context-") as work:
@@ -314,7 +325,7 @@ def child(args) -> None:
     )
     if result["tokens_per_s"] is None and len(marks) == 2:  # one step after the first only
         result["tokens_per_s"] = tokens / (marks[1] - marks[0])
-    result["peak_process"] = torch.cuda.max_memory_allocated(device)
+    result["peak_process"] = None if args.smoke else torch.cuda.max_memory_allocated(device)
     result["peak_allocated"] = result.get("steps_peak") or result["peak_process"]
     result["environment"] = C.environment(device)
     Path(args.result).write_text(json.dumps(result, default=str))
@@ -326,15 +337,18 @@ def child(args) -> None:
 def estimate_of(result: dict[str, Any], work: Path) -> dict[str, Any] | None:
     """`steadytrain estimate FILE --json` on the arm's config with the plan's savers and size."""
     config, plan = result.get("config"), result.get("plan")
-    if not config or not plan or not result.get("steps"):
+    if not config or not result.get("steps"):
         return None
     config = dict(config)
-    config.pop("micro_batch_size", None)
-    config["per_device_train_batch_size"] = plan.get("micro_batch_size", 1)
+    if config.pop("micro_batch_size", None) is not None:  # planned: the plan's size and savers
+        if not plan:
+            return None
+        config["per_device_train_batch_size"] = plan.get("micro_batch_size", 1)
+        ckpt = plan.get("activation_checkpointing")
+        config["gradient_checkpointing"] = "offload" if ckpt == "offload" else bool(ckpt)
+        config["chunked_loss"] = bool(plan.get("chunked_loss"))
+        config["tiled_mlp"] = bool(plan.get("tiled_mlp"))
     config["gradient_accumulation_steps"] = 1
-    ckpt = plan.get("activation_checkpointing")
-    config["gradient_checkpointing"] = "offload" if ckpt == "offload" else bool(ckpt)
-    config["chunked_loss"] = bool(plan.get("chunked_loss"))
     path = work / f"estimate-{result['arm'].replace('@', '-')}.json"
     path.write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "steadytrain.cli", "estimate", str(path), "--json"]
@@ -369,9 +383,14 @@ def child_env() -> dict[str, str]:
 def row_of(r: dict[str, Any]) -> list[str]:
     est = r.get("estimate") or {}
     plan = r.get("plan") or {}
+    config = r.get("config") or {}
     savers = (
-        f"ckpt={plan.get('activation_checkpointing')} chunked={plan.get('chunked_loss')}"
+        f"ckpt={plan.get('activation_checkpointing')} chunked={plan.get('chunked_loss')} "
+        f"tiled={plan.get('tiled_mlp')}"
         if plan
+        else f"set: ckpt={config.get('gradient_checkpointing')} "
+        f"chunked={config.get('chunked_loss')} tiled={config.get('tiled_mlp', 'auto')}"
+        if config
         else "-"
     )
     return [
@@ -396,6 +415,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arm-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--smoke", action="store_true", help="the ours arms on the CPU, a tiny shape: the code path"
+    )
     ap.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -403,6 +425,10 @@ def main() -> None:
     arms = args.arms.split(",")
     longest = max(parse_arm(a)[1] for a in arms)
     base = C.LLAMA_1B if args.model == "1b" else LLAMA_3B
+    if args.smoke:
+        base = C.SMOKE_MODEL
+        if any(not parse_arm(a)[0].startswith("ours") for a in arms):
+            sys.exit("--smoke: the ours arms only (Unsloth needs a GPU)")
     args.spec = dataclasses.replace(base, seq=max(longest, base.seq))
     if args.arm:
         child(args)
@@ -418,6 +444,7 @@ def main() -> None:
             cmd += ["--model", args.model, "--model-dir", str(args.model_dir)]
             cmd += ["--cap-gib", str(args.cap_gib), "--steps", str(args.steps)]
             cmd += ["--seed", str(args.seed), "--arms", args.arms]
+            cmd += ["--smoke"] if args.smoke else []
             print(f"running arm {arm}", file=sys.stderr, flush=True)
             started = time.perf_counter()
             try:
@@ -438,7 +465,7 @@ def main() -> None:
     headers = ["arm", "exit", "steps", "tokens/s", "peak", "plan savers", "estimate err"]
     title = f"{args.spec.name}, LoRA r16 7 projections, cap {args.cap_gib:g} GiB"
     text = C.table(headers, [row_of(r) for r in results.values()], title)
-    out = args.out or C.default_out("long_context", False)
+    out = args.out or C.default_out("long_context", args.smoke)
     settings = {k: str(v) for k, v in vars(args).items()}
     C.write_json(
         out,

@@ -1,7 +1,9 @@
 """The tiled-MLP lever of issue 43, outside the fine-tune command: the 1B Llama shape with LoRA
 r16 on the 7 projections, steadytrain's offloaded checkpointing and fused loss, each Llama MLP run
-over 8,192 tokens at a time under its own checkpoint (long_context.py `tile_mlp`), one forward and
-backward at 65,536 (twice), 98,304 and 131,072 tokens under a 16 GiB cap: peak and tokens/s.
+over 8,192 tokens at a time under its own checkpoint (the saver memory/tiled_mlp.py, which this
+lever became; bench/long_context.py's ours-tiled arm runs it through the fine-tune command), one
+forward and backward at 65,536 (twice), 98,304 and 131,072 tokens under a 16 GiB cap: peak and
+tokens/s.
 
     python3 bench/long_context_lever.py        # GPU only; printed, no JSON
 """
@@ -22,14 +24,13 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def main() -> None:
-    import long_context
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from steadytrain.memory.chunked_loss import CausalLMLoss
     from steadytrain.memory.savers import MemorySavers
+    from steadytrain.memory.tiled_mlp import set_tiling
 
-    long_context.tile_mlp(8192)
     config = LlamaConfig(
         hidden_size=2048,
         intermediate_size=8192,
@@ -51,6 +52,7 @@ def main() -> None:
     MemorySavers(model, loss_fn, checkpointing="auto", discrete_memory=True).set_checkpointing(
         "offload"
     )
+    set_tiling(model, 8192)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(16 * GiB / total)
     for seq in (65536, 65536, 98304, 131072):

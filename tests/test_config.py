@@ -52,6 +52,7 @@ def test_defaults():
         "shuffle": True,
         "num_workers": 0,
         "activation_checkpointing": "auto",
+        "tiled_mlp": "auto",
         "compile": "auto",
         "distributed": "auto",
         "fsdp_offload": False,

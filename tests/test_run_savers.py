@@ -181,7 +181,8 @@ def test_a_saver_added_to_the_registry_is_climbed_named_recorded_and_listed(monk
     assert savers.next_rung("again") is None
 
     assert saver_name("lower_precision") == "the weights in bf16"
-    assert "| 4 | `lower_precision`: the weights in bf16 | `precision: bf16` |" in (
+    rung = len(run_savers.SAVERS)  # the added saver is the ladder's last rung
+    assert f"| {rung} | `lower_precision`: the weights in bf16 | `precision: bf16` |" in (
         run_savers.markdown_table()
     )
 

@@ -176,6 +176,7 @@ class TrainState:
     skipped_steps: int = 0  # steps the fp16 grad scaler skipped for inf/NaN gradients
     activation_checkpointing: bool | str = False  # or "offload": inputs kept in host memory
     chunked_loss: int | None = None  # tokens per chunk of a chunked loss in force, None: plain
+    tiled_mlp: int | None = None  # tokens per piece of the tiled MLPs in force, None: whole
     last_loss: float | None = None
     best_metric: float | None = None  # the best evaluation's eval_metric (keep_best)
     best_step: int | None = None

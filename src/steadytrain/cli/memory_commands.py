@@ -257,6 +257,7 @@ def _plan_advice(model_config: Any, settings: Settings, budget: int | None) -> l
         checkpointing=ckpt != "off",
         offload=ckpt == "offload",
         chunked_loss=True,
+        tiled_mlp=True,
     )
     result = estimate(model_config, smallest)
     result.budget = budget
@@ -392,7 +393,8 @@ def render_estimate(
         f"{', activation checkpointing' if s.checkpointing else ''}"
         f"{' (inputs offloaded to host)' if s.offload else ''}"
         f"{', compiled layers' if s.compiled else ''}"
-        f"{f', chunked loss ({s.chunk_tokens} tokens)' if s.chunked_loss else ''}, "
+        f"{f', chunked loss ({s.chunk_tokens} tokens)' if s.chunked_loss else ''}"
+        f"{f', tiled MLP ({s.tile_tokens} tokens)' if s.tiled_mlp else ''}, "
         f"{s.attention} attention, "
         f"on {s.device_type}"
     )
@@ -486,15 +488,14 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     """The candidates table and the reasons."""
     from rich.table import Table
 
-    from steadytrain.memory.choice import Mode
-
     console = console or readable_console()
     table = Table(
         title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
         f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
         f"{'on' if chosen.checkpointing else 'off'}"
         + (", inputs offloaded to host" if chosen.offload else "")
-        + (", chunked loss" if chosen.chunked_loss else ""),
+        + (", chunked loss" if chosen.chunked_loss else "")
+        + (", tiled MLP" if chosen.tiled_mlp else ""),
         title_justify="left",
     )
     for name in ("mode", "micro", "accum", "predicted peak", "of limit", "samples/s", "tokens/s"):
@@ -512,11 +513,7 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
     if not shown:  # the quick path measured one size and chose without a candidates table
         table.add_row(*_quick_row(chosen))
     for c in shown:
-        picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == Mode(
-            checkpointing=chosen.checkpointing,
-            offload=chosen.offload,
-            chunked_loss=chosen.chunked_loss,
-        )
+        picked = c.micro_batch_size == chosen.micro_batch_size and c.mode == chosen.mode
         rate = c.samples_per_second if chosen.probe is not None else None
         table.add_row(
             c.mode.describe().replace("checkpointed", "ckpt"),
@@ -536,17 +533,9 @@ def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
 def _quick_row(chosen: Plan) -> tuple[str, ...]:
     """The chosen settings as the one row of a plan that took the quick path (one measured
     size, the bound extrapolated from it: no candidates were compared, so no speeds)."""
-    from steadytrain.memory.choice import Mode
-
     peak, limit = chosen.predicted_peak, chosen.limit
     return (
-        Mode(
-            checkpointing=chosen.checkpointing,
-            offload=chosen.offload,
-            chunked_loss=chosen.chunked_loss,
-        )
-        .describe()
-        .replace("checkpointed", "ckpt"),
+        chosen.mode.describe().replace("checkpointed", "ckpt"),
         str(chosen.micro_batch_size),
         str(chosen.accumulation),
         format_bytes(peak),

@@ -281,6 +281,16 @@ class TrainConfig(BaseModel):
         "it on with each layer's kept input in pinned host memory until the backward, which "
         "frees hidden x seq x 2 bytes a sample a layer of GPU memory and costs two copies.",
     )
+    tiled_mlp: Literal["auto"] | bool | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="Run each decoder layer's MLP (gate, up and down projections: Llama, "
+        "Mistral, Qwen, Gemma and their kind) over a piece of the tokens at a time, each piece "
+        "checkpointed, so a long sequence's recomputed layer holds one piece's MLP activations "
+        "instead of every token's; the results are the untiled MLP's. 'auto' turns it on when "
+        "the plan (micro_batch_size: auto) estimates that one sample does not fit otherwise, "
+        "or when the out-of-memory ladder at micro-batch 1 reaches it; true from the start "
+        "(8,192 tokens a piece), a number for that many tokens a piece, false never.",
+    )
     compile: Literal["auto"] | bool = Field(
         "auto",
         description="Compile the model with torch.compile before the first step: each repeated "

@@ -22,8 +22,9 @@ plan_record.py   the plan as a record (`Plan`) and its bound (`Room`)
 plan.py          the plan: bound, probe, choose, explain
 lockstep.py      the plan's trial passes run by every rank in lockstep (distributed: fsdp)
 config_plan.py   a plan from a config alone, for `steadytrain plan`
-savers.py        the memory savers: activation checkpointing and the chunked loss
+savers.py        the memory savers: activation checkpointing, the chunked loss, the tiled MLP
 offload.py       activation checkpointing whose kept inputs live in host memory (CUDA)
+tiled_mlp.py     each decoder layer's MLP over a piece of the tokens at a time (long sequences)
 chunked_loss.py  next-token cross-entropy without all logits at once
 fused_loss.py    the output layer and the cross-entropy in one fused pass (CUDA)
 """

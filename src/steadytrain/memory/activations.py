@@ -255,8 +255,12 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
     w = PRECISIONS[s.weights_dtype]
     c = PRECISIONS[s.precision] if s.autocast else w
     stages = layer_stage_bytes(shape, s)
-    per_layer = sum(stages.values())
     start = STAGES.index(first_layer_start(s))
+    piece = 0.0  # the tiled MLP: one piece's inside, recomputed in the backward
+    if s.tiled_mlp and tokens > s.tile_tokens:
+        stages, piece = _tiled_stages(stages, w * shape.hidden)
+        piece = piece * s.tile_tokens + TILED_BACKWARD_HIDDEN * shape.hidden * tokens
+    per_layer = sum(stages.values())
     first = sum(v for k, v in stages.items() if STAGES.index(k) >= start)
     full = s.method == "full"
     head = 4 * shape.hidden + (w * shape.hidden if full else 0)
@@ -266,7 +270,7 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
     outside = head + rope
     kernel = attention_kernel(shape, s)
     scratch = SCRATCH_PROBABILITIES.get(kernel, 0) * c * shape.heads * s.seq
-    one_layer = int(tokens * (per_layer + scratch))
+    one_layer = int(tokens * (per_layer + scratch) + piece)
     inputs = tokens * w * shape.hidden * shape.layers if s.checkpointing else 0
     if s.checkpointing:
         kept = inputs + int(tokens * outside)
@@ -278,13 +282,19 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
         )
     else:
         kept = 0
-        total = int(tokens * ((shape.layers - 1) * per_layer + first + outside + scratch))
+        total = int(tokens * ((shape.layers - 1) * per_layer + first + outside + scratch) + piece)
         formula = (
             f"{tokens:,} tokens × ({shape.layers} layers × {per_layer:,.0f} B + final norm/rope "
             f"{outside:,.0f} B)"
         )
         if first != per_layer:
             formula += f", the first layer {first:,.0f} B (nothing before the first adapter)"
+    if piece:
+        formula += (
+            f"; the MLP tiled by {s.tile_tokens:,} tokens: a layer keeps its input, one "
+            f"piece's inside is recomputed at a time, and the backward's gradients "
+            f"({TILED_BACKWARD_HIDDEN} B × hidden a token) with it: {piece:,.0f} B"
+        )
     if kernel != "fused":
         where = "eager attention" if kernel == "eager" else f"sdpa's math kernel on {s.device_type}"
         formula += (
@@ -292,6 +302,29 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
             f"{SCRATCH_PROBABILITIES[kernel]}× that as scratch in one layer's backward"
         )
     return Activations(total, kept, one_layer, formula, inputs)
+
+
+TILED_BACKWARD_HIDDEN = 14
+"""Bytes × hidden a token that a recomputed layer's backward holds beside its saved tensors once
+its MLP is tiled: the residual stream's gradient, RMSNorm's fp32 gradients, attention's
+gradients of q, k and v, the pieces' input gradients before they are joined. The untiled MLP's
+inside outweighed them; tiled, they set the peak. Measured on an H200 by
+bench/long_context_lever.py (the 1B Llama shape, LoRA r16, offload and the fused loss): the
+peaks at 98,304 and 131,072 tokens exceed the saved tensors by 13.2 and 13.9 B × hidden a
+token."""
+MLP_STAGES = ("mlp_in", "mlp_inner", "down_in")
+"""The stages of a Llama layer that are its MLP's (what the tiled MLP keeps for one piece only)."""
+
+
+def _tiled_stages(stages: dict[str, float], kept: int) -> tuple[dict[str, float], float]:
+    """A layer's bytes a token with its MLP tiled (`memory.tiled_mlp`): each piece's checkpoint
+    keeps the MLP's input, `kept` bytes a token (a hidden vector in the weights' dtype, as
+    `mlp_in`), and nothing of the inside; and the bytes a token of the inside, which exists for
+    one piece at a time (its recomputation in the backward)."""
+    inside = sum(stages[k] for k in MLP_STAGES)
+    tiled = {k: 0.0 if k in MLP_STAGES else v for k, v in stages.items()}
+    tiled["mlp_in"] = float(kept)
+    return tiled, inside
 
 
 def weight_copies(shape: Shape, counts: ParamCounts, s: Settings) -> tuple[int, int, int, str]:

@@ -212,7 +212,7 @@ def _saver_knobs(s: Settings) -> list[Knob]:
             getattr(s, saver.estimate_field)
             or not after
             or (DISCRETE_MEMORY in saver.needs and s.device_type != "cuda")
-            or (saver.worth_above_tokens and s.micro_batch_size * s.seq <= s.chunk_tokens)
+            or (saver.worth_above_tokens and s.micro_batch_size * s.seq <= getattr(s, saver.piece))
         ):
             continue
         found.append(Knob({saver.estimate_field: True}, saver.finetune, saver.flag))

@@ -31,7 +31,8 @@ class Mode(_ModeFields):
     """Which savers a plan's candidate runs with: one bool field per registered saver
     (`run_savers.SAVERS`), named as its estimate field and made from the registration, in the
     ladder's order: `checkpointing`, `offload` (checkpointing whose kept layer inputs live in
-    host memory, `memory.offload`), `chunked_loss`. Pass them by name beyond the first."""
+    host memory, `memory.offload`), `chunked_loss`, `tiled_mlp` (`memory.tiled_mlp`). Pass them
+    by name beyond the first."""
 
     __slots__ = ()
 
@@ -65,6 +66,8 @@ class Mode(_ModeFields):
             parts.append("inputs offloaded to host")
         if self.chunked_loss:
             parts.append("chunked loss")
+        if self.tiled_mlp:
+            parts.append("tiled MLP")
         return ", ".join(parts)
 
 
@@ -156,6 +159,7 @@ def _fastest(fitting: list[Candidate]) -> tuple[Candidate, list[str]]:
             not c.mode.checkpointing,
             not c.mode.offload,
             not c.mode.chunked_loss,
+            not c.mode.tiled_mlp,
             c.micro_batch_size,
         ),
     )

@@ -24,7 +24,7 @@ from steadytrain.memory.plan import (
     plan,
 )
 from steadytrain.memory.probe import Fit
-from steadytrain.memory.settings import FIRST_STEP_PARAM_MULTIPLE
+from steadytrain.memory.settings import DEFAULT_TILE_TOKENS, FIRST_STEP_PARAM_MULTIPLE
 
 ASSUMED_RECOMPUTE = 4 / 3
 """Without a probe the times are unknown; checkpointing is taken to cost one more forward per
@@ -86,12 +86,18 @@ def plan_for_config(
 
 
 def analytic_plan(
-    analytic: Analytic, settings: Settings, budget: int | None, chunked: bool | None = None
+    analytic: Analytic,
+    settings: Settings,
+    budget: int | None,
+    chunked: bool | None = None,
+    tiled: bool | None = None,
 ) -> Plan:
     """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
     against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`).
     `chunked`: the chunked loss is offered (None, as a run whose loss can chunk), in force from
-    the start (True) or never (False), as a fine-tune's `chunked_loss` says."""
+    the start (True) or never (False), as a fine-tune's `chunked_loss` says. `tiled`: the tiled
+    MLP likewise (`tiled_mlp`); offered, it is on in every mode where one sample with every
+    other saver does not fit without it, as a run's planner decides (`plan._Job.tiling`)."""
     ckpt = CHECKPOINTING[settings.activation_checkpointing]
     modes = [Mode.of(ckpt if ckpt != "auto" else False)]
     modes += [Mode(True)] if ckpt == "auto" else []
@@ -101,11 +107,13 @@ def analytic_plan(
         modes += [m._replace(chunked_loss=True) for m in modes]
     elif chunked:
         modes = [m._replace(chunked_loss=True) for m in modes]
-    fits = {mode: _analytic_line(analytic, mode) for mode in modes}
     if budget is None:
         raise BadInputError("plan: this device's budget is unknown; pass --memory 16GiB")
     margin = settings.plan_margin if settings.plan_margin is not None else ANALYTIC_MARGIN
     room = Room(settings.effective_batch_size, budget, 0, margin, settings.device_type)
+    if tiled or (tiled is None and _tiling_needed(analytic, modes, room.limit)):
+        modes = [m._replace(tiled_mlp=True) for m in modes]
+    fits = {mode: _analytic_line(analytic, mode) for mode in modes}
     against = (
         f"the budget {format_bytes(budget)}"
         if margin == 1.0
@@ -132,6 +140,7 @@ def analytic_plan(
         mode = Mode.of(True if ckpt == "auto" else ckpt, chunked is not False)
         if ckpt == "auto" and settings.device_type == "cuda":
             mode = mode._replace(offload=True)
+        mode = mode._replace(tiled_mlp=tiled is not False)
         peak = None
     else:
         reasons += [r for r in why if "samples/s" not in r]
@@ -139,6 +148,13 @@ def analytic_plan(
         mode, peak = best.mode, best.peak
     micro = 1 if best is None else best.micro_batch_size
     return room.plan(micro, mode, peak, reasons, candidates=candidates, analytic=analytic)
+
+
+def _tiling_needed(analytic: Analytic, modes: list[Mode], limit: float) -> bool:
+    """One sample with the most savers of `modes` is over `limit` and the tiled MLP lowers it."""
+    most = max(modes, key=lambda m: m.savers)
+    own, tiled = analytic.total(1, most), analytic.total(1, most._replace(tiled_mlp=True))
+    return own is not None and tiled is not None and own > limit and tiled < own
 
 
 def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
@@ -216,6 +232,9 @@ def _probe_plan(
         pending=_pending_bytes(settings, params),
         compiled=compiled_growth(model) if settings.compiled else False,
         eager_passes=eager,
+        tile=(lambda on: savers.set_tiled_mlp(DEFAULT_TILE_TOKENS if on else None))
+        if savers.can_tile_mlp
+        else None,
     )
 
 
@@ -281,12 +300,13 @@ LONGEST_CAP = 1 << 21
 
 
 def longest_seq(
-    config, settings: Settings, budget: int | None, chunked: bool = True
+    config, settings: Settings, budget: int | None, chunked: bool = True, tiled: bool = True
 ) -> dict[str, Any] | None:
     """The longest sequence one sample of which fits `budget` by the analytic estimate, with
     every saver these settings allow at micro-batch 1 (checkpointing unless it is off, its kept
     inputs offloaded on CUDA unless it is plainly on, the chunked loss unless `chunked` is
-    False, as a fine-tune's `chunked_loss: false` says): what `plan` says as the
+    False, as a fine-tune's `chunked_loss: false` says, the tiled MLP unless `tiled` is False,
+    as `tiled_mlp: false` says): what `plan` says as the
     maximum `--seq`, so that a user of long documents knows the length before a run starts.
     None without a budget, for a family whose activations are not modelled, or when not even
     `LONGEST_STEP` tokens fit. A dict: `seq`, `total` (bytes at that length), `mode` (the savers
@@ -297,7 +317,7 @@ def longest_seq(
         return None
     ckpt = settings.activation_checkpointing
     offload = ckpt == OFFLOAD or (ckpt == "auto" and settings.device_type == "cuda")
-    mode = Mode(ckpt != "off", offload=offload, chunked_loss=chunked)
+    mode = Mode(ckpt != "off", offload=offload, chunked_loss=chunked, tiled_mlp=tiled)
 
     def total(seq: int) -> int | None:
         at = dataclasses.replace(
@@ -307,6 +327,7 @@ def longest_seq(
             checkpointing=mode.checkpointing,
             offload=mode.offload,
             chunked_loss=chunked,
+            tiled_mlp=mode.tiled_mlp,
         )
         return estimate(config, at).total
 

@@ -110,6 +110,13 @@ fixed share for the runtime itself (CUDA context or Metal/MPS driver state, torc
 buffers). On an H100 (bench/estimate_accuracy.py) reserved over allocated was 1.04-1.14 without
 activation checkpointing and 1.06-1.36 with it (recomputation churns the cache). A planning
 margin, not a measurement."""
+OVERHEAD_FRACTION_TILED = 0.10
+"""The allocator's share with checkpointing and the MLP tiled (memory/tiled_mlp.py), at the long
+sequences where it is on: the recomputed layer's transients are a piece's, the same sizes piece
+after piece, rather than the whole MLP's, and the cache is not churned as checkpointing's 30 %
+assumes. Bounded by measurement: on an H200 under a per-process cap of 16 GiB on the allocator's
+reserved memory, one sample of 131,072 tokens of the 1B Llama LoRA peaked at 14.26 GiB allocated
+(bench/long_context_lever.py), so reserved over allocated was at most 1.12 there."""
 OVERHEAD_FIXED_CPU = 400 * 2**20
 """The fixed share on CPU with a CPU-only torch build. On CPU the budget is what the training
 process may use in total, so the share is the process itself: its resident memory but the tensors
@@ -442,10 +449,14 @@ def _weights(counts: ParamCounts, s: Settings, notes: list[str]) -> tuple[int, s
         return counts.total * w, f"{counts.total:,} params × {w} B ({s.weights_dtype})"
     quantized = sum(m.in_features * m.out_features for m in counts.linears if m.in_layers)
     notes.append("a 4-bit base needs bitsandbytes, which runs on CUDA only")
+    # The fine-tune keeps the others bf16 over a bf16 base; peft's preparation, which it keeps
+    # for fp16, casts them to fp32 (recipes/model.py `prepare_4bit`).
+    other = w if s.weights_dtype != "fp16" else PRECISIONS["fp32"]
     return (
-        int(quantized * NF4_BYTES_PER_PARAM) + (counts.total - quantized) * w,
+        int(quantized * NF4_BYTES_PER_PARAM) + (counts.total - quantized) * other,
         f"{quantized:,} linear weights × {NF4_BYTES_PER_PARAM:.4f} B (NF4, double quant) + "
-        f"{counts.total - quantized:,} others × {w} B",
+        f"{counts.total - quantized:,} others × {other} B"
+        + (" (fp32: peft's 4-bit preparation under fp16)" if other != w else ""),
     )
 
 
@@ -601,6 +612,8 @@ def _unknown_rows(shape: Shape, notes: list[str]) -> list[Row]:
 
 
 def _overhead_fraction(s: Settings) -> float:
+    if s.checkpointing and s.tiled_mlp and s.micro_batch_size * s.seq > s.tile_tokens:
+        return OVERHEAD_FRACTION_TILED
     return OVERHEAD_FRACTION_CHECKPOINTING if s.checkpointing else OVERHEAD_FRACTION
 
 
@@ -620,10 +633,16 @@ def cpu_runtime_bytes() -> int:
 def _overhead_row(s: Settings, overhead: int | None) -> Row:
     formula = (
         f"{_overhead_fraction(s):.0%} of the peak (allocator rounding, fragmentation"
-        f"{', more with checkpointing' if s.checkpointing else ''}) + "
+        f"{_overhead_words(s)}) + "
         f"{format_bytes(_overhead_fixed(s))} ({RUNTIME.get(s.device_type, RUNTIME['cpu'])})"
     )
     return Row("framework/allocator overhead", overhead, formula)
+
+
+def _overhead_words(s: Settings) -> str:
+    if _overhead_fraction(s) == OVERHEAD_FRACTION_TILED and s.checkpointing:
+        return ", a tiled MLP's pieces reusing the same blocks"
+    return ", more with checkpointing" if s.checkpointing else ""
 
 
 def _optimizer_states(name: str, tensors: list[int], param_bytes: int) -> tuple[int, str]:

@@ -103,6 +103,11 @@ class _Job:
     CUDA finalists run compiled (see `plan`)."""
     can_offload: bool = False  # the model's layers take the offloaded checkpoint
     notes: list[str] = field(default_factory=list)  # why a mode was not probed
+    tile: Callable[[bool], bool] | None = None
+    """Switches the tiled MLP (`memory.tiled_mlp`) for every pass that follows; None where the
+    model has no MLP to tile or the config decided already."""
+    tiled: bool = False
+    """The passes run with the MLP tiled (`tiling`): every mode has it on."""
 
     def eager(self) -> AbstractContextManager:
         return self.eager_passes() if self.eager_passes else contextlib.nullcontext()
@@ -143,8 +148,8 @@ class _Job:
     @property
     def start(self) -> Mode:
         if self.activation_checkpointing == OFFLOAD:
-            return Mode(True, offload=self.offload_here)
-        return Mode(self.activation_checkpointing is True)
+            return Mode(True, offload=self.offload_here, tiled_mlp=self.tiled)
+        return Mode(self.activation_checkpointing is True, tiled_mlp=self.tiled)
 
     @property
     def may_checkpoint(self) -> bool:
@@ -161,7 +166,29 @@ class _Job:
             modes += [Mode(True)] + ([Mode(True, offload=True)] if self.offload_here else [])
         if self.chunked_run is not None:
             modes += [m._replace(chunked_loss=True) for m in modes]
-        return modes
+        return [m._replace(tiled_mlp=self.tiled) for m in modes]
+
+    def tiling(self) -> str | None:
+        """Turn the tiled MLP on for every pass when the analytic estimate puts one sample with
+        every other saver the run may use over the limit and the tiled MLP lowers it (a long
+        sequence: the recomputed layer's MLP holds every token's inside); the reason, or None
+        where it stays off. It is decided before any pass: a pass that is over the limit only
+        runs out of memory, at long sequences after seconds."""
+        if self.tile is None or self.analytic is None or self.room.limit is None:
+            return None
+        most = max(self.modes(), key=lambda m: m.savers)
+        own = self.analytic.total(1, most)
+        tiled = self.analytic.total(1, most._replace(tiled_mlp=True))
+        if own is None or tiled is None or own <= self.room.limit or tiled >= own:
+            return None
+        if not self.tile(True):
+            return None
+        self.tiled = True
+        return (
+            f"tiled MLP: on (one sample {most.describe()} is estimated at "
+            f"{format_bytes(own)}, over the limit {format_bytes(self.room.limit)}; with each "
+            f"layer's MLP over a piece of the tokens at a time, {format_bytes(tiled)})"
+        )
 
     def outdone(self, mode: Mode) -> str | None:
         """Why `mode` is not worth a pass, or None: the analytic estimate puts one sample of it
@@ -205,6 +232,7 @@ def plan(
     pending: int = 0,
     compiled: bool | float = False,
     eager_passes: Callable[[], AbstractContextManager] | None = None,
+    tile: Callable[[bool], bool] | None = None,
 ) -> Plan:
     """Probe with `run(size, checkpointing)` and choose (the module docstring has the rule):
     bound, one pass, probe, choose, explain.
@@ -225,7 +253,10 @@ def plan(
     eagerly: the probe's passes run in it, and on CUDA each mode's finalist runs compiled at the
     size the compiled prediction allows, so its speed is the compiled run's own (a compiled
     layer's fixed cost per pass favours larger micro-batches more than eager timing shows) and
-    a finalist whose compiled peak passes the limit is no contender."""
+    a finalist whose compiled peak passes the limit is no contender. `tile(on)`: switches the
+    tiled MLP for the passes that follow (True where it could); the plan turns it on before
+    any pass where the analytic estimate says one sample does not fit otherwise
+    (`_Job.tiling`), and every mode has it then."""
     given = {
         "activation_checkpointing": activation_checkpointing,
         "plan_margin": plan_margin,
@@ -237,13 +268,16 @@ def plan(
     job.reps, job.analytic = reps or (1 if device.type == "cuda" else 2), analytic
     job.compiled = 0.0 if compiled is False else 1.0 if compiled is True else float(compiled)
     job.eager_passes = eager_passes if job.compiled else None
-    job.can_offload = can_offload
+    job.can_offload, job.tile = can_offload, tile
     if job.room.limit is None:
         reasons = [
             "the budget of this device is unknown: starting at the largest allowed size; the "
             "out-of-memory ladder shrinks it if needed (set memory_budget to plan)"
         ]
         return job.room.plan(job.sizes[-1], job.start, None, reasons, analytic=analytic)
+    tiling = job.tiling()
+    if tiling is not None:
+        job.notes.append(tiling)
     if job.outdone(job.start):  # said among the probe's reasons
         result = ProbeResult(baseline=job.room.in_use)
     else:
@@ -458,6 +492,8 @@ def _nothing_fits(job: _Job, reasons: list[str], found: dict[str, Any]) -> Plan:
         mode = Mode(True, offload=job.offload_here)
     if job.chunked_run is not None:  # a long sequence's logits alone can outgrow the budget
         mode = mode._replace(chunked_loss=True)
+    if job.tile is not None and not mode.tiled_mlp and job.tile(True):  # and its MLPs' inside
+        mode = mode._replace(tiled_mlp=True)
     reasons.append(
         "nothing is predicted to fit, not even one sample"
         + (f" {mode.describe()}" if mode != Mode() else "")

@@ -34,6 +34,18 @@ class Plan:
     device_type: str = "cuda"
     offload: bool = False
     """Checkpointing with its kept layer inputs in host memory (`memory.offload`)."""
+    tiled_mlp: bool = False
+    """Each decoder layer's MLP over a piece of the tokens at a time (`memory.tiled_mlp`)."""
+
+    @property
+    def mode(self) -> Mode:
+        """The chosen savers as a plan's mode."""
+        return Mode(
+            self.checkpointing,
+            offload=self.offload,
+            chunked_loss=self.chunked_loss,
+            tiled_mlp=self.tiled_mlp,
+        )
 
     @property
     def activation_checkpointing(self) -> bool | str:
@@ -52,6 +64,7 @@ class Plan:
             "effective_batch_size": self.effective_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.chunked_loss,
+            "tiled_mlp": self.tiled_mlp,
             "predicted_peak": _int(self.predicted_peak),
             "limit": _int(self.limit),
             "budget": self.budget,
@@ -86,9 +99,7 @@ class Plan:
             settings = self.analytic.settings
             ranks = {"world_size": settings.gpus, "distributed": settings.distributed}
         if self.analytic is not None:
-            at = self.analytic.at(
-                self.micro_batch_size, self.checkpointing, self.chunked_loss, self.offload
-            )
+            at = self.analytic.of(self.micro_batch_size, self.mode)
             if at is not None and at.peak is not None and self.device_type != "cpu":
                 return {
                     "source": "analytic",
@@ -153,6 +164,7 @@ class Room:
             checkpointing=mode.checkpointing,
             chunked_loss=mode.chunked_loss,
             offload=mode.offload,
+            tiled_mlp=mode.tiled_mlp,
             predicted_peak=predicted_peak,
             limit=self.limit,
             budget=self.budget,

@@ -1,13 +1,14 @@
 """The memory savers' implementations: activation checkpointing (the model recomputes activations
 in the backward instead of keeping them; on a GPU with memory of its own it may also keep the
-layers' inputs in host memory, `memory.offload`) and the chunked loss (the loss is computed a few
-thousand tokens at a time, so the logits of a large vocabulary never exist all at once). They
+layers' inputs in host memory, `memory.offload`), the chunked loss (the loss is computed a few
+thousand tokens at a time, so the logits of a large vocabulary never exist all at once) and the
+tiled MLP (each decoder layer's MLP over a piece of the tokens at a time, `memory.tiled_mlp`). They
 are registered in `steadytrain.run.savers` (names, the ladder's order, needs, config keys, flags,
 docs); each entry there names its `Rung` here, and the ladder (`next_rung`, `in_force`, `left`)
 climbs the registry's order.
 
 `MemorySavers` is their one owner. It switches them on the model and the loss, and records what
-is in force in the run's `TrainState` (`activation_checkpointing`, `chunked_loss`), which the
+is in force in the run's `TrainState` (`activation_checkpointing`, `chunked_loss`, `tiled_mlp`), which the
 checkpoint saves. Three users, one object:
 
 * the engine's out-of-memory ladder at micro-batch 1 asks for the `next_rung` and announces it
@@ -37,6 +38,7 @@ from steadytrain.errors import BadInputError
 from steadytrain.events import TrainState
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.offload import OFFLOAD, use_offload
+from steadytrain.memory.tiled_mlp import DEFAULT_TILE_TOKENS, set_tiling, token_wise_mlps
 from steadytrain.run import savers as run_savers
 from steadytrain.run.savers import Saver
 
@@ -59,10 +61,12 @@ def checkpointing_switch(model: Any, on: bool) -> Callable[[], None] | None:
 @dataclass(frozen=True)
 class Savers:
     """Which savers are in force: checkpointing off, on or "offload" (on, its kept inputs in host
-    memory), the chunked loss's tokens per chunk (None: the plain loss)."""
+    memory), the chunked loss's tokens per chunk (None: the plain loss), the tiled MLP's tokens
+    per piece (None: each MLP over the whole input)."""
 
     checkpointing: bool | str = False
     chunked_loss: int | None = None
+    tiled_mlp: int | None = None
 
 
 class MemorySavers:
@@ -75,7 +79,9 @@ class MemorySavers:
     offload may be used (the config's "offload", the planner's candidate, the ladder's rung
     after checkpointing); never elsewhere. The chunked loss needs a loss with a
     chunked mode (`memory.chunked_loss.CausalLMLoss`, or any object with its `can_chunk` /
-    `set_chunking` / `chunk_tokens`)."""
+    `set_chunking` / `chunk_tokens`). `tiled_mlp` is the config's: ``False`` never tiles the
+    MLPs (`memory.tiled_mlp`), ``True`` or a number of tokens tiles them from the start (by
+    `DEFAULT_TILE_TOKENS` or that many), ``"auto"`` leaves it to the planner and the ladder."""
 
     def __init__(
         self,
@@ -84,11 +90,13 @@ class MemorySavers:
         state: TrainState | None = None,
         checkpointing: str | bool = "auto",
         discrete_memory: bool = False,
+        tiled_mlp: str | bool | int = "auto",
     ):
         self.model, self.loss_fn = model, loss_fn
         self.state = state if state is not None else TrainState()
         self.checkpointing = checkpointing
         self.discrete_memory = discrete_memory
+        self.tiled_mlp = tiled_mlp
 
     # -- what can be switched --------------------------------------------------------------
 
@@ -120,6 +128,11 @@ class MemorySavers:
             and bool(can(self.model))
         )
 
+    @property
+    def can_tile_mlp(self) -> bool:
+        """The config allows the tiled MLP and the model has token-wise MLPs to tile."""
+        return self.tiled_mlp is not False and bool(token_wise_mlps(self.model))
+
     # -- switching, without events -----------------------------------------------------------
 
     def set_checkpointing(self, on: bool | str) -> bool:
@@ -146,8 +159,19 @@ class MemorySavers:
         self.state.chunked_loss = chunk_tokens
         return True
 
+    def set_tiled_mlp(self, tokens: int | None) -> bool:
+        """Run the model's MLPs `tokens` tokens at a time (None: whole). False when the config
+        forbids it or the model has no token-wise MLP."""
+        if tokens is not None and not self.can_tile_mlp:
+            return False
+        set_tiling(self.model, tokens)
+        self.state.tiled_mlp = tokens
+        return True
+
     def snapshot(self) -> Savers:
-        return Savers(self.state.activation_checkpointing, self.state.chunked_loss)
+        return Savers(
+            self.state.activation_checkpointing, self.state.chunked_loss, self.state.tiled_mlp
+        )
 
     def restore(self, savers: Savers) -> None:
         """Switch to `savers`, touching only what differs from what is in force."""
@@ -155,6 +179,8 @@ class MemorySavers:
             self.set_checkpointing(savers.checkpointing)
         if savers.chunked_loss != self.state.chunked_loss:
             self.set_chunked_loss(savers.chunked_loss)
+        if savers.tiled_mlp != self.state.tiled_mlp:
+            self.set_tiled_mlp(savers.tiled_mlp)
 
     @property
     def can_switch_checkpointing_on(self) -> bool:
@@ -170,7 +196,8 @@ class MemorySavers:
         checkpoint's run had it on, offloaded when the config says "offload" or that run had
         it so (plain where this device cannot: the values are the same); the chunked loss as
         the checkpoint's run computed it (its arithmetic must be restored exactly), or as
-        `loss_fn` comes on a fresh run."""
+        `loss_fn` comes on a fresh run; the tiled MLP as the checkpoint's run had it, or as the
+        config asks (True or a number of tokens)."""
         on = self.state.activation_checkpointing or self.checkpointing in (True, OFFLOAD)
         if OFFLOAD in (self.state.activation_checkpointing, self.checkpointing):
             on = OFFLOAD if self.can_offload else True
@@ -189,6 +216,11 @@ class MemorySavers:
                 "this model; use the loss of that run (memory.chunked_loss."
                 "CausalLMLoss) or start a new run_dir"
             )
+        tiles = self.state.tiled_mlp if resumed else None
+        if tiles is None and self.tiled_mlp not in ("auto", False):
+            tiles = DEFAULT_TILE_TOKENS if self.tiled_mlp is True else int(self.tiled_mlp)
+        self.state.tiled_mlp = None
+        self.set_tiled_mlp(tiles)  # None: untiled, even where a run before tiled this model
 
     def next_rung(self, reason: str) -> dict[str, Any] | None:
         """Turn on the next saver of the out-of-memory ladder (`run_savers.SAVERS`' order:
@@ -243,6 +275,8 @@ class MemorySavers:
             text = "the model has no activation checkpointing to turn on"
         if self.state.chunked_loss is not None:
             text += f", the loss chunked by {self.state.chunked_loss} tokens"
+        if self.state.tiled_mlp is not None:
+            text += f", the MLPs tiled by {self.state.tiled_mlp} tokens"
         return text
 
     def trial_run(
@@ -250,11 +284,12 @@ class MemorySavers:
     ) -> Callable[[int, bool | str], None]:
         """The planner's ``run(size, checkpointing)`` (`memory.probe.RunPass`, checkpointing
         False, True or "offload"): switch to that mode with the loss chunked by `chunked_loss`,
-        then `one_pass(size)`. Its `method` says how the loss is computed in that mode ("plain",
+        then `one_pass(size)`; the tiled MLP stays as it is (the planner switches it for every
+        mode at once, `plan(tile=...)`). Its `method` says how the loss is computed in that mode ("plain",
         "chunked", "fused"), for the plan's reasons."""
 
         def run(size: int, checkpointing: bool | str) -> None:
-            self.restore(Savers(checkpointing, chunked_loss))
+            self.restore(Savers(checkpointing, chunked_loss, self.state.tiled_mlp))
             one_pass(size)
 
         run.method = "plain" if chunked_loss is None else self.chunked_method()
@@ -293,6 +328,13 @@ OFFLOAD_RUNG = Rung(
     on=lambda s: s.state.activation_checkpointing == OFFLOAD,
     can=lambda s: s.can_offload,
     turn_on=lambda s: _on_or_none(s.can_offload and s.set_checkpointing(OFFLOAD)),
+)
+TILED_MLP_RUNG = Rung(
+    on=lambda s: s.state.tiled_mlp is not None,
+    can=lambda s: s.can_tile_mlp,
+    turn_on=lambda s: _on_or_none(
+        s.set_tiled_mlp(DEFAULT_TILE_TOKENS), {"tile_tokens": DEFAULT_TILE_TOKENS}
+    ),
 )
 CHUNKED_LOSS_RUNG = Rung(
     on=lambda s: s.state.chunked_loss is not None,

@@ -39,6 +39,12 @@ chunk casts the output weight again (vocab × hidden values, in forward and in b
 smaller chunks would repeat more often. A smaller chunk is for when even one sequence's loss does
 not fit."""
 
+DEFAULT_TILE_TOKENS = 8192
+"""Tokens per piece of the tiled MLP (memory/tiled_mlp.py). A piece of 8,192 tokens of the 1B
+Llama shape holds 384 MiB of intermediate activations in bf16, and an (8,192 × 2,048) by
+(2,048 × 8,192) matmul runs at full throughput on a GPU; at 65,536 tokens and more the pieces'
+extra forward costs a few per cent of a step (bench/long_context_lever.py)."""
+
 BOTH = ("estimate", "plan")
 
 CONFIG, FLAGS = "config", "flags"
@@ -252,6 +258,10 @@ class Settings:
         DEFAULT_CHUNK_TOKENS, "Tokens per chunk with --chunked-loss.", commands=("estimate",)
     )
     """`DEFAULT_CHUNK_TOKENS` says why 1,024."""
+    tile_tokens: int = option(
+        DEFAULT_TILE_TOKENS, "Tokens per piece with --tiled-mlp.", commands=("estimate",)
+    )
+    """`DEFAULT_TILE_TOKENS` says why 8,192."""
     vocabulary: str = option(
         FLAGS, "The words of the estimate's notes: a config's keys or the flags.", commands=()
     )
@@ -315,6 +325,7 @@ class Settings:
             ("effective_batch_size", "use 1 or more"),
             ("seq", "use the sequence length in tokens"),
             ("chunk_tokens", f"use e.g. {DEFAULT_CHUNK_TOKENS}"),
+            ("tile_tokens", f"use e.g. {DEFAULT_TILE_TOKENS}"),
             ("gpus", "use the number of ranks torchrun starts"),
             ("accumulation", "use 1 for one micro-batch a step"),
         ):

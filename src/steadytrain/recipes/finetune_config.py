@@ -306,6 +306,15 @@ class FinetuneConfig(BaseModel):
         "a number for that many tokens a chunk, false never, 'auto' (default) when the planner "
         "(micro_batch_size: auto) or the out-of-memory ladder at micro-batch 1 turns it on.",
     )
+    tiled_mlp: Literal["auto"] | bool | Annotated[int, Field(ge=1)] = Field(
+        "auto",
+        description="Each decoder layer's MLP over a piece of the tokens at a time, each piece "
+        "checkpointed, so a long sequence's recomputed layer holds one piece's MLP activations "
+        "instead of every token's (the results are the untiled MLP's): true from the start "
+        "(8,192 tokens a piece), a number for that many tokens a piece, false never, 'auto' "
+        "(default) when the planner (micro_batch_size: auto) estimates that one sample does not "
+        "fit otherwise, or the out-of-memory ladder at micro-batch 1 reaches it.",
+    )
     fused_loss: bool = Field(
         True,
         description="With the chunked loss: compute it with the fused linear cross-entropy "
@@ -431,6 +440,7 @@ class FinetuneConfig(BaseModel):
             "max_grad_norm": self.max_grad_norm or None,
             "num_workers": self.dataloader_num_workers,
             "activation_checkpointing": self.gradient_checkpointing,
+            "tiled_mlp": self.tiled_mlp,
             "compile": self.torch_compile,
             **self._engine,
             "precision": self.precision,

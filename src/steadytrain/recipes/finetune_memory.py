@@ -16,7 +16,7 @@ from steadytrain.errors import BadInputError, SteadytrainError
 from steadytrain.memory.advice import CONFIG, advise, lines
 from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS, Estimate, estimate
 from steadytrain.memory.model_shape import load_config
-from steadytrain.memory.settings import DEVICE_TYPES, Settings, from_options
+from steadytrain.memory.settings import DEFAULT_TILE_TOKENS, DEVICE_TYPES, Settings, from_options
 from steadytrain.recipes.finetune_config import BNB_OPTIMIZERS, FinetuneConfig
 from steadytrain.run import savers as run_savers
 from steadytrain.run.records import Record
@@ -31,6 +31,14 @@ def chunk_tokens(config: FinetuneConfig) -> int | None:
     value = config.chunked_loss
     if value is True:
         return DEFAULT_CHUNK_TOKENS
+    return None if isinstance(value, bool) or value == "auto" else int(value)
+
+
+def tile_tokens(config: FinetuneConfig) -> int | None:
+    """Tokens per piece of the tiled MLP from the start of the run (None: untiled)."""
+    value = config.tiled_mlp
+    if value is True:
+        return DEFAULT_TILE_TOKENS
     return None if isinstance(value, bool) or value == "auto" else int(value)
 
 
@@ -166,7 +174,7 @@ def estimate_settings(config: FinetuneConfig, lengths: DataLengths | None = None
         if config.optim == "sgd"
         else "adamw"
     )
-    chunk = chunk_tokens(config)
+    chunk, tile = chunk_tokens(config), tile_tokens(config)
     return {
         "micro_batch_size": config.per_device_train_batch_size,
         "seq": priced_seq(config, lengths),
@@ -182,6 +190,8 @@ def estimate_settings(config: FinetuneConfig, lengths: DataLengths | None = None
         "attention": ATTENTION[config.attn_implementation],
         "chunked_loss": chunk is not None,
         "chunk_tokens": chunk or DEFAULT_CHUNK_TOKENS,
+        "tiled_mlp": tile is not None,
+        "tile_tokens": tile or DEFAULT_TILE_TOKENS,
     }
 
 
@@ -315,12 +325,14 @@ def last_rung(
 ) -> Estimate:
     """The estimate where the out-of-memory ladder ends: micro-batch 1 with every saver this
     config lets the run use (checkpointing unless `gradient_checkpointing: false`, on CUDA its
-    inputs offloaded too, the chunked loss unless `chunked_loss: false`), against `budget`."""
+    inputs offloaded too, the chunked loss unless `chunked_loss: false`, the tiled MLP unless
+    `tiled_mlp: false`), against `budget`."""
     checkpointing = config.gradient_checkpointing is not False
     chunked = config.chunked_loss is not False
     settings = dataclasses.replace(
         _settings(config, device_type, lengths, checkpointing=checkpointing, chunked_loss=chunked),
         micro_batch_size=1,
+        tiled_mlp=config.tiled_mlp is not False,
     )
     if checkpointing and device_type == "cuda":
         settings = dataclasses.replace(settings, offload=True)
@@ -498,6 +510,8 @@ class RunPlan:
     """How the micro-batch is decided ("set by per_device_train_batch_size", "planned ...")."""
     later: list[str]
     """What the run may still turn on (the ladder's savers with auto)."""
+    tiled_mlp: int | None = None
+    """Tokens per piece of the tiled MLP at the start (None: untiled)."""
 
     @property
     def fits(self) -> bool | None:
@@ -515,6 +529,7 @@ class RunPlan:
         lines = [
             f"micro-batch {self.micro_batch_size} × {self.accumulation} accumulation ({self.how})",
             f"savers: activation checkpointing {checkpointing}; chunked loss {chunked}"
+            + (f"; tiled MLP on ({self.tiled_mlp} tokens a piece)" if self.tiled_mlp else "")
             + (f"; later, if memory runs out: {', '.join(self.later)}" if self.later else ""),
         ]
         if self.total is not None and self.budget is not None:
@@ -542,6 +557,8 @@ def run_plan(
         later.append("activation checkpointing (gradient_checkpointing: auto)")
     if config.chunked_loss == "auto":
         later.append("the chunked loss (chunked_loss: auto)")
+    if config.tiled_mlp == "auto":
+        later.append("the tiled MLP (tiled_mlp: auto)")
     if train.micro_batch_size != "auto":
         result = estimate_finetune(config, where.device_type, where.budget, lengths)
         plan = RunPlan(
@@ -556,6 +573,7 @@ def run_plan(
             else "per_device_train_batch_size; the smallest: out-of-memory turns on a memory "
             "saver that is left, if any",
             later,
+            tile_tokens(config),
         )
         return plan, result
     return _auto_plan(config, where, later, lengths)
@@ -576,7 +594,8 @@ def longest_length(config: FinetuneConfig, where: Target) -> str | None:
         )
         model = load_config(config.model_name_or_path)
         chunked = config.chunked_loss is not False
-        found = longest_seq(model, settings, where.budget, chunked=chunked)
+        tiled = config.tiled_mlp is not False
+        found = longest_seq(model, settings, where.budget, chunked=chunked, tiled=tiled)
     except SteadytrainError:  # the plan above already said what stands in the way
         return None
     return longest_seq_line(found, where.budget, "max_seq_length")
@@ -599,11 +618,15 @@ def _auto_plan(
     model = load_config(config.model_name_or_path)
     chunk = chunk_tokens(config)
     chunked = None if config.chunked_loss == "auto" else chunk is not None
+    tile = tile_tokens(config)
+    tiled = None if config.tiled_mlp == "auto" else tile is not None
     if where.budget is None:
         result = estimate(model, base, model_name=config.model_name_or_path)
         plan = RunPlan(1, effective, False, chunk, result.total, None, "budget unknown", later)
         return plan, result
-    chosen = analytic_plan(Analytic(model, settings, strict=True), settings, where.budget, chunked)
+    chosen = analytic_plan(
+        Analytic(model, settings, strict=True), settings, where.budget, chunked, tiled
+    )
     micro = chosen.micro_batch_size
     used = dataclasses.replace(
         base,
@@ -611,6 +634,7 @@ def _auto_plan(
         checkpointing=bool(chosen.checkpointing),
         offload=chosen.offload,
         chunked_loss=chosen.chunked_loss,
+        tiled_mlp=chosen.tiled_mlp,
     )
     result = estimate(model, used, model_name=config.model_name_or_path)
     result.budget = where.budget
@@ -623,13 +647,16 @@ def _auto_plan(
         where.budget,
         "micro_batch_size: auto, planned from the estimate; the run measures on the device first",
         [item for item in later if not _in_force(item, chosen)],
+        (tile or DEFAULT_TILE_TOKENS) if chosen.tiled_mlp else None,
     )
     return plan, result
 
 
 def _in_force(item: str, chosen: Any) -> bool:
-    return ("checkpointing" in item and chosen.checkpointing) or (
-        "chunked" in item and chosen.chunked_loss
+    return (
+        ("checkpointing" in item and chosen.checkpointing)
+        or ("chunked" in item and chosen.chunked_loss)
+        or ("tiled" in item and chosen.tiled_mlp)
     )
 
 

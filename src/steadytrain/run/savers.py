@@ -65,6 +65,9 @@ class Saver:
     """A saver that must be on before this one is (offload is a way of checkpointing)."""
     worth_above_tokens: bool = False
     """The advisor offers it only where a micro-batch holds more tokens than one chunk."""
+    piece: str = "chunk_tokens"
+    """With `worth_above_tokens`: the estimate's field that holds the tokens of one chunk (the
+    chunked loss's `chunk_tokens`, the tiled MLP's `tile_tokens`)."""
 
 
 SAVERS: tuple[Saver, ...] = (
@@ -110,6 +113,22 @@ SAVERS: tuple[Saver, ...] = (
         needs=("a loss with a chunked mode (memory.chunked_loss.CausalLMLoss)",),
         switch="steadytrain.memory.savers:CHUNKED_LOSS_RUNG",
         worth_above_tokens=True,
+    ),
+    Saver(
+        name="tiled_mlp",
+        words="the tiled MLP",
+        config="tiled_mlp: true",
+        finetune=(("tiled_mlp", True),),
+        flag="--tiled-mlp",
+        estimate_field="tiled_mlp",
+        estimate_help="Each decoder layer's MLP over 8,192 tokens at a time, each piece "
+        "checkpointed (long sequences).",
+        prices="one piece's MLP activations (8,192 tokens') in the recomputed layer instead of "
+        "every token's, and the MLP's input kept",
+        needs=("decoder layers whose MLP is token-wise (gate, up and down projections)",),
+        switch="steadytrain.memory.savers:TILED_MLP_RUNG",
+        worth_above_tokens=True,
+        piece="tile_tokens",
     ),
 )
 """The savers, in the ladder's order."""

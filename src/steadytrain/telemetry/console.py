@@ -365,6 +365,7 @@ def describe_note(name: str, info: dict) -> str:
             f"{info.get('effective_batch_size')}), activation checkpointing "
             f"{_checkpointing(info.get('activation_checkpointing'))}"
             + (", chunked loss" if info.get("chunked_loss") else "")
+            + (", tiled MLP" if info.get("tiled_mlp") else "")
             + f", predicted peak {format_bytes(info.get('predicted_peak'))} of "
             f"{format_bytes(info.get('limit'))} allowed"
         )

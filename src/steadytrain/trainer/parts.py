@@ -73,7 +73,12 @@ def build_parts(cfg: TrainConfig, program: Program, group: Group) -> RunParts:
         ),
     )
     savers = MemorySavers(
-        model, program.loss_fn, state, cfg.activation_checkpointing, device.discrete_memory
+        model,
+        program.loss_fn,
+        state,
+        cfg.activation_checkpointing,
+        device.discrete_memory,
+        tiled_mlp=cfg.tiled_mlp,
     )
     emit = Dispatcher([], state, Control())
     runner = StepRunner(

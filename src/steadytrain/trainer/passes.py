@@ -26,6 +26,7 @@ from steadytrain.memory.lockstep import Lockstep
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.plan import Plan, compiled_growth, first_step_bytes, plan
 from steadytrain.memory.savers import Savers, one_sample_norms
+from steadytrain.memory.settings import DEFAULT_TILE_TOKENS
 from steadytrain.run import env as run_env
 from steadytrain.run.records import Record
 from steadytrain.trainer.data import DataSource, batch_at
@@ -96,6 +97,14 @@ class Passes:
         # savers in force already (the supervisor's, after an attempt ran out at micro-batch 1)
         # are where the plan starts
         checkpointing = before.checkpointing or cfg.activation_checkpointing
+        # The tiled MLP is the planner's to turn on where it is not on already (one process, or
+        # replicated ranks: sharded ranks run the leader's passes, and the ladder has it there).
+        tile = None
+        if before.tiled_mlp is None and savers.can_tile_mlp and not group.sharded:
+
+            def tile(on: bool) -> bool:
+                return savers.set_tiled_mlp(DEFAULT_TILE_TOKENS if on else None)
+
         cap = state.micro_batch_size  # under torchrun no more than this rank's share
         cap = min(cap, batch_len(batch)) if group.active else cap
 
@@ -115,6 +124,7 @@ class Passes:
                 pending=0 if offload else _pending(run.optimizer, group.sharded),
                 compiled=compiled_growth(model) if compiled else False,
                 eager_passes=eager,
+                tile=tile,
             )
 
         with side_pass(
@@ -137,6 +147,7 @@ class Passes:
             Savers(
                 before.checkpointing or chosen.activation_checkpointing,
                 before.chunked_loss or (DEFAULT_CHUNK_TOKENS if chosen.chunked_loss else None),
+                before.tiled_mlp or (DEFAULT_TILE_TOKENS if chosen.tiled_mlp else None),
             )
         )
         estimate = chosen.estimate_event()
@@ -163,7 +174,9 @@ class Passes:
             return dataclasses.replace(chosen, reasons=[*chosen.reasons, priced, why])
         level = _SAVING.index(chosen.activation_checkpointing)
         smallest = group.smallest(chosen.micro_batch_size)
-        most, chunked = group.largest([float(level), float(chosen.chunked_loss)])
+        most, chunked, tiled = group.largest(
+            [float(level), float(chosen.chunked_loss), float(chosen.tiled_mlp)]
+        )
         checkpointing = _SAVING[int(most)]
         why = (
             f"{ranks} (distributed: replicate): each rank planned its own share; agreed on the "
@@ -175,6 +188,7 @@ class Passes:
             checkpointing=bool(checkpointing),
             offload=checkpointing == OFFLOAD,
             chunked_loss=bool(chunked),
+            tiled_mlp=bool(tiled),
             reasons=[*chosen.reasons, why],
         )
 

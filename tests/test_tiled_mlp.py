@@ -107,6 +107,19 @@ def test_the_ladder_turns_the_tiled_mlp_on_last_and_a_resumed_run_keeps_it():
     assert "tiled_mlp" not in never.left() and not never.set_tiled_mlp(16)
 
 
+def test_the_ladder_offers_the_tiled_mlp_only_for_samples_longer_than_a_piece():
+    """Samples no longer than one piece run in one piece tiled or not: where the plan saw the
+    run's batch, the ladder leaves the tiled MLP out of what is left (a supervised run out of
+    memory at micro-batch 1 ends with its advice instead of restarting to tile nothing)."""
+    savers = MemorySavers(tiny_llama(), CausalLMLoss(), TrainState())
+    savers.see_batch({"input_ids": torch.zeros(2, DEFAULT_TILE_TOKENS, dtype=torch.long)})
+    assert savers.left() == ["activation_checkpointing", "chunked_loss"]
+    savers.see_batch({"input_ids": torch.zeros(1, DEFAULT_TILE_TOKENS + 1, dtype=torch.long)})
+    assert savers.left() == ["activation_checkpointing", "chunked_loss", "tiled_mlp"]
+    savers.see_batch([torch.zeros(3)])  # not input_ids: what was seen stays
+    assert "tiled_mlp" in savers.left()
+
+
 def test_a_trainer_with_tiled_mlp_on_trains_the_untiled_run_s_losses(tmp_path: Path):
     """`TrainConfig(tiled_mlp=16)`: the run tiles from the start, its checkpoint's state says
     so, and its losses are the untiled run's (the first bitwise; the steps after differ by the

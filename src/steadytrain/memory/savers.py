@@ -97,6 +97,18 @@ class MemorySavers:
         self.checkpointing = checkpointing
         self.discrete_memory = discrete_memory
         self.tiled_mlp = tiled_mlp
+        self.sample_tokens: int | None = None
+        """Tokens of one sample where the run's batch showed them (its `input_ids`' second
+        dimension, set by the plan), None where unknown: the ladder offers the tiled MLP only
+        where one sample is longer than a piece, since shorter samples run in one piece
+        anyway."""
+
+    def see_batch(self, batch: Any) -> None:
+        """Take one sample's tokens from a batch of `input_ids` (batch, seq), the shape the
+        token-wise MLPs' families take; another batch leaves them unknown."""
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self.sample_tokens = int(ids.shape[1])
 
     # -- what can be switched --------------------------------------------------------------
 
@@ -331,7 +343,9 @@ OFFLOAD_RUNG = Rung(
 )
 TILED_MLP_RUNG = Rung(
     on=lambda s: s.state.tiled_mlp is not None,
-    can=lambda s: s.can_tile_mlp,
+    can=lambda s: (
+        s.can_tile_mlp and (s.sample_tokens is None or s.sample_tokens > DEFAULT_TILE_TOKENS)
+    ),
     turn_on=lambda s: _on_or_none(
         s.set_tiled_mlp(DEFAULT_TILE_TOKENS), {"tile_tokens": DEFAULT_TILE_TOKENS}
     ),

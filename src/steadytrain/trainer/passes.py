@@ -66,6 +66,7 @@ class Passes:
         cfg, run = self.cfg, self.parts
         state, savers, model, group = run.state, run.savers, run.model, run.group
         batch = batch_at(self.data, run.sampler, 0, 0, group)  # planned per rank, its share
+        savers.see_batch(batch)  # the ladder's tiled MLP only for samples longer than a piece
         # sharded, the estimate is one rank's: its share of the batch, its shard of the state
         offload = bool(run.distributed.get("offload"))  # the shards in host memory
         sharding = Sharding(group.world_size, batch_len(batch), offload) if group.sharded else None

@@ -115,7 +115,8 @@ def _serve() -> None:
                 connection.close()
                 for pid, (owner, _) in list(running.items()):
                     if owner is client:
-                        os.kill(pid, signal.SIGKILL)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
                 continue
             for request in requests:
                 pid = os.fork()

@@ -194,6 +194,13 @@ def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests(items)
 
 
+def pytest_unconfigure(config):
+    """The run's fork servers (tests/forkserver.py) are shared by its workers: their folder goes
+    when the run ends, in the process that runs the session (not in a worker)."""
+    if not hasattr(config, "workerinput"):
+        forkserver.remove_shared_folder()
+
+
 def _skip_gpu_tests(items) -> None:
     if torch.cuda.is_available():
         return

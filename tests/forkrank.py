@@ -21,9 +21,10 @@ import sys
 def main() -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.connect(os.environ.pop("STEADYTRAIN_TEST_FORK_SOCKET"))
+    client = os.environ.pop("STEADYTRAIN_TEST_FORK_CLIENT", None)  # the test that ran torchrun
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # torchrun starts ranks with `python -u`
     socket.send_fds(server, [b"\0"], [0, 1, 2])
-    request = {"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}
+    request = {"argv": sys.argv[1:], "env": env, "cwd": os.getcwd(), "client": client}
     server.sendall(json.dumps(request).encode() + b"\n")
     replies = server.makefile("rb")
     pid = json.loads(replies.readline())["pid"]

@@ -16,9 +16,17 @@ glibc's settings as a fresh process would. Commands that are not `python SCRIPT`
 MODULE` (torchrun, a shell), and any run with STEADYTRAIN_TEST_FORK=0, get a plain
 `subprocess.Popen`.
 
-Protocol (JSON lines): request {"id", "argv", "env", "cwd", "stdin", "stdout", "stderr"} on the
-server's stdin; replies {"id", "pid"} when the child started and {"id", "exit"} when it ended
-(negative: killed by that signal), on its stdout.
+The xdist workers of one pytest run share each server: the first worker that needs one starts
+it, the others connect to its Unix socket (in a folder named by the run's id, found under a
+lock), and it ends when no worker is connected any more. A server costs 5 to 15 CPU seconds to
+start (torch, torch._dynamo, transformers and peft imported); one per worker per setting was
+tens of seconds of the suite.
+
+Protocol (JSON lines on the worker's connection): the server says {"hello": N, "ranks": PATH}
+(the worker's number, the ranks' socket); request {"id", "argv", "env", "cwd", "stdin",
+"stdout", "stderr", "new_group"}; replies {"id", "pid"} when the child started and {"id", "exit",
+"cpu"} when it ended (negative: killed by that signal). A worker that ends takes its children
+with it, as when each had its own server.
 
 torchrun's ranks: torchrun starts each rank itself (`python -u SCRIPT`), out of reach of the
 test. `torchrun_command` puts tests/forkrank.py before the script: a client of a few stdlib
@@ -32,6 +40,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
+import hashlib
 import itertools
 import json
 import os
@@ -54,6 +64,10 @@ capped workloads under MALLOC_* settings never import them)."""
 
 SOCKET = "STEADYTRAIN_TEST_FORK_SOCKET"
 """Where a server listens for torchrun's ranks (tests/forkrank.py reads it)."""
+CLIENT = "STEADYTRAIN_TEST_FORK_CLIENT"
+"""Which test process ran the torchrun (forkrank.py sends it: the rank's CPU is that test's)."""
+CONTROL = "STEADYTRAIN_TEST_FORK_CONTROL"
+"""Where a server listens for the test processes that share it."""
 
 # Read by C libraries when the process starts: a child with other values needs its own server.
 AT_START = re.compile(r"^(MALLOC_|GLIBC_TUNABLES$|OMP_|KMP_|GOMP_|MKL_|OPENBLAS_|LD_|PYTHONPATH$)")
@@ -68,28 +82,50 @@ def _serve() -> None:
         __import__(name)
     if threading.active_count() != 1:  # (torch's own idle native thread is fork-safe)
         raise SystemExit("forkserver: a preloaded module started a thread; forking is not safe")
-    requests, replies = sys.stdin.buffer, sys.stdout.buffer
-    running: dict[int, int] = {}  # pid -> request id
+    control = os.environ[CONTROL]
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(control)  # a server of this run that was killed (its starter holds the lock)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(control)
+    listener.listen(64)
+    clients: dict[socket.socket, _Client] = {}
+    running: dict[int, tuple[_Client, int]] = {}  # pid -> the client and its request id
     ranks = _Ranks(os.environ[SOCKET])
-    pending = b""
-    replies.write(b'{"ready": true}\n')
-    replies.flush()
+    if os.fork():  # the process its starter started ends here: the server is no test's child
+        os._exit(0)
+    os.write(1, b'{"ready": true}\n')
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)  # its starter may end before it: nothing more goes to that pipe
+    os.close(devnull)
+    served = 0
     while True:
-        readable, _, _ = select.select([requests, *ranks.waiting()], [], [], 0.02)
+        waiting = [listener, *clients, *ranks.waiting()]
+        readable, _, _ = select.select(waiting, [], [], 0.02)
         ranks.serve(readable)
-        if requests in readable:
-            chunk = os.read(requests.fileno(), 1 << 16)
-            if not chunk:
-                break  # the test process is gone
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+        if listener in readable:
+            connection = listener.accept()[0]
+            served += 1
+            clients[connection] = client = _Client(connection, served)
+            client.reply({"hello": served, "ranks": os.environ[SOCKET]})
+        for connection in [c for c in clients if c in readable]:
+            client = clients[connection]
+            requests = client.read()
+            if requests is None:  # its test process is gone: so are the children it asked for
+                del clients[connection]
+                connection.close()
+                for pid, (owner, _) in list(running.items()):
+                    if owner is client:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                continue
+            for request in requests:
                 pid = os.fork()
                 if pid == 0:
+                    for own in (listener, *clients):
+                        own.close()
                     _child(request)  # never returns
-                running[pid] = request["id"]
-                _reply(replies, {"id": request["id"], "pid": pid})
+                running[pid] = (client, request["id"])
+                client.reply({"id": request["id"], "pid": pid})
         while running or ranks.pids():
             pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
@@ -97,12 +133,65 @@ def _serve() -> None:
             cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped descendants'
             exit_code = os.waitstatus_to_exitcode(status)
             if pid in running:
-                _reply(replies, {"id": running.pop(pid), "exit": exit_code, "cpu": cpu})
-            elif ranks.ended(pid, exit_code):
-                _reply(replies, {"id": -1, "exit": exit_code, "cpu": cpu})  # counts its CPU
+                client, ident = running.pop(pid)
+                client.reply({"id": ident, "exit": exit_code, "cpu": cpu})
+            else:
+                asker = ranks.ended(pid, exit_code)
+                for client in clients.values():
+                    if client.number == asker:  # counts the rank's CPU for the test that ran it
+                        client.reply({"id": -1, "exit": exit_code, "cpu": cpu})
+        if not clients and served and _may_end(control, listener):
+            break
     for pid in [*running, *ranks.pids()]:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     ranks.close()
+
+
+def _may_end(control: str, listener: socket.socket) -> bool:
+    """Whether the server may end now that no test process is connected: only while no test
+    process is between finding it and connecting (they hold the lock then) and none is
+    waiting to be accepted. It removes its socket then, keeping the lock until it exits, so the
+    next test process to need one starts a new server."""
+    try:
+        lock = os.open(control + ".lock", os.O_RDWR)
+    except FileNotFoundError:  # the run is over: its folder is gone
+        return True
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        return False
+    if select.select([listener], [], [], 0)[0]:
+        os.close(lock)  # (closing the file releases the lock)
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(control)
+    return True  # the lock is released when the process exits
+
+
+class _Client:
+    """One test process connected to the server: its requests come in and its replies go out on
+    its connection."""
+
+    def __init__(self, connection: socket.socket, number: int):
+        self.connection, self.number, self.pending = connection, number, b""
+
+    def read(self) -> list[dict] | None:
+        """The requests it sent that are complete; None once it has ended."""
+        try:
+            chunk = self.connection.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return None
+        self.pending += chunk
+        *lines, self.pending = self.pending.split(b"\n")
+        return [json.loads(line) for line in lines]
+
+    def reply(self, message: dict) -> None:
+        with contextlib.suppress(OSError):  # a test process that ended takes no replies
+            self.connection.sendall(json.dumps(message).encode() + b"\n")
 
 
 def _received(client: socket.socket) -> bool:
@@ -123,6 +212,7 @@ class _Ranks:
         self.listener.bind(path)
         self.listener.listen(64)
         self.clients: dict[int, socket.socket] = {}  # pid -> its client's connection
+        self.askers: dict[int, int | None] = {}  # pid -> the test process that ran torchrun
 
     def waiting(self) -> list:
         return [self.listener, *self.clients.values()]
@@ -143,8 +233,8 @@ class _Ranks:
                     os.kill(pid, signal.SIGKILL)
 
     def close(self) -> None:
+        path = self.listener.getsockname()  # (a closed socket has no name)
         self.listener.close()
-        path = self.listener.getsockname()
         with contextlib.suppress(OSError):
             os.unlink(path)
             os.rmdir(os.path.dirname(path))  # the server's own folder (tempfile.mkdtemp)
@@ -160,15 +250,18 @@ class _Ranks:
             os.close(fd)
         client.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.clients[pid] = client
+        self.askers[pid] = request.get("client")
 
-    def ended(self, pid: int, exit_code: int) -> bool:
+    def ended(self, pid: int, exit_code: int) -> int | None:
+        """Tells a rank's client that it ended; the number of the test process that ran its
+        torchrun (None for another child, or a rank of no known test)."""
         client = self.clients.pop(pid, None)
         if client is None:
-            return False
+            return None
         with contextlib.suppress(OSError):
             client.sendall(json.dumps({"exit": exit_code}).encode() + b"\n")
         client.close()
-        return True
+        return self.askers.pop(pid, None)
 
 
 def _reply(out, message: dict) -> None:
@@ -320,27 +413,39 @@ class Forked:
 
 
 class _Server:
+    """The test process's connection to the server for one value of the start-up settings: the
+    one this run's test processes share (found by its socket under the lock), started by the
+    first that needs it."""
+
     def __init__(self, env: dict[str, str]):
-        self.socket = os.path.join(tempfile.mkdtemp(prefix="fs-"), "ranks")
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={**env, SOCKET: self.socket},
-            cwd=Path(__file__).parent,
-        )
+        key = tuple(sorted((k, v) for k, v in env.items() if AT_START.match(k)))
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+        control = os.path.join(_shared_folder(), name)
+        lock = os.open(control + ".lock", os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.connection = _connect(control)
+            if self.connection is None:
+                _start_server(env, key, control)
+                self.connection = _connect(control)
+            if self.connection is None:
+                raise RuntimeError("forkserver did not start")
+            hello = json.loads(self.connection.makefile("rb").readline())
+        finally:
+            os.close(lock)  # (closing the file releases the lock)
+        self.number, self.socket = hello["hello"], hello["ranks"]
         self.lock = threading.Condition()
         self.replies: dict[tuple[int, str], int] = {}
         self.ids = itertools.count()
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError("forkserver did not start")
+        self.dead = False
         threading.Thread(target=self._read, daemon=True, name="forkserver-replies").start()
 
     def _read(self) -> None:
         global forked_cpu
-        for line in self.proc.stdout:
+        for line in self.connection.makefile("rb"):
             message = json.loads(line)
+            if "hello" in message:
+                continue
             with self.lock:
                 kind = "pid" if "pid" in message else "exit"
                 self.replies[(message["id"], kind)] = message[kind]
@@ -353,8 +458,7 @@ class _Server:
     def send(self, request: dict) -> int:
         ident = next(self.ids)
         with self.lock:
-            self.proc.stdin.write(json.dumps({**request, "id": ident}).encode() + b"\n")
-            self.proc.stdin.flush()
+            self.connection.sendall(json.dumps({**request, "id": ident}).encode() + b"\n")
         return ident
 
     def result(self, ident: int) -> int | None:
@@ -363,14 +467,58 @@ class _Server:
 
     def wait_for(self, ident: int, kind: str, timeout: float | None = None, args=None) -> int:
         with self.lock:
-            ok = self.lock.wait_for(
-                lambda: (ident, kind) in self.replies or getattr(self, "dead", False), timeout
-            )
+            ok = self.lock.wait_for(lambda: (ident, kind) in self.replies or self.dead, timeout)
             if not ok:
                 raise subprocess.TimeoutExpired(args or [], timeout)
             if (ident, kind) not in self.replies:
                 raise RuntimeError("forkserver ended")
             return self.replies[(ident, kind)]
+
+
+def _shared_folder(make: bool = True) -> str:
+    """Where this run's servers listen: one folder per pytest run, named by the process that
+    runs the session (an xdist worker's parent), so the run's workers share each server.
+    tests/conftest.py removes it when the run ends."""
+    session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    folder = os.path.join(tempfile.gettempdir(), f"stfs-{os.getuid()}-{session}")
+    if make:
+        os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def remove_shared_folder() -> None:
+    """At the end of the run (its servers end as their workers do)."""
+    shutil.rmtree(_shared_folder(make=False), ignore_errors=True)
+
+
+def _connect(control: str) -> socket.socket | None:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(control)
+    except (FileNotFoundError, ConnectionRefusedError):
+        connection.close()
+        return None
+    return connection
+
+
+def _start_server(env: dict[str, str], key: tuple, control: str) -> None:
+    """Start a server for these start-up settings and wait until it listens on `control`. It
+    ends when no test process is connected any more, not when this one ends: the process started
+    here forks it and ends, so that no worker has a child that outlives it."""
+    base = {k: v for k, v in os.environ.items() if not AT_START.match(k)}
+    ranks = os.path.join(tempfile.mkdtemp(prefix="fs-"), "ranks")
+    proc = subprocess.Popen(
+        [sys.executable, __file__],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        env={**base, **dict(key), SOCKET: ranks, CONTROL: control},
+        cwd=Path(__file__).parent,
+    )
+    ready = proc.stdout.readline()
+    proc.stdout.close()
+    proc.wait()
+    if not ready:
+        raise RuntimeError("forkserver did not start")
 
 
 _servers: dict[tuple, _Server] = {}
@@ -398,13 +546,12 @@ ENABLED = os.environ.get("STEADYTRAIN_TEST_FORK", "1") != "0"
 
 
 def _server(env: dict[str, str]) -> _Server:
-    """The server for this environment's start-up settings (started on first use)."""
+    """The server for this environment's start-up settings (found or started on first use)."""
     key = tuple(sorted((k, v) for k, v in env.items() if AT_START.match(k)))
     with _servers_lock:
         server = _servers.get(key)
-        if server is None or server.proc.poll() is not None:
-            base = {k: v for k, v in os.environ.items() if not AT_START.match(k)}
-            server = _servers[key] = _Server({**base, **dict(key)})
+        if server is None or server.dead:
+            server = _servers[key] = _Server(env)
         return server
 
 
@@ -426,7 +573,8 @@ def torchrun_command(
     launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
     if not (ENABLED and fork_ranks):
         return [*launch, str(script), *args], env
-    env[SOCKET] = _server(env).socket
+    server = _server(env)
+    env[SOCKET], env[CLIENT] = server.socket, str(server.number)
     return [*launch, str(Path(__file__).with_name("forkrank.py")), str(script), *args], env
 
 
@@ -521,3 +669,4 @@ def run(
 
 if __name__ == "__main__":
     _serve()
+    os._exit(0)  # its children are gone: no need to unload torch and the rest on the way out

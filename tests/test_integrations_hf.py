@@ -4,6 +4,7 @@ a checkpoint cut short, and the report of what happened."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -25,8 +26,9 @@ from integration_helpers import (
 
 from steadytrain.telemetry.files import read_jsonl
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+for _library in ("transformers", "accelerate"):  # imported in the workloads only
+    if importlib.util.find_spec(_library) is None:
+        pytest.skip(f"{_library} is not installed", allow_module_level=True)
 
 SCRIPT = "hf_trainer.py"
 

@@ -134,6 +134,33 @@ def test_the_estimate_command_takes_compile_and_offload(tmp_path, cli):
     assert "Traceback" not in refused.stderr
 
 
+def test_a_fine_tune_config_s_offload_and_tiled_mlp_reach_its_estimate(tmp_path, cli):
+    """`steadytrain estimate CONFIG` prices what the config's run does: its kept inputs offloaded
+    on a CUDA device (`gradient_checkpointing: offload`; not on the CPU, where the run refuses
+    it), and the MLPs tiled from the start (`tiled_mlp: true`, a field the fine-tune config and
+    the engine's config share: the fine-tune's own value is the one read)."""
+    tiny(layers=4).save_pretrained(tmp_path / "model")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    config = {
+        "model_name_or_path": str(tmp_path / "model"),
+        "train_file": str(tmp_path / "train.jsonl"),
+    }
+    config |= {"max_seq_length": 32768, "gradient_checkpointing": "offload", "tiled_mlp": True}
+    path = tmp_path / "finetune.json"
+    path.write_text(json.dumps(config))
+    found = {}
+    for device in ("cuda", "cpu"):
+        ran = cli("estimate", str(path), "--memory", "64GiB", "--device-type", device, "--json")
+        assert ran.returncode in (0, 3), ran.stderr  # 3: over the budget; priced all the same
+        found[device] = json.loads(ran.stdout)["settings"]
+    assert found["cuda"]["offload"] and not found["cpu"]["offload"]
+    assert found["cuda"]["tiled_mlp"] and found["cpu"]["tiled_mlp"]
+    untiled = dict(config, tiled_mlp=False)
+    path.write_text(json.dumps(untiled))
+    ran = cli("estimate", str(path), "--memory", "64GiB", "--device-type", "cuda", "--json")
+    assert not json.loads(ran.stdout)["settings"]["tiled_mlp"]
+
+
 def test_the_plan_command_takes_compile_and_checkpointing_offload(tmp_path, cli):
     """The analytic plan (no probe) for the 1B LoRA shape on CUDA: compiled, a sample's
     activations are counted at Llama's share, so a larger plain micro-batch fits; offload is a

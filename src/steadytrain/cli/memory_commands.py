@@ -77,6 +77,11 @@ def estimate_command(model: str, *, json_output: bool = False, console=None, **g
     budget, source, resolved = resolve_target(
         settings, "memory_budget:" if "memory_budget" in own else "--memory-budget"
     )
+    if vocabulary is CONFIG and config.gradient_checkpointing == "offload":
+        # the run offloads the kept inputs where the device has memory of its own, as the
+        # fine-tune's plan prices it (recipes/finetune_memory.py `_settings`)
+        on_cuda = resolved.device_type == "cuda"
+        resolved = dataclasses.replace(resolved, offload=resolved.offload or on_cuda)
     model_config = load_config(model)
     result = estimate(model_config, resolved, model_name=model, budget=budget)
     result.budget, result.budget_source = budget, source

@@ -617,7 +617,7 @@ def _normalise(data: Mapping[str, Any]) -> tuple[dict, dict, set, list[str], lis
         if key in DERIVED:
             problems.append(f"{key}: not set directly here: {DERIVED[key]}")
             continue
-        if key in ENGINE_FIELDS:
+        if key in ENGINE_FIELDS and key not in FinetuneConfig.model_fields:  # not its own
             if key in engine:
                 old = next(o for o, new in EARLIER_NAMES.items() if new == key)
                 problems.append(

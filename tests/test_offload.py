@@ -311,11 +311,12 @@ def test_offload_is_not_probed_when_checkpointing_fits_the_largest_size():
 def test_the_ladder_goes_checkpointing_then_offload_then_the_chunked_loss_on_cuda_only():
     model, loss, state = tiny_llama(), CausalLMLoss(), TrainState()
     savers = MemorySavers(model, loss, state, discrete_memory=True)
-    rungs = [savers.next_rung("oom") for _ in range(4)]
+    rungs = [savers.next_rung("oom") for _ in range(5)]
     assert [r and r["saver"] for r in rungs] == [
         "activation_checkpointing",
         "activation_offload",
         "chunked_loss",
+        "tiled_mlp",  # the samples' length unknown here: offered last
         None,
     ]
     assert state.activation_checkpointing == "offload"
@@ -328,8 +329,9 @@ def test_the_ladder_goes_checkpointing_then_offload_then_the_chunked_loss_on_cud
 
     unified = MemorySavers(tiny_llama(), CausalLMLoss(), TrainState())  # MPS, CPU
     assert not unified.can_offload
-    rungs = [unified.next_rung("oom") for _ in range(3)]
-    assert [r and r["saver"] for r in rungs] == ["activation_checkpointing", "chunked_loss", None]
+    rungs = [unified.next_rung("oom") for _ in range(4)]
+    names = [r and r["saver"] for r in rungs]
+    assert names == ["activation_checkpointing", "chunked_loss", "tiled_mlp", None]
     assert unified.state.activation_checkpointing is True
 
 

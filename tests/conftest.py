@@ -144,8 +144,12 @@ REPEATS = {
         "the same test's [abc]"
     ),
     "test_planned_ranks.py::test_auto_under_ddp_each_rank_plans_its_share_and_the_ranks_agree": (
-        "test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory; the ranks' "
+        "test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain; the ranks' "
         "agreement: test_distributed.py"
+    ),
+    "test_planned_ranks.py::test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory": (
+        "test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain (its trial "
+        "passes run in lockstep, under steadytrain run, and start without an out-of-memory)"
     ),
     "test_fresh_process_oom.py::test_a_resnet_that_shrank_to_1_and_still_fails_is_restarted_fresh_and_finishes": (
         "test_a_supervised_process_that_shrank_then_fails_at_1_hands_over_exit_76; a real CPU "

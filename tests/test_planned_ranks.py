@@ -91,13 +91,17 @@ def test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain(
     per-rank estimate puts one sample plain over the limit and checkpointed under it, so the
     plan never runs the plain trial pass (which would run out of memory on a rank: exit 76 and
     a restart) and starts with activation checkpointing on; both ranks record the per-rank
-    estimate."""
+    estimate. Under `steadytrain run`, each rank records the savers the plan turned on as in
+    force (`memory_savers`, the supervisor reads the newest): an out-of-memory at micro-batch 1
+    after it would restart with the next saver, not with checkpointing again."""
     run_dir = tmp_path / "priced"
     args = ("--model", "llama", "--batch", "4", "--steps", "1", "--limit-mib", "550")
-    done = torchrun(run_dir, *args)
+    done = supervised(run_dir, *args)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
         records = events(run_dir, rank)
+        in_force = [e["in_force"] for e in records if e["event"] == "memory_savers"]
+        assert in_force == [[], ["activation_checkpointing"]], in_force
         assert "oom" not in [e["event"] for e in records]
         (plan,) = [e for e in records if e["event"] == "plan"]
         assert plan["activation_checkpointing"] is True, plan

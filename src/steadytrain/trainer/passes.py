@@ -151,6 +151,8 @@ class Passes:
                 before.tiled_mlp or (DEFAULT_TILE_TOKENS if chosen.tiled_mlp else None),
             )
         )
+        if savers.snapshot() != before:  # the plan turned savers on: in force from here
+            self._savers_in_force()
         estimate = chosen.estimate_event()
         return [(Record.PLAN, chosen.to_event())] + (
             [(Record.ESTIMATE, estimate)] if estimate else []
@@ -193,6 +195,22 @@ class Passes:
             reasons=[*chosen.reasons, why],
         )
 
+    def _savers_in_force(self) -> None:
+        """Supervised, record the savers in force now (`memory_savers`; the supervisor reads
+        the newest of this attempt's), so that an out-of-memory at micro-batch 1 after the plan
+        turned savers on restarts with the next one, not with one the plan had on already."""
+        if run_env.supervised():
+            savers = self.parts.savers
+            self.record(
+                Record.MEMORY_SAVERS,
+                {
+                    "step": self.parts.state.step,
+                    "in_force": savers.in_force(),
+                    "left": savers.left(),
+                    "asked": run_env.memory_savers() or None,
+                },
+            )
+
     def _trial_out_of_memory(self, size: int, checkpointing: bool | str, oom: OutOfMemory):
         """A sharded trial pass ran out of memory on this rank: the other ranks may be inside a
         collective this rank will not reach, so it records its `oom` (the phase "plan", the
@@ -205,16 +223,7 @@ class Passes:
         checkpointing alone)."""
         run = self.parts
         group = run.group
-        if run_env.supervised():
-            self.record(
-                Record.MEMORY_SAVERS,
-                {
-                    "step": run.state.step,
-                    "in_force": run.savers.in_force(),
-                    "left": run.savers.left(),
-                    "asked": run_env.memory_savers() or None,
-                },
-            )
+        self._savers_in_force()
         self.record(
             Record.OOM,
             {

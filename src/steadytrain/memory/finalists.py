@@ -14,6 +14,11 @@ from steadytrain.memory.probe import Fit, ProbeResult, RunPass, measure
 
 TIME_PASS = 0.5
 """Seconds a finalist's timed pass may take on CUDA (`time_finalists`)."""
+TIMED_PASSES = 2
+"""Passes a finalist is timed over, its rate the fastest's: one sub-second pass on a GPU is
+noisy (the 4-bit 1B's micro-8 pass on an H200 took 0.116 s in one call and 0.135 s in the
+next, which made the plan take checkpointed micro 32 over a plain micro 8 that trains 12 %
+faster), and the slower readings are the ones disturbed."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ def time_finalists(
     micro 1 and 97 ms at micro 2), so a line through them predicts almost free samples. Memory
     is linear and exact there; time is not. So each mode runs one pass at the largest size it
     may use (after one at that size that pays for allocation, unless the probe ran that size
-    just before), capped where a pass would take
+    just before; the fastest of `TIMED_PASSES`), capped where a pass would take
     longer than `TIME_PASS` (bounded with the largest probed size's time per sample, which
     overstates it): beyond that size the GPU is busy and the measured rate is taken as the rate
     of the larger sizes too. A mode is not timed when a mode with a subset of its memory savers
@@ -52,8 +57,8 @@ def time_finalists(
     peak passes `limit` (a prediction that was wrong), is not a contender.
 
     `compiled`: the finalists run compiled layers (`plan`). Each then runs at its largest
-    fitting size, twice (the first pass at a new size compiles; the eager probe's passes warm
-    nothing): a compiled layer's fixed cost per pass makes a smaller size's rate say little
+    fitting size, once more than it is timed (the first pass at a new size compiles; the eager
+    probe's passes warm nothing): a compiled layer's fixed cost per pass makes a smaller size's rate say little
     about a larger one's (Qwen3-0.6B on an H200: micro 4 at half the rate of micro 8)."""
     order = sorted(fits, key=lambda m: (m.savers, m.checkpointing))
     timed: dict[Mode, Timed] = {}
@@ -101,7 +106,7 @@ def _time_one(
     limit: float,
     compiled: bool,
 ) -> tuple[float | None, str]:
-    """samples/s of one pass at `size` (recorded in `result`), or None and why it does not
+    """samples/s at `size`, the fastest of `TIMED_PASSES` passes (recorded in `result`), or None and why it does not
     count: it ran out of memory, or its peak passed `limit`."""
     warm = not compiled and any(  # this mode ran this size eagerly: kernels chosen, blocks cached
         (s.size, s.checkpointing, s.chunked_loss)
@@ -109,7 +114,9 @@ def _time_one(
         for s in result.samples
     )
     sample, oom = call_or_oom(
-        lambda: measure(run, device, size, mode.activation_checkpointing, reps=1 if warm else 2),
+        lambda: measure(
+            run, device, size, mode.activation_checkpointing, TIMED_PASSES + (not warm), warm
+        ),
         device.empty_cache,
     )
     if oom is not None:

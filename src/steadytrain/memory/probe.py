@@ -124,11 +124,17 @@ def in_use(device: Device) -> int | None:
 
 
 def measure(
-    run: RunPass, device: Device, size: int, checkpointing: bool | str, reps: int = 1
+    run: RunPass,
+    device: Device,
+    size: int,
+    checkpointing: bool | str,
+    reps: int = 1,
+    warm: bool = False,
 ) -> Sample:
     """Run one size `reps` times; the peak is the largest, the time the fastest of the passes
     after the first when there are several (the first pass at a size also pays for kernel
-    selection and for allocating its memory, which a training step at that size does once).
+    selection and for allocating its memory, which a training step at that size does once),
+    of all of them when `warm` (this size ran just before).
 
     CUDA's peak counter counts allocated bytes, which neither the allocator's cache nor
     uncollected garbage on the host changes: passes run as training steps do, on cached blocks
@@ -151,7 +157,8 @@ def measure(
         reading = device.peak_reading()
         if reading.bytes is not None:
             peaks.append(reading.bytes)
-    return Sample(size, checkpointing, max(peaks) if peaks else None, min(times[1:] or times))
+    timed = times if warm else times[1:] or times
+    return Sample(size, checkpointing, max(peaks) if peaks else None, min(timed))
 
 
 def fit(samples: list[Sample], kind: str) -> Fit | None:

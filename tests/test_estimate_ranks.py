@@ -156,6 +156,18 @@ def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir
         plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)
 
 
+def test_the_plan_on_two_ranks_says_what_each_rank_runs_and_the_group_s_batch(qwen_dir, capsys):
+    """The table's title speaks per rank, as a run's plan line does: the micro-batch and the
+    steps are each rank's (its share is 8 of 16), the effective batch the group's."""
+    args = {"gpus": 2, "distributed": "fsdp", "fsdp_offload": True, **GPU}
+    assert plan_command(str(qwen_dir), 16, **args) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    micro = int(re.search(r"micro-batch (\d+) per rank", title)[1])
+    steps = -(-8 // micro)
+    says = f"plan: micro-batch {micro} per rank × {steps} step{'s' * (steps > 1)} × 2 ranks"
+    assert title.startswith(f"{says} (effective batch 16)"), title
+
+
 @pytest.mark.parametrize(
     ("given", "says"),
     [

@@ -174,7 +174,9 @@ class Passes:
                 f"reached; micro {chosen.micro_batch_size} on every rank"
             )
             priced = _per_rank_reason(chosen.analytic, unpriced, group.world_size)
-            return dataclasses.replace(chosen, reasons=[*chosen.reasons, priced, why])
+            return dataclasses.replace(
+                chosen, reasons=[*chosen.reasons, priced, why], world_size=group.world_size
+            )
         level = _SAVING.index(chosen.activation_checkpointing)
         smallest = group.smallest(chosen.micro_batch_size)
         most, chunked, tiled = group.largest(
@@ -193,6 +195,7 @@ class Passes:
             chunked_loss=bool(chunked),
             tiled_mlp=bool(tiled),
             reasons=[*chosen.reasons, why],
+            world_size=group.world_size,
         )
 
     def _savers_in_force(self) -> None:

@@ -129,6 +129,10 @@ def test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain(
         assert estimate["analytic_total"] > 0, estimate
         if rank == 0:
             speaks_per_rank(plan, run_dir, done.stderr, effective=4)
+        # on the CPU the shards never go to the host: host memory is the device's
+        (start,) = [e for e in records if e["event"] == "fit_start"]
+        assert start["distributed"]["offload"] is False, start["distributed"]
+        assert "offload_choice" not in start["distributed"] and not plan["fsdp_offload"]
 
 
 def test_a_trial_pass_out_of_memory_counts_the_savers_it_had_on(tmp_path: Path):

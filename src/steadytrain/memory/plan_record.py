@@ -38,6 +38,8 @@ class Plan:
     """Each decoder layer's MLP over a piece of the tokens at a time (`memory.tiled_mlp`)."""
     world_size: int = 1
     """The ranks sharing each optimizer batch (torchrun); `micro_batch_size` is each rank's."""
+    fsdp_offload: bool = False
+    """Sharded with each rank's shards in host memory (chosen before sharding, or asked)."""
 
     @property
     def mode(self) -> Mode:
@@ -83,6 +85,7 @@ class Plan:
             "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.chunked_loss,
             "tiled_mlp": self.tiled_mlp,
+            "fsdp_offload": self.fsdp_offload,
             "predicted_peak": _int(self.predicted_peak),
             "limit": _int(self.limit),
             "budget": self.budget,

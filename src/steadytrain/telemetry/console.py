@@ -364,6 +364,7 @@ def describe_note(name: str, info: dict) -> str:
             f"{_checkpointing(info.get('activation_checkpointing'))}"
             + (", chunked loss" if info.get("chunked_loss") else "")
             + (", tiled MLP" if info.get("tiled_mlp") else "")
+            + (", the shards in host memory (fsdp_offload)" if info.get("fsdp_offload") else "")
             + f", predicted peak {format_bytes(info.get('predicted_peak'))} of "
             f"{format_bytes(info.get('limit'))} allowed"
         )

@@ -174,8 +174,13 @@ class Passes:
                 f"reached; micro {chosen.micro_batch_size} on every rank"
             )
             priced = _per_rank_reason(chosen.analytic, unpriced, group.world_size)
+            # fsdp_offload, where the per-rank estimate chose it before sharding
+            before = self.parts.distributed.get("offload_reason")
             return dataclasses.replace(
-                chosen, reasons=[*chosen.reasons, priced, why], world_size=group.world_size
+                chosen,
+                reasons=[*chosen.reasons, *([before] if before else []), priced, why],
+                world_size=group.world_size,
+                fsdp_offload=bool(self.parts.distributed.get("offload")),
             )
         level = _SAVING.index(chosen.activation_checkpointing)
         smallest = group.smallest(chosen.micro_batch_size)

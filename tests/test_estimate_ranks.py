@@ -313,7 +313,7 @@ def test_the_shards_go_to_the_host_before_sharding_where_only_that_fits(tmp_path
     sharding: no pass can run before). Recorded in fit_start's `distributed` with both figures;
     never on a device without memory of its own; a rerun shards as its checkpoint's run did.
     FSDP2 refuses the policy without an accelerator and the ranks are one process here, so
-    `fully_shard`, the mesh and the parameters' broadcast are stood in for, and the device is a
+    `fully_shard`, the mesh and the ranks' collectives are stood in for, and the device is a
     stand-in GPU (its tensors stay on the CPU); the GPU runs the real thing."""
     import types
 
@@ -336,6 +336,8 @@ def test_the_shards_go_to_the_host_before_sharding_where_only_that_fits(tmp_path
     monkeypatch.setattr(sharding, "_fsdp2", lambda gloo: (Unit, lambda m, **kw: calls.append(kw)))
     monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: "mesh")
     monkeypatch.setattr(Group, "broadcast_module", lambda self, model: None)
+    monkeypatch.setattr(Group, "broadcast_object", lambda self, obj: obj)
+    monkeypatch.setattr(Group, "largest", lambda self, values: values)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,

@@ -82,12 +82,10 @@ def analytic_for(
     (None, why not) otherwise. `sharding`: the model is sharded over several ranks (FSDP2), and
     the estimate is one rank's (memory/ranks.py: its shard of the model state, the gathered
     layers, the backward's gradient buffers, its own micro-batch's activations)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "model_type"):
-        return None, "the model has no Hugging Face config"
-    family = getattr(text_config(config), "model_type", None)
-    if family not in KNOWN_FAMILIES:
-        return None, f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
+    unknown = unknown_model(model)
+    if unknown is not None:
+        return None, unknown
+    config = model.config
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
         return None, "the batch has no input_ids of shape (batch, seq)"
@@ -115,6 +113,18 @@ def analytic_for(
     except BadInputError as exc:
         return None, str(exc)
     return Analytic(config, chosen), None
+
+
+def unknown_model(model) -> str | None:
+    """Why the estimate cannot price `model` (no Hugging Face config, a family it does not
+    model), None where it can: asked before drawing a batch to price it."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        return "the model has no Hugging Face config"
+    family = getattr(text_config(config), "model_type", None)
+    if family not in KNOWN_FAMILIES:
+        return f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,12 @@ class OffloadChoice:
     on_host: int
     budget: int
     mode: Mode
+
+    @classmethod
+    def of(cls, on_device: float, on_host: float, budget: float, mode: Mode) -> OffloadChoice:
+        """The rule: on where the shards on the GPU are over the budget and on the host within."""
+        on = on_device > budget and on_host <= budget
+        return cls(on, int(on_device), int(on_host), int(budget), mode)
 
     def reason(self) -> str:
         """The plan's sentence: the choice, with the estimate with and without."""
@@ -198,10 +214,7 @@ def fsdp_offload_choice(
     on_device, on_host = analytic.of(1, mode), host.of(1, mode)
     if on_device is None or on_host is None or on_device.total is None or on_host.total is None:
         return None
-    over = on_device.total > budget
-    return OffloadChoice(
-        over and on_host.total <= budget, on_device.total, on_host.total, budget, mode
-    )
+    return OffloadChoice.of(on_device.total, on_host.total, budget, mode)
 
 
 def _method_of(model) -> dict[str, Any]:

@@ -25,7 +25,13 @@ from steadytrain.engine.sharding import choose, shard
 from steadytrain.engine.side_pass import side_pass
 from steadytrain.errors import CheckpointError, ConfigError
 from steadytrain.events import Control, Dispatcher, TrainState
-from steadytrain.memory.analytic import OffloadChoice, Sharding, analytic_for, fsdp_offload_choice
+from steadytrain.memory.analytic import (
+    OffloadChoice,
+    Sharding,
+    analytic_for,
+    fsdp_offload_choice,
+    unknown_model,
+)
 from steadytrain.memory.choice import Mode
 from steadytrain.memory.savers import MemorySavers
 from steadytrain.run import env as run_env
@@ -155,9 +161,11 @@ def _place(
         return group, distributed
     kept = chosen = None
     if device.discrete_memory and not (cfg.fsdp_offload or asked):
-        kept = _kept_offload(cfg)  # a rerun shards as its checkpoint's run did
+        # a rerun shards as its checkpoint's run did; rank 0 holds the checkpoints
+        kept = group.broadcast_object(_kept_offload(cfg) if group.is_main else None)
         if kept is None and estimating is not None and cfg.micro_batch_size == "auto":
-            chosen = _offload_by_estimate(cfg, model, group, device, estimating)
+            own = _offload_by_estimate(cfg, model, group, device, estimating)
+            chosen = _agreed_offload(group, own)
     offload = cfg.fsdp_offload or asked or bool(kept) or bool(chosen and chosen.on)
     distributed |= shard(model, group, offload=offload)
     if asked:
@@ -188,6 +196,26 @@ class _Estimating:
     sampler: OptimizerBatchSampler
 
 
+def _agreed_offload(group: Group, own: OffloadChoice | None) -> OffloadChoice | None:
+    """One choice for every rank (FSDP2 shards every rank alike): each rank priced its own
+    share of the batch (its padding may differ); the group takes the largest figures against
+    the smallest budget, and none where any rank could not price the run."""
+    if not group.active:
+        return own
+    known = own is not None
+    on_device, on_host, unknown, least = group.largest(
+        [
+            own.on_device if known else 0.0,
+            own.on_host if known else 0.0,
+            0.0 if known else 1.0,
+            -own.budget if known else 0.0,
+        ]
+    )
+    if unknown or own is None:
+        return None
+    return OffloadChoice.of(on_device, on_host, -least, own.mode)
+
+
 def _kept_offload(cfg: TrainConfig) -> bool | None:
     """`fsdp_offload` as the newest checkpoint of this run directory kept it (its trainer
     state), None where there is none (a fresh start) or it cannot be read: the resume, later,
@@ -214,15 +242,19 @@ def _offload_by_estimate(
     is called once on the unsharded parameters and the result dropped), one sample with every
     saver the plan may turn on. None where the estimate cannot price the run."""
     program = e.program
+    if unknown_model(model) is not None:  # before drawing a batch or building an optimizer
+        return None
     with side_pass(rng=True):
         batch = batch_at(program.data, e.sampler, 0, 0, group, ahead=True)
+    if batch is None:  # a DataLoader whose sampler cannot be copied: not drawn ahead
+        return None
     optimizer = program.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         try:
             optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
         except Exception:  # noqa: BLE001 - the real build after sharding raises it, named
             return None
-    if batch is None or not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
         return None
     savers = MemorySavers(
         model, program.loss_fn, None, cfg.activation_checkpointing, device.discrete_memory
@@ -243,5 +275,6 @@ def _offload_by_estimate(
         checkpointing=savers.can_checkpoint or cfg.activation_checkpointing is True,
         offload=savers.can_offload,
         chunked_loss=savers.can_chunk_loss,
+        tiled_mlp=cfg.tiled_mlp not in (False, "auto"),  # the plan tiles only where asked
     )
     return fsdp_offload_choice(analytic, most, device.budget, device.discrete_memory)

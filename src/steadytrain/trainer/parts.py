@@ -143,7 +143,7 @@ def _place(
     model: torch.nn.Module,
     group: Group,
     device: Device,
-    estimating: _Estimating | None = None,
+    estimating: _Estimating,
 ) -> tuple[Group, dict[str, Any]]:
     """Every rank starts from rank 0's model; then it is replicated or sharded (the
     `distributed` field, engine/sharding.py), before the optimizer takes its parameters;
@@ -163,7 +163,7 @@ def _place(
     if device.discrete_memory and not (cfg.fsdp_offload or asked):
         # a rerun shards as its checkpoint's run did; rank 0 holds the checkpoints
         kept = group.broadcast_object(_kept_offload(cfg) if group.is_main else None)
-        if kept is None and estimating is not None and cfg.micro_batch_size == "auto":
+        if kept is None and cfg.micro_batch_size == "auto":
             own = _offload_by_estimate(cfg, model, group, device, estimating)
             chosen = _agreed_offload(group, own)
     offload = cfg.fsdp_offload or asked or bool(kept) or bool(chosen and chosen.on)

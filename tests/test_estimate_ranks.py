@@ -151,6 +151,7 @@ def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir
     assert code == 0
     assert (found["world_size"], found["distributed"], found["per_rank"]) == (2, "fsdp", True)
     assert found["effective_batch_size"] == 8  # each rank's share of 16
+    assert (found["rank_batch"], found["fsdp_offload"]) == (8, True), found
     assert any("2 ranks (fsdp" in r for r in found["reasons"])
     with pytest.raises(BadInputError, match="--probe: a probe measures one process"):
         plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)

@@ -196,6 +196,7 @@ def plan_command(
     model_config = load_config(model)
     resolved, share = _rank_share(model_config, resolved, budget)
     chosen = plan_for_config(model_config, resolved, budget, compile_before_plan, trial_pass)
+    chosen.fsdp_offload = bool(resolved.fsdp_offload)  # priced so (--fsdp-offload)
     chosen.reasons.insert(0, f"budget from {source}")
     if share:
         chosen.reasons.insert(1, share)

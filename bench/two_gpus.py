@@ -23,7 +23,9 @@ Scenarios (each run in its own processes, each with a time limit so a hang is a 
 * fsdp_auto, fsdp_offload: the 'fsdp' workload under the same cap with `micro_batch_size: auto`,
   the second with `fsdp_offload: true` (FSDP2's CPUOffloadPolicy; CUDA only, left out with
   --smoke): the plan each rank chose before its first step (the per-rank estimate's reason,
-  the savers), whether attempt 1 trained with no out-of-memory, its peak allocated and speed.
+  the savers, and whether it put the shards on the host by itself: `fsdp_offload` with its
+  reason, chosen before sharding where only that fits), whether attempt 1 trained with no
+  out-of-memory, its peak allocated and speed.
   Run both in one call to set the offload's cost against the plan without it:
 
     python bench/two_gpus.py --scenarios fsdp_auto,fsdp_offload --out $OUT/two_gpus_plan.json
@@ -357,8 +359,13 @@ def summary_of(name: str, f: dict[str, Any]) -> dict[str, Any]:
         plan, r = f["plan"] or {}, f["result"] or {}
         return several | {
             "exit_code": f["exit_code"],
-            "plan": {k: plan.get(k) for k in ("micro_batch_size", "activation_checkpointing")},
-            "per-rank reason": [x for x in plan.get("reasons", []) if "per-rank" in x],
+            "plan": {
+                k: plan.get(k)
+                for k in ("micro_batch_size", "activation_checkpointing", "fsdp_offload")
+            },
+            "per-rank reason": [
+                x for x in plan.get("reasons", []) if "per-rank" in x or "fsdp_offload:" in x
+            ],
             "ooms": len(f["ooms"]),
             **{k: r.get(k) for k in ("steps", "peak_allocated", "tokens_per_s")},
         }

@@ -151,9 +151,22 @@ def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir
     assert code == 0
     assert (found["world_size"], found["distributed"], found["per_rank"]) == (2, "fsdp", True)
     assert found["effective_batch_size"] == 8  # each rank's share of 16
+    assert (found["rank_batch"], found["fsdp_offload"]) == (8, True), found
     assert any("2 ranks (fsdp" in r for r in found["reasons"])
     with pytest.raises(BadInputError, match="--probe: a probe measures one process"):
         plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)
+
+
+def test_the_plan_on_two_ranks_says_what_each_rank_runs_and_the_group_s_batch(qwen_dir, capsys):
+    """The table's title speaks per rank, as a run's plan line does: the micro-batch and the
+    steps are each rank's (its share is 8 of 16), the effective batch the group's."""
+    args = {"gpus": 2, "distributed": "fsdp", "fsdp_offload": True, **GPU}
+    assert plan_command(str(qwen_dir), 16, **args) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    micro = int(re.search(r"micro-batch (\d+) per rank", title)[1])
+    steps = -(-8 // micro)
+    says = f"plan: micro-batch {micro} per rank × {steps} step{'s' * (steps > 1)} × 2 ranks"
+    assert title.startswith(f"{says} (effective batch 16)"), title
 
 
 @pytest.mark.parametrize(
@@ -292,3 +305,96 @@ def test_shard_hands_fsdp2_the_offload_policy(monkeypatch):
     calls.clear()
     assert sharding.shard(model, Group(world_size=2))["offload"] is False
     assert calls and all("offload_policy" not in kw for kw in calls), calls
+
+
+def test_the_shards_go_to_the_host_before_sharding_where_only_that_fits(tmp_path, monkeypatch):
+    """`micro_batch_size: auto` under fsdp on a GPU: where the per-rank estimate puts one sample
+    with every saver over a rank's budget with the shards on the GPU, and within it with them in
+    host memory, the run shards with FSDP2's offload policy by itself (it must be decided before
+    sharding: no pass can run before). Recorded in fit_start's `distributed` with both figures;
+    never on a device without memory of its own; a rerun shards as its checkpoint's run did.
+    FSDP2 refuses the policy without an accelerator and the ranks are one process here, so
+    `fully_shard`, the mesh and the ranks' collectives are stood in for, and the device is a
+    stand-in GPU (its tensors stay on the CPU); the GPU runs the real thing."""
+    import types
+
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from steadytrain import TrainConfig
+    from steadytrain.engine import sharding
+    from steadytrain.engine.distributed import Group
+    from steadytrain.trainer import parts
+    from steadytrain.trainer.data import make_sampler
+    from steadytrain.trainer.program import Program
+
+    calls = []
+
+    class Unit:
+        pass
+
+    monkeypatch.setattr(sharding, "_fsdp2", lambda gloo: (Unit, lambda m, **kw: calls.append(kw)))
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *a, **kw: "mesh")
+    monkeypatch.setattr(Group, "broadcast_module", lambda self, model: None)
+    monkeypatch.setattr(Group, "broadcast_object", lambda self, obj: obj)
+    monkeypatch.setattr(Group, "largest", lambda self, values: values)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    model = LlamaForCausalLM(config)
+    rows = [{"input_ids": torch.zeros(128, dtype=torch.long)} for _ in range(8)]
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"), effective_batch_size=4, distributed="fsdp", compile=False
+    )
+    program = Program.check(
+        cfg,
+        model=model,
+        optimizer=lambda params: torch.optim.AdamW(params),
+        loss_fn=lambda m, b: m(**b, labels=b["input_ids"]).loss,
+        train_data=rows,
+        scheduler=None,
+        callbacks=(),
+        collate_fn=None,
+        eval_data=None,
+        eval_fn=None,
+        user_state=None,
+    )
+    estimating = parts._Estimating(
+        program, types.SimpleNamespace(name="bf16"), make_sampler(program.data, cfg)
+    )
+
+    def place(budget: int, kind: str = "cuda") -> dict:
+        calls.clear()
+        device = types.SimpleNamespace(
+            type=kind, discrete_memory=kind == "cuda", budget=budget, torch_device="cpu"
+        )
+        _, found = parts._place(cfg, model, Group(world_size=2), device, estimating)
+        assert [("offload_policy" in kw) for kw in calls] == [found["offload"]] * 3, calls
+        return found
+
+    roomy = place(2**40)  # fits with the shards on the GPU: they stay there
+    choice = roomy["offload_choice"]
+    assert roomy["offload"] is False and choice["on"] is False, roomy
+    assert choice["on_host"] < choice["on_device"], choice
+    assert choice["mode"] == "checkpointed, inputs offloaded to host", choice
+    between = (choice["on_host"] + choice["on_device"]) // 2
+    chosen = place(between)
+    assert chosen["offload"] is True and chosen["offload_choice"]["on"] is True, chosen
+    assert "fsdp_offload: on, chosen before sharding" in chosen["reason"], chosen["reason"]
+    too_small = place(choice["on_host"] - 1)  # nothing fits either way: the plan says so
+    assert too_small["offload"] is False and too_small["offload_choice"]["on"] is False
+    on_cpu = place(between, "cpu")  # host memory is the device's: nothing to free
+    assert on_cpu["offload"] is False and "offload_choice" not in on_cpu, on_cpu
+
+    saved = tmp_path / "run" / "checkpoints" / "step-00000002"
+    saved.mkdir(parents=True)
+    (saved / "trainer_state.json").write_text(json.dumps({"state": {"fsdp_offload": True}}))
+    rerun = place(2**40)  # the checkpoint's run had the shards on the host: so does its rerun
+    assert rerun["offload"] is True and "offload_choice" not in rerun, rerun
+    assert "as the run that saved the checkpoint had them" in rerun["reason"], rerun["reason"]

@@ -52,6 +52,20 @@ def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
 
 
+def speaks_per_rank(plan: dict, run_dir: Path, printed: str, effective: int) -> None:
+    """The plan says what each rank runs and what the group adds up to: its record has the
+    ranks, a rank's share and its micro-steps (those the steps ran), and its line reads
+    "micro-batch M per rank × S steps × 2 ranks (effective batch E)"."""
+    micro, share = plan["micro_batch_size"], effective // 2
+    steps = -(-share // micro)
+    assert (plan["world_size"], plan["rank_batch"], plan["rank_micro_steps"]) == (2, share, steps)
+    assert plan["effective_batch_size"] == effective, plan
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows and all(m["micro_steps"] == steps for m in rows), rows
+    line = f"plan: micro-batch {micro} per rank × {steps} step{'s' if steps > 1 else ''} × 2 ranks"
+    assert f"{line} (effective batch {effective})" in printed, printed[-4000:]
+
+
 def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(tmp_path: Path):
     """Each rank capped 200 MiB above its size: the whole share (8 samples, about 30 MiB each)
     does not fit. The ranks run the trial passes together and agree on one size below it;
@@ -76,7 +90,7 @@ def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(t
     assert not [e for e in events(run_dir) if e["event"] == "restart"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["micro_batch_size"] for m in rows] == [micro] * 2
-    assert "plan: micro-batch" in done.stderr
+    speaks_per_rank(plan_0, run_dir, done.stderr, effective=16)
 
     by_hand = tmp_path / "by-hand"
     flags = ["--checkpointing"] if checkpointing else []
@@ -113,6 +127,12 @@ def test_auto_under_fsdp_is_priced_per_rank_and_checkpoints_before_trying_plain(
         (estimate,) = [e for e in records if e["event"] == "estimate"]
         assert (estimate["world_size"], estimate["distributed"]) == (2, "fsdp"), estimate
         assert estimate["analytic_total"] > 0, estimate
+        if rank == 0:
+            speaks_per_rank(plan, run_dir, done.stderr, effective=4)
+        # on the CPU the shards never go to the host: host memory is the device's
+        (start,) = [e for e in records if e["event"] == "fit_start"]
+        assert start["distributed"]["offload"] is False, start["distributed"]
+        assert "offload_choice" not in start["distributed"] and not plan["fsdp_offload"]
 
 
 def test_a_trial_pass_out_of_memory_counts_the_savers_it_had_on(tmp_path: Path):

@@ -177,6 +177,7 @@ class TrainState:
     activation_checkpointing: bool | str = False  # or "offload": inputs kept in host memory
     chunked_loss: int | None = None  # tokens per chunk of a chunked loss in force, None: plain
     tiled_mlp: int | None = None  # tokens per piece of the tiled MLPs in force, None: whole
+    fsdp_offload: bool = False  # sharded with the shards in host memory (a rerun shards so)
     last_loss: float | None = None
     best_metric: float | None = None  # the best evaluation's eval_metric (keep_best)
     best_step: int | None = None

@@ -196,6 +196,7 @@ def plan_command(
     model_config = load_config(model)
     resolved, share = _rank_share(model_config, resolved, budget)
     chosen = plan_for_config(model_config, resolved, budget, compile_before_plan, trial_pass)
+    chosen.fsdp_offload = bool(resolved.fsdp_offload)  # priced so (--fsdp-offload)
     chosen.reasons.insert(0, f"budget from {source}")
     if share:
         chosen.reasons.insert(1, share)
@@ -209,7 +210,8 @@ def plan_command(
         event = {**chosen.to_event(), **ranks, "advice": advice, "longest_seq": longest}
         print(json.dumps(event, indent=2, default=str))
     else:
-        render_plan(chosen, settings.seq, console)
+        ranks = (resolved.gpus or 1, settings.effective_batch_size)
+        render_plan(chosen, settings.seq, console, ranks=ranks)
         line = longest_seq_line(longest, budget)
         if line:
             (console or readable_console()).print(line, markup=False, highlight=False)
@@ -489,14 +491,33 @@ def render_advice(advice: list[str], console=None) -> None:
         console.print(f"  {line}", markup=False, highlight=False)
 
 
-def render_plan(chosen: Plan, seq: int | None = None, console=None) -> None:
-    """The candidates table and the reasons."""
+def render_plan(
+    chosen: Plan, seq: int | None = None, console=None, ranks: tuple[int, int] | None = None
+) -> None:
+    """The candidates table and the reasons. `ranks`: the GPUs and the group's effective batch,
+    where `chosen` is one rank's plan of its share: the title then says what each rank runs and
+    what the group adds up to, as a run's plan line does."""
     from rich.table import Table
 
+    from steadytrain.telemetry.console import plan_batches
+
     console = console or readable_console()
+    batches = {
+        "micro_batch_size": chosen.micro_batch_size,
+        "accumulation": chosen.accumulation,
+        "effective_batch_size": chosen.effective_batch_size,
+    }
+    if ranks is not None and ranks[0] > 1:
+        group = dataclasses.replace(chosen, effective_batch_size=ranks[1], world_size=ranks[0])
+        batches = {
+            "micro_batch_size": chosen.micro_batch_size,
+            "effective_batch_size": ranks[1],
+            "world_size": ranks[0],
+            "rank_batch": group.rank_batch,
+            "rank_micro_steps": group.rank_micro_steps,
+        }
     table = Table(
-        title=f"plan: micro-batch {chosen.micro_batch_size} × {chosen.accumulation} "
-        f"(effective batch {chosen.effective_batch_size}), activation checkpointing "
+        title=f"plan: {plan_batches(batches)}, activation checkpointing "
         f"{'on' if chosen.checkpointing else 'off'}"
         + (", inputs offloaded to host" if chosen.offload else "")
         + (", chunked loss" if chosen.chunked_loss else "")

@@ -318,7 +318,8 @@ class TrainConfig(BaseModel):
         "CPUOffloadPolicy); the GPU holds the gathered layers, the backward's gradients and "
         "the activations. Frees the model state from the GPU for a slower step; `steadytrain "
         "estimate --fsdp-offload` prices it. CUDA only; with 'auto' it applies only where the "
-        "run shards.",
+        "run shards. Left false with micro_batch_size auto, the run turns it on by itself where "
+        "the per-rank estimate fits one sample with every saver only with the shards on the host.",
     )
     log_every_steps: int = Field(
         10,

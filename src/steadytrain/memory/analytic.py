@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from steadytrain._units import format_bytes
 from steadytrain.errors import BadInputError
 from steadytrain.memory.choice import Mode
 from steadytrain.memory.estimate import KNOWN_FAMILIES, Estimate, Settings, estimate, text_config
@@ -81,12 +82,10 @@ def analytic_for(
     (None, why not) otherwise. `sharding`: the model is sharded over several ranks (FSDP2), and
     the estimate is one rank's (memory/ranks.py: its shard of the model state, the gathered
     layers, the backward's gradient buffers, its own micro-batch's activations)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "model_type"):
-        return None, "the model has no Hugging Face config"
-    family = getattr(text_config(config), "model_type", None)
-    if family not in KNOWN_FAMILIES:
-        return None, f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
+    unknown = unknown_model(model)
+    if unknown is not None:
+        return None, unknown
+    config = model.config
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
         return None, "the batch has no input_ids of shape (batch, seq)"
@@ -116,6 +115,18 @@ def analytic_for(
     return Analytic(config, chosen), None
 
 
+def unknown_model(model) -> str | None:
+    """Why the estimate cannot price `model` (no Hugging Face config, a family it does not
+    model), None where it can: asked before drawing a batch to price it."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        return "the model has no Hugging Face config"
+    family = getattr(text_config(config), "model_type", None)
+    if family not in KNOWN_FAMILIES:
+        return f"family {family!r} is not modelled ({', '.join(KNOWN_FAMILIES)})"
+    return None
+
+
 @dataclass(frozen=True)
 class Sharding:
     """A run sharded over `world_size` ranks (`distributed: fsdp`), each rank holding `share`
@@ -135,6 +146,75 @@ class Sharding:
             "effective_batch_size": self.share,
             "fsdp_offload": self.fsdp_offload,
         }
+
+
+@dataclass(frozen=True)
+class OffloadChoice:
+    """The estimate's word on `fsdp_offload` before the model is sharded: one rank's total at
+    micro-batch 1 with every saver the plan may use (`mode`), its shards on the GPU
+    (`on_device`) and in host memory (`on_host`), against the rank's `budget`. `on`: the
+    first is over the budget and the second within it."""
+
+    on: bool
+    on_device: int
+    on_host: int
+    budget: int
+    mode: Mode
+
+    @classmethod
+    def of(cls, on_device: float, on_host: float, budget: float, mode: Mode) -> OffloadChoice:
+        """The rule: on where the shards on the GPU are over the budget and on the host within."""
+        on = on_device > budget and on_host <= budget
+        return cls(on, int(on_device), int(on_host), int(budget), mode)
+
+    def reason(self) -> str:
+        """The plan's sentence: the choice, with the estimate with and without."""
+        one = (
+            f"one sample {self.mode.describe()} is estimated at {format_bytes(self.on_device)} "
+            f"a rank with the shards on the GPU and {format_bytes(self.on_host)} with them in "
+            f"host memory, against the budget {format_bytes(self.budget)}"
+        )
+        if self.on:
+            return (
+                f"fsdp_offload: on, chosen before sharding ({one}): each rank's shards of the "
+                "parameters, gradients and optimizer state in pinned host memory, the optimizer "
+                "step on the CPU"
+            )
+        return f"fsdp_offload: off ({one})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields for the run's records (`fit_start`'s `distributed`)."""
+        return {
+            "on": self.on,
+            "on_device": self.on_device,
+            "on_host": self.on_host,
+            "budget": self.budget,
+            "mode": self.mode.describe(),
+        }
+
+
+def fsdp_offload_choice(
+    analytic: Analytic | None, mode: Mode, budget: int | None, discrete_memory: bool
+) -> OffloadChoice | None:
+    """Whether a sharded run should keep its shards in host memory (FSDP2's `CPUOffloadPolicy`),
+    from the per-rank estimate alone: it must be decided before the model is sharded and the
+    optimizer built, before any pass can run. On where one sample with every saver the plan may
+    use (`mode`) is over a rank's `budget` with the shards on the GPU and within it with them in
+    host memory: without it the plan has nothing that fits, and an attempt would end in an
+    out-of-memory the supervisor answers with this same rung, after a restart. None where
+    there is nothing to decide: a device without memory of its own (CPU, MPS: host memory is
+    the device's), no budget, a model the estimate does not know (`analytic` None or failing),
+    one not sharded, or the shards in host memory already."""
+    if not discrete_memory or budget is None or analytic is None:
+        return None
+    settings = analytic.settings
+    if (settings.gpus or 1) <= 1 or settings.distributed != "fsdp" or settings.fsdp_offload:
+        return None
+    host = Analytic(analytic.config, dataclasses.replace(settings, fsdp_offload=True))
+    on_device, on_host = analytic.of(1, mode), host.of(1, mode)
+    if on_device is None or on_host is None or on_device.total is None or on_host.total is None:
+        return None
+    return OffloadChoice.of(on_device.total, on_host.total, budget, mode)
 
 
 def _method_of(model) -> dict[str, Any]:

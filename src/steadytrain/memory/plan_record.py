@@ -36,6 +36,10 @@ class Plan:
     """Checkpointing with its kept layer inputs in host memory (`memory.offload`)."""
     tiled_mlp: bool = False
     """Each decoder layer's MLP over a piece of the tokens at a time (`memory.tiled_mlp`)."""
+    world_size: int = 1
+    """The ranks sharing each optimizer batch (torchrun); `micro_batch_size` is each rank's."""
+    fsdp_offload: bool = False
+    """Sharded with each rank's shards in host memory (chosen before sharding, or asked)."""
 
     @property
     def mode(self) -> Mode:
@@ -54,7 +58,20 @@ class Plan:
 
     @property
     def accumulation(self) -> int:
+        """The effective batch in micro-batches: on one process the micro-steps of a step;
+        under torchrun the micro-batches of the whole group (`rank_micro_steps` is each rank's)."""
         return -(-self.effective_batch_size // self.micro_batch_size)
+
+    @property
+    def rank_batch(self) -> int:
+        """The largest rank's share of an optimizer batch (shares differ by at most one)."""
+        return -(-self.effective_batch_size // self.world_size)
+
+    @property
+    def rank_micro_steps(self) -> int:
+        """The micro-batches each rank runs in an optimizer step (the largest share's), as the
+        step's `micro_steps` metric counts them."""
+        return -(-self.rank_batch // self.micro_batch_size)
 
     def to_event(self) -> dict[str, Any]:
         """The `plan` event of events.jsonl."""
@@ -62,9 +79,13 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "accumulation": self.accumulation,
             "effective_batch_size": self.effective_batch_size,
+            "world_size": self.world_size,
+            "rank_batch": self.rank_batch,
+            "rank_micro_steps": self.rank_micro_steps,
             "activation_checkpointing": self.activation_checkpointing,
             "chunked_loss": self.chunked_loss,
             "tiled_mlp": self.tiled_mlp,
+            "fsdp_offload": self.fsdp_offload,
             "predicted_peak": _int(self.predicted_peak),
             "limit": _int(self.limit),
             "budget": self.budget,

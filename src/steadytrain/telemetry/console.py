@@ -359,13 +359,12 @@ def describe_note(name: str, info: dict) -> str:
             f"{info.get('micro_batch_size')}"
         )
     if name == Record.PLAN:
-        micro, steps = info.get("micro_batch_size"), info.get("accumulation")
         line = (
-            f"plan: micro-batch {micro} × {steps} (effective batch "
-            f"{info.get('effective_batch_size')}), activation checkpointing "
+            f"plan: {plan_batches(info)}, activation checkpointing "
             f"{_checkpointing(info.get('activation_checkpointing'))}"
             + (", chunked loss" if info.get("chunked_loss") else "")
             + (", tiled MLP" if info.get("tiled_mlp") else "")
+            + (", the shards in host memory (fsdp_offload)" if info.get("fsdp_offload") else "")
             + f", predicted peak {format_bytes(info.get('predicted_peak'))} of "
             f"{format_bytes(info.get('limit'))} allowed"
         )
@@ -383,6 +382,23 @@ def describe_note(name: str, info: dict) -> str:
         if k not in ("time", "event") and v is not None and not isinstance(v, dict)
     )
     return f"{name.replace('_', ' ')}: {fields}" if fields else name.replace("_", " ")
+
+
+def plan_batches(plan: dict) -> str:
+    """A plan's micro-batch and accumulation: "micro-batch 2 × 8 (effective batch 16)" on one
+    process; under torchrun what each rank runs and what the group adds up to, "micro-batch 2
+    per rank × 4 steps × 2 ranks (effective batch 16)" (a record without `world_size` is one
+    process's). `steadytrain plan --gpus N` titles its table with the same words."""
+    micro, effective = plan.get("micro_batch_size"), plan.get("effective_batch_size")
+    ranks = plan.get("world_size") or 1
+    if ranks == 1:
+        return f"micro-batch {micro} × {plan.get('accumulation')} (effective batch {effective})"
+    steps = plan.get("rank_micro_steps")
+    uneven = "" if effective % ranks == 0 else f", shares of up to {plan.get('rank_batch')}"
+    return (
+        f"micro-batch {micro} per rank × {steps} step{'s' if steps != 1 else ''} × {ranks} ranks "
+        f"(effective batch {effective}{uneven})"
+    )
 
 
 def _checkpointing(value: Any) -> str:

@@ -174,7 +174,14 @@ class Passes:
                 f"reached; micro {chosen.micro_batch_size} on every rank"
             )
             priced = _per_rank_reason(chosen.analytic, unpriced, group.world_size)
-            return dataclasses.replace(chosen, reasons=[*chosen.reasons, priced, why])
+            # fsdp_offload, where the per-rank estimate chose it before sharding
+            before = self.parts.distributed.get("offload_reason")
+            return dataclasses.replace(
+                chosen,
+                reasons=[*chosen.reasons, *([before] if before else []), priced, why],
+                world_size=group.world_size,
+                fsdp_offload=bool(self.parts.distributed.get("offload")),
+            )
         level = _SAVING.index(chosen.activation_checkpointing)
         smallest = group.smallest(chosen.micro_batch_size)
         most, chunked, tiled = group.largest(
@@ -193,6 +200,7 @@ class Passes:
             chunked_loss=bool(chunked),
             tiled_mlp=bool(tiled),
             reasons=[*chosen.reasons, why],
+            world_size=group.world_size,
         )
 
     def _savers_in_force(self) -> None:

@@ -245,6 +245,10 @@ class Activations:
     formula: str
     inputs: int = 0
     """With checkpointing: the layer inputs within `kept`, what offload moves to host memory."""
+    recomputed: int = 0
+    """With checkpointing: the tensors the recomputed layer saves for its backward, within
+    `one_layer` (what a compiled layer keeps a share of; the rest of `one_layer` is attention's
+    scratch and the tiled MLP's piece and gradients)."""
 
 
 def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
@@ -301,7 +305,8 @@ def activations_of(shape: Shape, s: Settings, tokens: int) -> Activations:
             f"; {where} keeps seq {s.seq} × {shape.heads} heads probabilities per token, and "
             f"{SCRATCH_PROBABILITIES[kernel]}× that as scratch in one layer's backward"
         )
-    return Activations(total, kept, one_layer, formula, inputs)
+    recomputed = int(tokens * per_layer) if s.checkpointing else 0
+    return Activations(total, kept, one_layer, formula, inputs, recomputed)
 
 
 TILED_BACKWARD_HIDDEN = 14

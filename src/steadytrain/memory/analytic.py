@@ -29,6 +29,7 @@ class Analytic:
     (an odd family, a new transformers) must not stop a run; the error is kept in `problem`."""
     problem: str | None = None
     _cache: dict = field(default_factory=dict)
+    _eager: Analytic | None = None  # the same settings with eager layers (`compiled_share`)
 
     def at(
         self,
@@ -57,6 +58,25 @@ class Analytic:
                 self.problem, found = f"{type(exc).__name__}: {exc}", None
             self._cache[key] = found
         return self._cache[key]
+
+    def compiled_share(self, mode: Mode) -> float | None:
+        """A sample's growth of the tensor peak in `mode` with the layers compiled, as a share
+        of its growth with them eager (where the estimate credits compiled layers: see
+        estimate.py `_compiled`); None where the settings do not compile or either estimate
+        cannot be made."""
+        if not self.settings.compiled:
+            return None
+        if self._eager is None:
+            eager = dataclasses.replace(self.settings, compiled=False)
+            self._eager = Analytic(self.config, eager, strict=self.strict)
+        growths = []
+        for priced in (self, self._eager):
+            one, two = priced.of(1, mode), priced.of(2, mode)
+            if one is None or two is None or one.peak is None or two.peak is None:
+                return None
+            growths.append(two.peak - one.peak)
+        compiled, eager = growths
+        return min(1.0, compiled / eager) if eager > 0 and compiled > 0 else None
 
     def total(self, micro_batch_size: int, mode: Mode) -> float | None:
         one, two = self.of(1, mode), self.of(2, mode)

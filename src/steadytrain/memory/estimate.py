@@ -24,7 +24,8 @@ over forward, backward and optimizer step. bench/estimate_accuracy.py measures t
 GPU (median error 1.2% against `torch.cuda.max_memory_allocated` on an H100).
 
 Compiled layers (`compiled`) keep their family's `COMPILED_GROWTH` share of the eager
-activations where no checkpointing is on; offload (`offload`) leaves the layer inputs
+activations where no checkpointing is on (checkpointed with the MLP tiled, the recomputed
+layer's `RECOMPUTED_TILED_SHARE`); offload (`offload`) leaves the layer inputs
 checkpointing keeps in host memory, all but the two the backward holds (`OFFLOAD_INPUTS_BACK`);
 the fused loss (`fused_loss`, with the chunked loss) holds a chunk of rows of logits in the
 compute dtype and the hidden states' gradient (activations.py).
@@ -537,11 +538,29 @@ def _sharded_sides(sides: dict[str, int], ranks: Ranks, formula: str) -> tuple[d
 
 def _compiled(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> Activations:
     """Compiled layers (`compile`) keep their family's `COMPILED_GROWTH` share of what eager
-    layers keep, where the share applies: without checkpointing (a checkpointed layer keeps only
-    its input) and where the run compiles (on MPS the layers stay eager)."""
+    layers keep, where the run compiles (on MPS the layers stay eager). A checkpointed layer
+    keeps its input either way; where its MLP is tiled, its recomputation keeps
+    `RECOMPUTED_TILED_SHARE` of what eager's saves (`Activations.recomputed`)."""
     if not s.compiled:
         return act
     share = family_share(shape.family)
+    tiled = s.tiled_mlp and s.micro_batch_size * s.seq > s.tile_tokens
+    if s.checkpointing and tiled and act.recomputed and s.device_type != "mps":
+        share = RECOMPUTED_TILED_SHARE.get(shape.family, 1.0)
+        if share < 1.0:
+            credit = int(act.recomputed * (1.0 - share))
+            notes.append(
+                f"compiled layers: the recomputed layer, its MLP tiled, keeps {share:.2f} of "
+                f"eager's saved tensors ({shape.family}, measured at long context), "
+                f"{format_bytes(credit)} less; the layer inputs checkpointing keeps are eager's"
+            )
+            return dataclasses.replace(
+                act,
+                total=act.total - credit,
+                one_layer=act.one_layer - credit,
+                recomputed=act.recomputed - credit,
+                formula=f"{act.formula}; compiled, the recomputed layer {share:.2f} × eager's",
+            )
     if s.checkpointing or s.device_type == "mps" or share == 1.0:
         why = (
             "a checkpointed layer keeps only its input"
@@ -559,6 +578,17 @@ def _compiled(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> 
     formula = f"compiled layers, {share:.2f} × eager's: {act.formula}"
     return dataclasses.replace(act, total=int(act.total * share), formula=formula)
 
+
+RECOMPUTED_TILED_SHARE = {"llama": 0.35, "mistral": 0.35, "qwen2": 0.35}
+"""What a compiled, checkpointed layer whose MLP is tiled saves for its backward when it is
+recomputed, as a share of what the eager layer saves (`Activations.recomputed`: its attention
+side, whose norms and rotary embedding fuse away, and the tiled MLP's input), per family with
+Llama's layer. Fitted to the compiled peaks an H200 measured (bench/long_context.py: the 1B and
+3B Llama shapes, LoRA r16, offload, the fused loss, the tiled MLP): 4.64, 5.56 and 8.59 GiB at
+32,768, 49,152 and 98,304 tokens on the 1B and 11.04 GiB at 49,152 on the 3B, estimated so at
+4.88, 5.82, 8.65 and 11.12 GiB (+5 % at most, never under; the eager estimate said 5.82, 7.23,
+11.46 and 13.25). Without the tiled MLP a checkpointed layer gets no credit: compiled, the 4-bit
+1B's checkpointed micro 32 at seq 1,024 peaked at 8.26 GiB, above its eager line's 7.80."""
 
 OFFLOAD_INPUTS_BACK = 2
 """Layer inputs offload has on the device during the backward (memory/offload.py): the input of

@@ -77,7 +77,8 @@ def family_activations(shape: Shape, s: Settings, tokens: int) -> Activations:
             f"; {kernel} attention keeps seq {s.seq} × {shape.heads} heads probabilities per "
             f"token, and {SCRATCH_PROBABILITIES[kernel]}× that as scratch in one layer's backward"
         )
-    return Activations(total, kept, one_layer, formula, inputs)
+    recomputed = int(tokens * widest) if s.checkpointing else 0
+    return Activations(total, kept, one_layer, formula, inputs, recomputed)
 
 
 class _Sizes:

@@ -340,6 +340,15 @@ def _probe_and_choose(job: _Job, result: ProbeResult) -> Plan:
     compiled_finalists = job.eager_passes is not None and job.device.type == "cuda"
     if job.compiled and any(_compile_credit(mode) for mode in fits):
         reasons.append(_compiled_reason(job.compiled, compiled_finalists))
+    for mode in fits:
+        share = _recomputed_share(job, mode)
+        if share < 1.0:
+            reasons.append(
+                f"compile: a sample of {mode.describe()} is counted at {share:.0%} of its eager "
+                "growth (the analytic estimate's: a compiled layer, its MLP tiled, keeps less "
+                "for its recomputation than the eager probe's)"
+                + (", and its finalist runs compiled at that size" if compiled_finalists else "")
+            )
     speed = None
     if job.device.type == "cuda":  # time the finalists themselves: see `time_finalists`
         runs = {mode: job.chunked_run if mode.chunked_loss else job.run for mode in fits}
@@ -460,12 +469,25 @@ def _predictor(job: _Job, fits: dict[Mode, Fit], compiled: float = 0.0):
 
     def predict(mode: Mode, size: int) -> float:
         line = fits[mode]
-        share = compiled if compiled and _compile_credit(mode) else 1.0
+        credit = compiled and _compile_credit(mode)
+        share = compiled if credit else _recomputed_share(job, mode) if compiled else 1.0
         measured = line.fixed + line.per_sample * share * size
         floor = job.analytic.total(size, mode) if floored else None
         return (measured if floor is None else max(measured, floor)) + job.room.pending
 
     return predict
+
+
+def _recomputed_share(job: _Job, mode: Mode) -> float:
+    """What a sample of a checkpointed mode with the tiled MLP adds once the layers are
+    compiled, as a share of what it adds in the eager probe: the analytic estimate's compiled
+    growth over its eager growth (memory/estimate.py `RECOMPUTED_TILED_SHARE`); 1.0 (no credit)
+    for other modes, where the run does not compile, or where the estimate cannot say."""
+    if not (job.compiled and mode.checkpointing and mode.tiled_mlp) or job.analytic is None:
+        return 1.0
+    if job.device.type == "mps":
+        return 1.0
+    return job.analytic.compiled_share(mode) or 1.0
 
 
 def _compile_credit(mode: Mode) -> bool:

@@ -545,7 +545,8 @@ def _compiled(act: Activations, shape: Shape, s: Settings, notes: list[str]) -> 
         return act
     share = family_share(shape.family)
     tiled = s.tiled_mlp and s.micro_batch_size * s.seq > s.tile_tokens
-    if s.checkpointing and tiled and act.recomputed and s.device_type != "mps":
+    fused = attention_kernel(shape, s) == "fused"  # measured so; eager's seq × seq stays
+    if s.checkpointing and tiled and fused and act.recomputed and s.device_type != "mps":
         share = RECOMPUTED_TILED_SHARE.get(shape.family, 1.0)
         if share < 1.0:
             credit = int(act.recomputed * (1.0 - share))

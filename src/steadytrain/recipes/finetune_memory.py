@@ -192,6 +192,8 @@ def estimate_settings(config: FinetuneConfig, lengths: DataLengths | None = None
         "chunk_tokens": chunk or DEFAULT_CHUNK_TOKENS,
         "tiled_mlp": tile is not None,
         "tile_tokens": tile or DEFAULT_TILE_TOKENS,
+        # as the run compiles its layers; 'auto' is resolved for the device the run trains on
+        "compiled": None if config.torch_compile == "auto" else config.torch_compile,
     }
 
 
@@ -228,12 +230,24 @@ def _settings(
     settings = from_options("estimate", given, CONFIG)  # its notes in the config's keys
     settings.check("estimate")
     fused = config.fused_loss and settings.chunked_loss and _fused_runs(device_type)
+    compiled = options.get("compiled", settings.compiled)
+    compiled = _compiles(config, device_type) if compiled is None else compiled
     return dataclasses.replace(
         settings,
         device_type=device_type,
         offload=config.gradient_checkpointing == "offload" and device_type == "cuda",
         fused_loss=fused,
+        compiled=compiled,
     )
+
+
+def _compiles(config: FinetuneConfig, device_type: str) -> bool:
+    """Whether the run compiles its decoder layers on `device_type`, as the engine decides it
+    from `torch_compile` (its 'auto': on CUDA where Triton is installed): the estimate prices
+    what the run keeps (compiled layers keep less for backward, memory/compiled.py)."""
+    from steadytrain.engine.compiling import compile_wanted
+
+    return compile_wanted(config.torch_compile, device_type)
 
 
 def _fused_runs(device_type: str) -> bool:

@@ -101,6 +101,9 @@ def test_estimate_gpus_2_fsdp_says_per_rank_and_the_fewest_gpus_with_the_savers(
     assert fewest[-1]["gpus"] == 2 and "--fsdp-offload" in fewest[-1]["savers"]
     assert fewest[-1]["total_bytes_per_rank"] <= 16 * 2**30
     assert fewest[-1]["line"].startswith("fits on 2 GPUs of 16.0 GiB with fsdp and")
+    # the command it names is the one that fits: the savers' flags in it
+    command = fewest[-1]["line"].rsplit("`", 2)[-2]
+    assert command.startswith("--gpus 2 --distributed fsdp") and "--fsdp-offload" in command
     assert len(fewest) == 1 or (fewest[0]["gpus"] > 2 and fewest[0]["savers"] == [])
 
     code = estimate_command(

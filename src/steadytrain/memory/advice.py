@@ -252,9 +252,10 @@ class MoreGpus:
         with_ = "fsdp" + (
             f" and {' '.join(f'`{k.flags}`' for k in self.savers)}" if self.savers else ""
         )
+        flags = "".join(f" {k.flags}" for k in self.savers)  # the command, savers included
         return (
             f"fits on {self.gpus} GPUs of {budget} with {with_} ({total} a rank; "
-            f"`--gpus {self.gpus} --distributed fsdp`)"
+            f"`--gpus {self.gpus} --distributed fsdp{flags}`)"
         )
 
 

@@ -587,7 +587,7 @@ side, whose norms and rotary embedding fuse away, and the tiled MLP's input), pe
 Llama's layer. Fitted to the compiled peaks an H200 measured (bench/long_context.py: the 1B and
 3B Llama shapes, LoRA r16, offload, the fused loss, the tiled MLP): 4.64, 5.56 and 8.59 GiB at
 32,768, 49,152 and 98,304 tokens on the 1B and 11.04 GiB at 49,152 on the 3B, estimated so at
-4.88, 5.82, 8.65 and 11.12 GiB (+5 % at most, never under; the eager estimate said 5.82, 7.23,
+4.88, 5.82, 8.65 and 11.12 GiB (+0.7 to +5.1 %, never under; the eager estimate said 5.82, 7.23,
 11.46 and 13.25). Without the tiled MLP a checkpointed layer gets no credit: compiled, the 4-bit
 1B's checkpointed micro 32 at seq 1,024 peaked at 8.26 GiB, above its eager line's 7.80."""
 

@@ -30,14 +30,41 @@ SLACK = 1.5  # polls (timeout / 8), the report and the exit: well under a second
 CLI = [sys.executable, "-m", "steadytrain.cli", "run", "--backoff-initial", "0.05"]
 
 
+STARTING_S = 600.0
+"""The most a hang workload may take to reach its block (`--once`'s marker): its imports and its
+set-up (torch's first optimizer imports dynamo) take seconds alone and minutes on a machine
+whose cores are busy, so the start is bounded only against a child that never gets there."""
+
+
 def hang_run(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, str(WORKLOADS / "hang.py"), str(run_dir), *args],
-        capture_output=True,
+    """Run tests/workloads/hang.py to its end: `timeout` seconds once its step blocked (the
+    `--once` marker exists), `STARTING_S` before; the test's own time checks are measured from
+    the block too."""
+    cmd = [sys.executable, str(WORKLOADS / "hang.py"), str(run_dir), *args]
+    marker = Path(args[args.index("--once") + 1]) if "--once" in args else None
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    started, blocked = time.monotonic(), None
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if blocked is None and (marker is None or marker.exists()):
+                blocked = now
+            if now - (started if blocked is None else blocked) > (
+                STARTING_S if blocked is None else timeout
+            ):
+                proc.kill()
+                out, err = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     result.ended = time.time()
     return result
 

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import forkserver
@@ -127,6 +128,34 @@ def test_fsdp_checkpoint_resumes_on_one_process(uninterrupted: Path, killed: Pat
     assert largest_difference(run_dir, uninterrupted) <= 1e-6
     # One process writes the single-process format from then on.
     assert (run_dir / "checkpoints" / "step-00000004" / "model.safetensors").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_shards_in_host_memory_on_two_gpus_give_one_process_s_update(tmp_path: Path):
+    """`fsdp_offload: true` (FSDP2's CPUOffloadPolicy, which needs an accelerator): the shards of
+    parameters, gradients and AdamW's state in pinned host memory, the chunked loss through the
+    root's gathered head; two NCCL ranks give one GPU process's update."""
+    # plain processes: a rank forked from the warm server cannot initialise CUDA
+    command, env = forkserver.torchrun_command(
+        WORKLOADS / "fsdp_llama.py",
+        str(tmp_path / "two"),
+        "--device",
+        "cuda",
+        "--fsdp-offload",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        fork_ranks=False,
+    )
+    two = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-4000:] + two.stdout[-2000:]
+    for events in ("events.jsonl", "ranks/rank-1/events.jsonl"):
+        start = next(e for e in read_jsonl(tmp_path / "two" / events) if e["event"] == "fit_start")
+        assert start["distributed"]["offload"] is True, start["distributed"]
+        assert "nccl" in str(start["process_group"]["backend"]), start["process_group"]
+    script = [sys.executable, str(WORKLOADS / "fsdp_llama.py"), str(tmp_path / "one")]
+    one = subprocess.run([*script, "--device", "cuda"], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert largest_difference(tmp_path / "two", tmp_path / "one") <= 1e-5
 
 
 def test_out_of_memory_under_fsdp_exits_76_with_the_event(tmp_path: Path):
@@ -271,3 +300,26 @@ def test_the_fine_tune_config_passes_distributed_through():
     assert config.to_train_config().distributed == "fsdp"
     with pytest.raises(ConfigError, match=r"distributed: must be 'auto', 'replicate', 'ddp'"):
         FinetuneConfig(model_name_or_path="m", train_file="t.jsonl", distributed="zero")
+
+
+@pytest.mark.parametrize(
+    ("backends", "expected"),
+    [("nccl", "cuda:1"), ("cpu:gloo,cuda:nccl", "cpu"), ("gloo", "cpu")],
+)
+def test_a_collective_of_host_memory_shards_goes_where_the_group_serves_it(
+    monkeypatch, backends, expected
+):
+    """With `fsdp_offload` the parameters and gradients are CPU tensors; an NCCL-only group (what
+    `init_process_group()` makes on a CUDA machine) takes none: the checkpoint's rendezvous and
+    the sharded gradient norm's all-reduce go to this rank's GPU there (two GPUs: "No backend
+    type associated with device type cpu" at the first save), and stay on the CPU where the
+    group has gloo."""
+    import torch.distributed as dist
+
+    from steadytrain.device.core import collective_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backends)
+    assert collective_device(torch.device("cpu")) == torch.device(expected)
+    assert collective_device(torch.device("cuda", 0)) == torch.device("cuda", 0)

@@ -2,11 +2,12 @@
 
     python fsdp_llama.py RUN_DIR [--model llama|dropout] [--distributed MODE] [--steps S]
                                  [--save-every N] [--kill-rank R --kill-at S] [--oom-rank R]
-                                 [--micro N|auto]
+                                 [--micro N|auto] [--device cpu|cuda] [--fsdp-offload]
     python -m torch.distributed.run --nproc_per_node 2 fsdp_llama.py RUN_DIR ...
 
 llama: transformers' LlamaConfig (hidden 64, 2 layers, vocab 128), built from the config (no
-download), LoRA r=4 on q_proj/v_proj, a token-weighted loss. dropout: an MLP with dropout 0.5;
+download), LoRA r=4 on q_proj/v_proj/lm_head, steadytrain's chunked causal-LM loss (8 tokens a
+chunk: it calls the body and the output layer past the sharded root's forward). dropout: an MLP with dropout 0.5;
 every rank writes the first step's dropout mask to RUN_DIR/mask-rank-R.pt. --kill-at: rank R
 SIGKILLs itself at the end of step S of the first attempt (STEADYTRAIN_RESTART unset or 0). --oom-rank: rank R raises the allocator's out-of-memory
 error in its second step's forward. Rank 0 writes the whole trainable state to RUN_DIR/params.pt.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from steadytrain import TrainConfig, Trainer, entrypoint
 from steadytrain.events import Callback
+from steadytrain.memory.chunked_loss import CausalLMLoss
 
 VOCAB, LENGTH, SAMPLES = 128, 12, 32
 
@@ -46,18 +48,12 @@ def llama():
     )
     torch.manual_seed(0)
     base = LlamaForCausalLM(config)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    targets = ["q_proj", "v_proj", "lm_head"]  # lm_head: the root unit's own adapter trains
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
     model = get_peft_model(base, lora)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (SAMPLES, LENGTH), generator=g)
-    return model, list(ids), token_loss
-
-
-def token_loss(model, ids):
-    logits = model(input_ids=ids).logits[:, :-1]
-    labels = ids[:, 1:]
-    loss_sum = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
-    return loss_sum, labels.numel()
+    return model, [{"input_ids": i, "labels": i} for i in ids], CausalLMLoss(chunk_tokens=8)
 
 
 class Masked(torch.nn.Module):
@@ -148,6 +144,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--oom-rank", type=int)
     parser.add_argument("--micro", default="2")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--fsdp-offload", action="store_true")
     args = parser.parse_args()
     model, data, loss_fn = llama() if args.model == "llama" else dropout_mlp()
     if args.oom_rank is not None:
@@ -158,10 +156,12 @@ def main() -> None:
         micro_batch_size=args.micro if args.micro == "auto" else int(args.micro),
         max_steps=args.steps,
         save_every_steps=args.save_every,
-        device="cpu",
+        device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if args.device == "cuda" else "cpu",
+        fsdp_offload=args.fsdp_offload,
         precision="fp32",
         log_every_steps=1,
         distributed=args.distributed,
+        max_grad_norm=0.2 if args.model == "llama" else None,  # below the norms: every step clips
     )
     keep = KeepTrainable(model)
     callbacks = [keep, *([KillAt(args.kill_rank, args.kill_at)] if args.kill_at else [])]

@@ -39,7 +39,7 @@ from steadytrain.checkpoint.state import (
 from steadytrain.checkpoint.store import Payload
 from steadytrain.checkpoint.tie import Tie
 from steadytrain.device import set_rng_state
-from steadytrain.device.core import wait_on_host
+from steadytrain.device.core import collective_device, wait_on_host
 
 SHARDED_STATES = ("model", "optimizer")
 """The states a sharded checkpoint holds in DCP's files instead of their own."""
@@ -88,7 +88,7 @@ class Ranks:
         write_tensor_file(folder / rng_rank_file(self.rank), rng, Tie(step, tie_id).metadata())
         if self.sharded:
             save_shards(model, optimizer, folder)
-        _rendezvous(next(model.parameters()).device)
+        _rendezvous(collective_device(next(model.parameters()).device))
 
 
 @dataclasses.dataclass

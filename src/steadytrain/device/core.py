@@ -233,6 +233,21 @@ def wait_on_host(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def collective_device(device: torch.device, group=None) -> torch.device:
+    """Where a collective of `group` (the default group when None) can take a tensor now on
+    `device`: there; where that is the CPU (the shards in host memory, `fsdp_offload`) and the
+    group serves no CPU tensors (an NCCL-only group, which `init_process_group()` makes on a
+    CUDA machine), this rank's current GPU."""
+    if device.type != "cpu" or not torch.cuda.is_available():
+        return device
+    import torch.distributed as dist
+
+    backends = str(dist.get_backend_config(group)).lower()
+    if "cpu" in backends or "gloo" in backends:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _select(backend: Backend, index: int) -> None:
     """Make `index` the backend's current device (CUDA: `torch.cuda.set_device`), before anything
     touches it: whatever later runs on "the current device" (FSDP's device mesh, the pinning

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from steadytrain.device.core import collective_device
 from steadytrain.errors import BadInputError, UserCodeError
 
 
@@ -245,8 +246,9 @@ def divide_and_clip(
                 g.div_(divisor)
         if max_norm is None:
             return None
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if sharded else norm
+        if sharded:
+            return _clip_shards(grads, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     if isinstance(divisor, torch.Tensor):
         divisor = divisor.to(grads[0].dtype)
     norm = None
@@ -262,6 +264,30 @@ def divide_and_clip(
     if isinstance(scale, torch.Tensor):
         scale = scale.to(grads[0].dtype)
     torch._foreach_mul_(grads, scale)
+    return norm
+
+
+def _clip_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip FSDP's sharded gradients (DTensors over a 1-D mesh: every element on one rank) by
+    their global 2-norm, as `clip_grad_norm_` does, and return that norm. Each rank sums its
+    shards' squares; one all-reduce sums them over the ranks, on a device the group serves:
+    with the shards in host memory (`fsdp_offload`) the gradients are CPU tensors, which an
+    NCCL group does not take, and DTensor's own norm would all-reduce them there."""
+    import torch.distributed as dist
+
+    local = [g.to_local() for g in grads]
+    norms = torch._foreach_norm(local)
+    squares = torch.stack([n.to(torch.float32) for n in norms]).square().sum()
+    group = grads[0].device_mesh.get_group()
+    total = squares.to(collective_device(squares.device, group))
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in local:
+        by_device.setdefault((t.device, t.dtype), []).append(t)
+    for (where, dtype), tensors in by_device.items():
+        torch._foreach_mul_(tensors, scale.to(where, dtype))
     return norm
 
 

@@ -44,7 +44,8 @@ import contextlib
 import contextvars
 import functools
 import sys
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -103,6 +104,19 @@ def causal_lm_loss(
         return _ce_sum(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)), count
     _check_chunk_tokens(chunk_tokens)
     lm = _causal_lm(model)
+    chunked = functools.partial(_chunked_sum, lm, input_ids, targets, extra, chunk_tokens, fused)
+    return _as_root_forward(model, chunked), count
+
+
+def _chunked_sum(
+    lm: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+    chunk_tokens: int,
+    fused: bool,
+) -> torch.Tensor:
+    """The chunked mode's loss sum: the body once, then the head and the loss by chunks."""
     with _default_positions(not extra):
         hidden = lm.get_decoder()(input_ids=input_ids, use_cache=False, **extra).last_hidden_state
     head = lm.get_output_embeddings()
@@ -112,7 +126,7 @@ def causal_lm_loss(
     if fused:
         total = fused_loss_sum(flat_hidden, flat_targets, head, lm.config)
         if total is not None:
-            return total, count
+            return total
     differentiable = torch.is_grad_enabled()
     total = None
     for h, t in zip(flat_hidden.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True):
@@ -121,7 +135,30 @@ def causal_lm_loss(
         else:
             part = _chunk_loss(h, t, head, transform)
         total = part if total is None else total + part
-    return total, count
+    return total
+
+
+_ROOT_FORWARD = "_steadytrain_chunked_loss"
+"""The method a sharded model's root runs the chunked loss as (`_as_root_forward`)."""
+
+
+def _as_root_forward(model: torch.nn.Module, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`compute()`, run as a forward of `model` where it is an FSDP2 unit (`distributed:
+    fsdp`): the chunked loss calls the body and the output layer directly, so the root unit's
+    forward, whose hooks gather what it holds (the embedding, the final norm, the output layer)
+    before and set up their gradients' reduce-scatter after, would never run, and the embedding
+    would meet its weight still sharded. FSDP2's `register_fsdp_forward_method` runs those hooks
+    around a method; the method is added to the model once."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:  # a torch without FSDP2 shards nothing
+        return compute()
+    if not isinstance(model, FSDPModule):
+        return compute()
+    if _ROOT_FORWARD not in vars(model):
+        setattr(model, _ROOT_FORWARD, types.MethodType(lambda _self, run: run(), model))
+        register_fsdp_forward_method(model, _ROOT_FORWARD)
+    return getattr(model, _ROOT_FORWARD)(compute)
 
 
 chunked_causal_lm_loss = functools.partial(causal_lm_loss, chunk_tokens=DEFAULT_CHUNK_TOKENS)

@@ -75,6 +75,9 @@ def child(args) -> None:
     from steadytrain.events import Callback
     from steadytrain.memory.chunked_loss import CausalLMLoss
 
+    if args.deterministic:  # a CUDA run equal bit for bit to another (atomic adds otherwise)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group()
     rank = int(os.environ["RANK"])
     device = torch.device("cpu" if args.smoke else f"cuda:{os.environ['LOCAL_RANK']}")
@@ -143,6 +146,7 @@ def child_command(args, run_dir: Path, result: Path, kill_at: int = 0) -> list[s
     command = [str(Path(__file__).resolve()), "--child", "--run-dir", str(run_dir)]
     command += ["--result", str(result), "--steps", str(args.steps), "--seq", str(args.seq)]
     command += ["--cap-gib", str(args.cap_gib), "--kill-at", str(kill_at)]
+    command += ["--deterministic"] if args.deterministic else []
     return command + (["--smoke"] if args.smoke else [])
 
 
@@ -247,6 +251,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--cap-gib", type=float, default=16.0, help="each GPU's cap")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms: 'killed' against 'whole' bit for bit on CUDA",
+    )
     p.add_argument("--parts", default="estimate,whole,killed")
     p.add_argument("--limit", type=float, default=420.0, help="seconds a run may take")
     p.add_argument("--out", type=Path)

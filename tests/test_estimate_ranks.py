@@ -156,6 +156,19 @@ def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir
     assert found["effective_batch_size"] == 8  # each rank's share of 16
     assert (found["rank_batch"], found["fsdp_offload"]) == (8, True), found
     assert any("2 ranks (fsdp" in r for r in found["reasons"])
+    # each size at its own total: the whole share (micro 8, one micro-batch) holds no whole
+    # gradients between micro-batches, which micro 4 (two) does; a line through 1 and 2 keeps them
+    by_size = {
+        c["micro"]: c["peak"]
+        for c in found["candidates"]
+        if c["mode"] == "checkpointed, inputs offloaded to host, chunked loss"
+    }
+    settings = Settings(**{k: v for k, v in GPU.items() if k != "memory_budget"})
+    settings = replace(settings, checkpointing=True, offload=True, chunked_loss=True)
+    settings = replace(settings, fsdp_offload=True, micro_batch_size=8)
+    whole = per_rank(qwen2_1_5b(), settings, world_size=2, distributed="fsdp", accumulation=1)
+    assert by_size[8] == int(whole.total), (by_size, whole.total)
+    assert by_size[8] < by_size[4] - 4 * 2**30, by_size
     with pytest.raises(BadInputError, match="--probe: a probe measures one process"):
         plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)
 
@@ -165,11 +178,16 @@ def test_the_plan_on_two_ranks_says_what_each_rank_runs_and_the_group_s_batch(qw
     steps are each rank's (its share is 8 of 16), the effective batch the group's."""
     args = {"gpus": 2, "distributed": "fsdp", "fsdp_offload": True, **GPU}
     assert plan_command(str(qwen_dir), 16, **args) == 0
-    title = capsys.readouterr().out.splitlines()[0]
+    printed = capsys.readouterr().out
+    title = printed.splitlines()[0]
     micro = int(re.search(r"micro-batch (\d+) per rank", title)[1])
     steps = -(-8 // micro)
     says = f"plan: micro-batch {micro} per rank × {steps} step{'s' * (steps > 1)} × 2 ranks"
     assert title.startswith(f"{says} (effective batch 16)"), title
+    # the reasons count the same way (they said "the effective batch stays 8", a rank's share)
+    runs = f"{steps} micro-batch{'es' * (steps > 1)} of {micro} of its share of 8"
+    reason = f"accumulation {steps} on each of 2 ranks: {runs}, the effective batch stays 16"
+    assert reason in " ".join(printed.split()), printed
 
 
 @pytest.mark.parametrize(

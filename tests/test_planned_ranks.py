@@ -64,6 +64,11 @@ def speaks_per_rank(plan: dict, run_dir: Path, printed: str, effective: int) -> 
     assert rows and all(m["micro_steps"] == steps for m in rows), rows
     line = f"plan: micro-batch {micro} per rank × {steps} step{'s' if steps > 1 else ''} × 2 ranks"
     assert f"{line} (effective batch {effective})" in printed, printed[-4000:]
+    runs = f"{steps} micro-batch{'es' if steps > 1 else ''} of {micro} of its share of {share}"
+    reason = (
+        f"accumulation {steps} on each of 2 ranks: {runs}, the effective batch stays {effective}"
+    )
+    assert reason in plan["reasons"], plan["reasons"]
 
 
 def test_auto_under_fsdp_plans_in_lockstep_and_starts_without_an_out_of_memory(tmp_path: Path):

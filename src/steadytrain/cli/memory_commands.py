@@ -200,6 +200,11 @@ def plan_command(
     chosen.reasons.insert(0, f"budget from {source}")
     if share:
         chosen.reasons.insert(1, share)
+    if (resolved.gpus or 1) > 1:  # planned as one rank's share: said for the group
+        from steadytrain.memory.plan_record import with_ranks
+
+        effective, gpus = settings.effective_batch_size, resolved.gpus
+        chosen.reasons[:] = with_ranks(chosen.reasons, chosen.micro_batch_size, effective, gpus)
     advice = (
         [] if chosen.predicted_peak is not None else _plan_advice(model_config, resolved, budget)
     )

@@ -93,7 +93,10 @@ def analytic_plan(
     tiled: bool | None = None,
 ) -> Plan:
     """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
-    against the whole budget; times are assumed (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`).
+    at each size b against the whole budget (not the line through micro 1 and 2 the reasons
+    show: on several ranks sharded, a size that is a rank's whole share holds no whole
+    gradients between micro-batches, and the line prices it as if it did); times are assumed
+    (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`).
     `chunked`: the chunked loss is offered (None, as a run whose loss can chunk), in force from
     the start (True) or never (False), as a fine-tune's `chunked_loss` says. `tiled`: the tiled
     MLP likewise (`tiled_mlp`); offered, it is on in every mode where one sample with every
@@ -120,7 +123,7 @@ def analytic_plan(
         else f"{margin:.0%} of the budget {format_bytes(budget)}, {format_bytes(room.limit)}"
     )
     reasons = [
-        f"no probe: the analytic total (tensors + overhead) against {against}, as "
+        f"no probe: the analytic total (tensors + overhead) at each size against {against}, as "
         "`steadytrain estimate` compares it; times are not measured, so a "
         "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
         "--probe on the training machine to compare measured speeds)"
@@ -131,7 +134,11 @@ def analytic_plan(
             f"{format_bytes(line.per_sample)} × micro (analytic, micro 1 and 2)"
         )
     best, candidates, why = choose(
-        fits, room.effective_batch_size, room.limit, micro_batch_sizes=settings.micro_batch_sizes
+        fits,
+        room.effective_batch_size,
+        room.limit,
+        micro_batch_sizes=settings.micro_batch_sizes,
+        predict=lambda mode, size: analytic.of(size, mode).total,
     )
     if best is None:
         reasons.append(

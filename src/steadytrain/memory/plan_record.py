@@ -217,11 +217,35 @@ class Room:
         )
 
 
-def accumulation_reason(micro_batch_size: int, effective_batch_size: int) -> str:
+ACCUMULATION = "accumulation "
+"""How the reason on accumulation begins (`with_ranks` finds it by this)."""
+
+
+def accumulation_reason(
+    micro_batch_size: int, effective_batch_size: int, world_size: int = 1
+) -> str:
+    """What one optimizer step runs: its micro-batches, on one process or on each rank of
+    `world_size` (each runs its share of the effective batch)."""
+    if world_size > 1:
+        share = -(-effective_batch_size // world_size)
+        steps = -(-share // micro_batch_size)
+        runs = f"{steps} micro-batch{'es' if steps > 1 else ''} of {micro_batch_size}"
+        return (
+            f"{ACCUMULATION}{steps} on each of {world_size} ranks: {runs} of its share of "
+            f"{share}, the effective batch stays {effective_batch_size}"
+        )
     steps = -(-effective_batch_size // micro_batch_size)
     if steps == 1:
-        return f"accumulation 1: the whole effective batch {effective_batch_size} in one pass"
+        return f"{ACCUMULATION}1: the whole effective batch {effective_batch_size} in one pass"
     return (
-        f"accumulation {steps}: {steps} micro-batches of {micro_batch_size}, the effective batch "
-        f"stays {effective_batch_size}"
+        f"{ACCUMULATION}{steps}: {steps} micro-batches of {micro_batch_size}, the effective "
+        f"batch stays {effective_batch_size}"
     )
+
+
+def with_ranks(reasons: list[str], micro_batch_size: int, effective: int, world: int) -> list:
+    """`reasons` with the accumulation reason said for `world` ranks sharing `effective`: a
+    rank plans as one process of the whole batch (or, in `steadytrain plan --gpus N`, of its
+    share), which its own reason then miscounts."""
+    said = accumulation_reason(micro_batch_size, effective, world)
+    return [said if r.startswith(ACCUMULATION) else r for r in reasons]

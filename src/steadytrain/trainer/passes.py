@@ -25,6 +25,7 @@ from steadytrain.memory.estimate import DEFAULT_CHUNK_TOKENS
 from steadytrain.memory.lockstep import Lockstep
 from steadytrain.memory.offload import OFFLOAD
 from steadytrain.memory.plan import Plan, compiled_growth, first_step_bytes, plan
+from steadytrain.memory.plan_record import with_ranks
 from steadytrain.memory.savers import Savers, one_sample_norms
 from steadytrain.memory.settings import DEFAULT_TILE_TOKENS
 from steadytrain.run import env as run_env
@@ -176,9 +177,15 @@ class Passes:
             priced = _per_rank_reason(chosen.analytic, unpriced, group.world_size)
             # fsdp_offload, where the per-rank estimate chose it before sharding
             before = self.parts.distributed.get("offload_reason")
+            own = with_ranks(
+                chosen.reasons,
+                chosen.micro_batch_size,
+                chosen.effective_batch_size,
+                group.world_size,
+            )
             return dataclasses.replace(
                 chosen,
-                reasons=[*chosen.reasons, *([before] if before else []), priced, why],
+                reasons=[*own, *([before] if before else []), priced, why],
                 world_size=group.world_size,
                 fsdp_offload=bool(self.parts.distributed.get("offload")),
             )
@@ -192,6 +199,7 @@ class Passes:
             f"{ranks} (distributed: replicate): each rank planned its own share; agreed on the "
             f"smallest micro-batch any rank chose, {smallest}, and on every saver any rank chose"
         )
+        own = with_ranks(chosen.reasons, smallest, chosen.effective_batch_size, group.world_size)
         return dataclasses.replace(
             chosen,
             micro_batch_size=smallest,
@@ -199,7 +207,7 @@ class Passes:
             offload=checkpointing == OFFLOAD,
             chunked_loss=bool(chunked),
             tiled_mlp=bool(tiled),
-            reasons=[*chosen.reasons, why],
+            reasons=[*own, why],
             world_size=group.world_size,
         )
 

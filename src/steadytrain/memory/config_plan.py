@@ -93,9 +93,9 @@ def analytic_plan(
     tiled: bool | None = None,
 ) -> Plan:
     """The plan from the estimate alone: peak(b) is the analytic total (tensors and overhead)
-    at each size b against the whole budget (not the line through micro 1 and 2 the reasons
-    show: on several ranks sharded, a size that is a rank's whole share holds no whole
-    gradients between micro-batches, and the line prices it as if it did); times are assumed
+    against the whole budget, on the line through micro 1 and 2; on several ranks sharded, each
+    size's own total (a size that is a rank's whole share holds no whole gradients between
+    micro-batches, and the line would price it as if it did); times are assumed
     (`ASSUMED_RECOMPUTE`, `ASSUMED_CHUNKED`).
     `chunked`: the chunked loss is offered (None, as a run whose loss can chunk), in force from
     the start (True) or never (False), as a fine-tune's `chunked_loss` says. `tiled`: the tiled
@@ -117,13 +117,15 @@ def analytic_plan(
     if tiled or (tiled is None and _tiling_needed(analytic, modes, room.limit)):
         modes = [m._replace(tiled_mlp=True) for m in modes]
     fits = {mode: _analytic_line(analytic, mode) for mode in modes}
+    sharded = (settings.gpus or 1) > 1 and settings.distributed == "fsdp"
     against = (
         f"the budget {format_bytes(budget)}"
         if margin == 1.0
         else f"{margin:.0%} of the budget {format_bytes(budget)}, {format_bytes(room.limit)}"
     )
     reasons = [
-        f"no probe: the analytic total (tensors + overhead) at each size against {against}, as "
+        f"no probe: the analytic total (tensors + overhead){' at each size' * sharded} against "
+        f"{against}, as "
         "`steadytrain estimate` compares it; times are not measured, so a "
         "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
         "--probe on the training machine to compare measured speeds)"
@@ -138,7 +140,7 @@ def analytic_plan(
         room.effective_batch_size,
         room.limit,
         micro_batch_sizes=settings.micro_batch_sizes,
-        predict=lambda mode, size: analytic.of(size, mode).total,
+        predict=(lambda mode, size: analytic.of(size, mode).total) if sharded else None,
     )
     if best is None:
         reasons.append(

@@ -243,7 +243,7 @@ def accumulation_reason(
     )
 
 
-def with_ranks(reasons: list[str], micro_batch_size: int, effective: int, world: int) -> list:
+def with_ranks(reasons: list[str], micro_batch_size: int, effective: int, world: int) -> list[str]:
     """`reasons` with the accumulation reason said for `world` ranks sharing `effective`: a
     rank plans as one process of the whole batch (or, in `steadytrain plan --gpus N`, of its
     share), which its own reason then miscounts."""

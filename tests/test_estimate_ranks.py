@@ -249,15 +249,9 @@ def test_fsdp_offload_is_refused_where_it_frees_nothing(fields, said):
     assert said in str(raised.value), raised.value
 
 
-def test_the_sharded_plan_is_priced_per_rank_with_the_shards_on_the_host():
-    """The plan's per-rank estimate of a live sharded model (`analytic_for(..., sharding=)`):
-    one rank's shard of the state on the device, and with fsdp_offload none of it (the host
-    holds it); the gathered layers and the activations stay."""
-    import torch
+def tiny_llama():
+    """A two-layer Llama of hidden 64 (vocab 256), random init: a live model to shard."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from steadytrain.memory.analytic import Sharding, analytic_for
-    from steadytrain.memory.choice import Mode
 
     config = LlamaConfig(
         hidden_size=64,
@@ -267,7 +261,19 @@ def test_the_sharded_plan_is_priced_per_rank_with_the_shards_on_the_host():
         num_key_value_heads=2,
         vocab_size=256,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_the_sharded_plan_is_priced_per_rank_with_the_shards_on_the_host():
+    """The plan's per-rank estimate of a live sharded model (`analytic_for(..., sharding=)`):
+    one rank's shard of the state on the device, and with fsdp_offload none of it (the host
+    holds it); the gathered layers and the activations stay."""
+    import torch
+
+    from steadytrain.memory.analytic import Sharding, analytic_for
+    from steadytrain.memory.choice import Mode
+
+    model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters())
     batch = {"input_ids": torch.zeros(2, 128, dtype=torch.long)}
     found = {}
@@ -341,7 +347,6 @@ def test_the_shards_go_to_the_host_before_sharding_where_only_that_fits(tmp_path
 
     import torch
     import torch.distributed.device_mesh as device_mesh
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from steadytrain import TrainConfig
     from steadytrain.engine import sharding
@@ -360,15 +365,7 @@ def test_the_shards_go_to_the_host_before_sharding_where_only_that_fits(tmp_path
     monkeypatch.setattr(Group, "broadcast_module", lambda self, model: None)
     monkeypatch.setattr(Group, "broadcast_object", lambda self, obj: obj)
     monkeypatch.setattr(Group, "largest", lambda self, values: values)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=256,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama()
     rows = [{"input_ids": torch.zeros(128, dtype=torch.long)} for _ in range(8)]
     cfg = TrainConfig(
         run_dir=str(tmp_path / "run"), effective_batch_size=4, distributed="fsdp", compile=False

@@ -169,6 +169,9 @@ def test_the_plan_on_two_ranks_plans_each_ranks_share_from_the_estimate(qwen_dir
     whole = per_rank(qwen2_1_5b(), settings, world_size=2, distributed="fsdp", accumulation=1)
     assert by_size[8] == int(whole.total), (by_size, whole.total)
     assert by_size[8] < by_size[4] - 4 * 2**30, by_size
+    # and a sharded pass costs more than its samples (every layer gathered): the whole share,
+    # one pass a step, where it fits (was micro 1 × 8 with checkpointing at 96 % of the budget)
+    assert (found["micro_batch_size"], found["rank_micro_steps"]) == (8, 1), found["reasons"]
     with pytest.raises(BadInputError, match="--probe: a probe measures one process"):
         plan_command(str(qwen_dir), 16, gpus=2, distributed="fsdp", probe=True, **GPU)
 

@@ -32,6 +32,12 @@ sample (a forward is about a third of forward + backward), so plain wins whereve
 ASSUMED_CHUNKED = 1.1
 """The chunked loss's cost per sample when nothing is measured: 8-10 % on an H100 for Llama 3's
 vocabulary (docs/benchmarks.md)."""
+ASSUMED_SHARDED_PASS = 1.0
+"""On ranks sharded (fsdp) every pass gathers every layer's parameters from the ranks and
+every step reduce-scatters their gradients: a pass is taken to cost one sample's time more, so
+of two sizes that fit the one with fewer micro-batches is faster. A floor: on two H200s the
+Qwen2-1.5B full fine-tune's probe measured 691 ms a pass against 32 ms a sample
+(docs/benchmarks.md, "Two 16 GiB GPUs that plan")."""
 ANALYTIC_MARGIN = 1.0
 """Without a probe the plan takes the whole budget, as `estimate` does: the analytic total
 already carries the estimate's overhead margin (10-30 % of the peak + 512 MiB; on CPU 400 MiB or
@@ -116,8 +122,9 @@ def analytic_plan(
     room = Room(settings.effective_batch_size, budget, 0, margin, settings.device_type)
     if tiled or (tiled is None and _tiling_needed(analytic, modes, room.limit)):
         modes = [m._replace(tiled_mlp=True) for m in modes]
-    fits = {mode: _analytic_line(analytic, mode) for mode in modes}
     sharded = (settings.gpus or 1) > 1 and settings.distributed == "fsdp"
+    per_pass = ASSUMED_SHARDED_PASS if sharded else 0.0
+    fits = {mode: _analytic_line(analytic, mode, per_pass) for mode in modes}
     against = (
         f"the budget {format_bytes(budget)}"
         if margin == 1.0
@@ -129,6 +136,12 @@ def analytic_plan(
         "`steadytrain estimate` compares it; times are not measured, so a "
         "checkpointed or chunked-loss size is taken only where no plain one fits (run with "
         "--probe on the training machine to compare measured speeds)"
+        + (
+            "; sharded, a pass is taken to cost one sample's time more (it gathers every "
+            "layer's parameters), so fewer micro-batches are faster"
+            if sharded
+            else ""
+        )
     ]
     for mode, line in fits.items():
         reasons.append(
@@ -166,8 +179,9 @@ def _tiling_needed(analytic: Analytic, modes: list[Mode], limit: float) -> bool:
     return own is not None and tiled is not None and own > limit and tiled < own
 
 
-def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
-    """total(b) = fixed + per_sample × b through the analytic totals at micro 1 and 2."""
+def _analytic_line(analytic: Analytic, mode: Mode, per_pass: float = 0.0) -> Fit:
+    """total(b) = fixed + per_sample × b through the analytic totals at micro 1 and 2; the
+    assumed time of a pass, `per_pass` (in samples' time) beside the samples'."""
     one, two = analytic.of(1, mode).total, analytic.of(2, mode).total
     if one is None or two is None:
         raise BadInputError(
@@ -178,7 +192,7 @@ def _analytic_line(analytic: Analytic, mode: Mode) -> Fit:
         checkpointing=mode.checkpointing,
         fixed=float(2 * one - two),
         per_sample=float(two - one),
-        seconds_fixed=0.0,
+        seconds_fixed=per_pass,
         seconds_per_sample=(ASSUMED_RECOMPUTE if mode.checkpointing else 1.0)
         * (ASSUMED_CHUNKED if mode.chunked_loss else 1.0),
         sizes=(1, 2),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import time
 import warnings
 from pathlib import Path
 
@@ -201,9 +200,10 @@ def test_the_plan_command_takes_compile_and_checkpointing_offload(tmp_path, cli)
     assert "--checkpointing: 'sometimes' is not one of auto, on, off, offload" in bad.stderr
 
 
-def _cross_check(analytic: Analytic, compiled: float) -> str:
+def _cross_check(analytic: Analytic, compiled: float, clock) -> str:
     """The plan's cross-check line for the issue-17 shape on the CUDA double (see
-    test_plan.py's compiled-growth test), with `analytic` beside it."""
+    test_plan.py's compiled-growth test), with `analytic` beside it; each pass "takes" its
+    seconds on `clock` (test_plan.py's PassClock), not a sleep a busy machine stretches."""
     from steadytrain.device import resolve_device
     from steadytrain.device.testing import FakeCUDABackend, FakeMPSBackend
     from steadytrain.memory.plan import plan
@@ -220,7 +220,7 @@ def _cross_check(analytic: Analytic, compiled: float) -> str:
         def run(size: int, checkpointing: bool) -> None:
             need = int(size * growth[bool(checkpointing), chunked] * GiB)
             cuda.allocate(need)
-            time.sleep(max(0.04, size * seconds[bool(checkpointing), chunked]))
+            clock.spend(max(0.04, size * seconds[bool(checkpointing), chunked]))
             cuda.free(need)
             cuda.empty_cache()
 
@@ -241,19 +241,25 @@ def _cross_check(analytic: Analytic, compiled: float) -> str:
     return line
 
 
-def test_the_plans_cross_check_names_eager_layers_only_where_the_estimate_is_eager(tmp_path):
-    from test_plan import llama_1b_dir
+def test_the_plans_cross_check_names_eager_layers_only_where_the_estimate_is_eager(
+    tmp_path, monkeypatch
+):
+    from test_plan import PassClock, llama_1b_dir
     from transformers import AutoConfig
 
+    import steadytrain.memory.probe as probe_module
+
+    clock = PassClock()
+    monkeypatch.setattr(probe_module, "time", clock)
     config = AutoConfig.from_pretrained(llama_1b_dir(tmp_path))
     settings = Settings(seq=1024, device_type="cuda", **{**LORA, "lora_targets": "all-linear"})
     share = COMPILED_GROWTH["llama"]
-    eager = _cross_check(Analytic(config, settings), share)
+    eager = _cross_check(Analytic(config, settings), share, clock)
     assert "the analytic estimate of the tensor peak of eager layers" in eager
     compiled = Analytic(config, dataclasses.replace(settings, compiled=True))
-    line = _cross_check(compiled, share)
+    line = _cross_check(compiled, share, clock)
     assert "of eager layers" not in line and "the analytic estimate of the tensor peak" in line
-    assert "of eager layers" not in _cross_check(Analytic(config, settings), 0.0)
+    assert "of eager layers" not in _cross_check(Analytic(config, settings), 0.0, clock)
 
 
 @pytest.mark.slow

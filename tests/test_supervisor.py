@@ -159,12 +159,15 @@ def supervise(job, *plan: str, run_dir=True, oom_kill_count=lambda: None, **opti
 
 
 def start_cli(job, *plan: str, args=(), env=None, prefix=()) -> subprocess.Popen:
+    """The supervisor as a terminal starts it: SIGHUP at its default, whatever this test run
+    was started with (under `nohup` it is ignored, and the supervisor keeps it ignored)."""
     return subprocess.Popen(
         [*prefix, *CLI, "--run-dir", str(job.run_dir), *args, "--", *job.command(*plan)],
         stderr=subprocess.PIPE,
         text=True,
         env={**clean_environ(), **(env or {})},
         cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -239,14 +238,26 @@ GROWTH = {False: 8.0, True: 5.0, "offload": 1.0}  # GiB a sample
 SECONDS = {False: 0.010, True: 0.013, "offload": 0.017}  # a sample, above 40 ms of launches
 
 
-def passes(kind: str, cuda, mps, ran: list):
+@pytest.fixture
+def clock(monkeypatch):
+    """The planner's clock (test_plan.py's PassClock): a pass "takes" the seconds it spends."""
+    from test_plan import PassClock
+
+    import steadytrain.memory.probe as probe_module
+
+    fake = PassClock()
+    monkeypatch.setattr(probe_module, "time", fake)
+    return fake
+
+
+def passes(kind: str, cuda, mps, ran: list, clock):
     def run(size: int, checkpointing) -> None:
         need = int(size * GROWTH[checkpointing] * GiB)
         if kind == "cuda":
             cuda.allocate(need)
         else:
             handle = mps.allocate(need)
-        time.sleep(max(0.04, size * SECONDS[checkpointing]))
+        clock.spend(max(0.04, size * SECONDS[checkpointing]))
         cuda.free(need) if kind == "cuda" else mps.free(handle)
         cuda.empty_cache()
         ran.append((size, checkpointing))
@@ -254,14 +265,14 @@ def passes(kind: str, cuda, mps, ran: list):
     return run
 
 
-def test_the_plan_chooses_offload_on_cuda_only_where_checkpointing_does_not_fit_the_size():
+def test_the_plan_chooses_offload_on_cuda_only_where_checkpointing_does_not_fit_the_size(clock):
     """On the CUDA double: plain fits micro 1, checkpointed micro 2 (both bound by launches),
     offloaded micro 8, the fastest that fits. Without `can_offload` (or on MPS) it is never
     run, and checkpointed micro 2 is chosen."""
     device, cuda, mps = fake("cuda")
     ran: list = []
     chosen = plan(
-        passes("cuda", cuda, mps, ran),
+        passes("cuda", cuda, mps, ran, clock),
         device,
         effective_batch_size=64,
         can_checkpoint=True,
@@ -275,7 +286,7 @@ def test_the_plan_chooses_offload_on_cuda_only_where_checkpointing_does_not_fit_
 
     ran.clear()
     chosen = plan(
-        passes("cuda", cuda, mps, ran), device, effective_batch_size=64, can_checkpoint=True
+        passes("cuda", cuda, mps, ran, clock), device, effective_batch_size=64, can_checkpoint=True
     )
     assert (chosen.micro_batch_size, chosen.activation_checkpointing) == (2, True)
     assert not any(c == "offload" for _, c in ran)
@@ -283,7 +294,7 @@ def test_the_plan_chooses_offload_on_cuda_only_where_checkpointing_does_not_fit_
     device, cuda, mps = fake("mps")
     ran.clear()
     chosen = plan(
-        passes("mps", cuda, mps, ran),
+        passes("mps", cuda, mps, ran, clock),
         device,
         effective_batch_size=64,
         can_checkpoint=True,
@@ -293,11 +304,11 @@ def test_the_plan_chooses_offload_on_cuda_only_where_checkpointing_does_not_fit_
     assert any("activation offload: not a candidate (mps" in r for r in chosen.reasons)
 
 
-def test_offload_is_not_probed_when_checkpointing_fits_the_largest_size():
+def test_offload_is_not_probed_when_checkpointing_fits_the_largest_size(clock):
     device, cuda, mps = fake("cuda")
     ran: list = []
     chosen = plan(
-        passes("cuda", cuda, mps, ran),
+        passes("cuda", cuda, mps, ran, clock),
         device,
         effective_batch_size=2,
         can_checkpoint=True,

@@ -314,12 +314,13 @@ def test_a_collective_of_host_memory_shards_goes_where_the_group_serves_it(
     the sharded gradient norm's all-reduce go to this rank's GPU there (two GPUs: "No backend
     type associated with device type cpu" at the first save), and stay on the CPU where the
     group has gloo."""
-    import torch.distributed as dist
-
     from steadytrain.device.core import collective_device
+    from steadytrain.engine.distributed import Group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: backends)
-    assert collective_device(torch.device("cpu")) == torch.device(expected)
-    assert collective_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert collective_device(torch.device("cpu"), backends) == torch.device(expected)
+    assert collective_device(torch.device("cuda", 0), backends) == torch.device("cuda", 0)
+    # the group's own collectives (its end-of-fit rendezvous) go the same way
+    group = Group(rank=0, world_size=2, device="cpu", backend=backends)
+    assert group.collective_device() == expected

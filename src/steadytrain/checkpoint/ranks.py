@@ -88,7 +88,8 @@ class Ranks:
         write_tensor_file(folder / rng_rank_file(self.rank), rng, Tie(step, tie_id).metadata())
         if self.sharded:
             save_shards(model, optimizer, folder)
-        _rendezvous(collective_device(next(model.parameters()).device))
+        backends = str(dist.get_backend_config())
+        _rendezvous(collective_device(next(model.parameters()).device, backends))
 
 
 @dataclasses.dataclass

@@ -233,17 +233,16 @@ def wait_on_host(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def collective_device(device: torch.device, group=None) -> torch.device:
-    """Where a collective of `group` (the default group when None) can take a tensor now on
-    `device`: there; where that is the CPU (the shards in host memory, `fsdp_offload`) and the
-    group serves no CPU tensors (an NCCL-only group, which `init_process_group()` makes on a
-    CUDA machine), this rank's current GPU."""
+def collective_device(device: torch.device, backends: str) -> torch.device:
+    """Where a collective of a group whose backends are `backends` (`dist.get_backend_config`:
+    "nccl", "cpu:gloo,cuda:nccl", ...) can take a tensor now on `device`: there; where that is
+    the CPU (the shards in host memory, `fsdp_offload`, or a group made before the rank's
+    device) and the group serves no CPU tensors (an NCCL-only group, which
+    `init_process_group()` makes on a CUDA machine), this rank's current GPU, which device
+    resolution made its own (never a bare "cuda", which is cuda:0)."""
     if device.type != "cpu" or not torch.cuda.is_available():
         return device
-    import torch.distributed as dist
-
-    backends = str(dist.get_backend_config(group)).lower()
-    if "cpu" in backends or "gloo" in backends:
+    if "cpu" in backends.lower() or "gloo" in backends.lower():
         return device
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -279,7 +279,7 @@ def _clip_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     norms = torch._foreach_norm(local)
     squares = torch.stack([n.to(torch.float32) for n in norms]).square().sum()
     group = grads[0].device_mesh.get_group()
-    total = squares.to(collective_device(squares.device, group))
+    total = squares.to(collective_device(squares.device, str(dist.get_backend_config(group))))
     dist.all_reduce(total, group=group)
     norm = total.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ does

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from steadytrain.device.core import wait_on_host
+from steadytrain.device.core import collective_device, wait_on_host
 from steadytrain.errors import BadInputError, RankOutOfMemory, SteadytrainError
 from steadytrain.run import files as run_files
 
@@ -151,15 +151,15 @@ class Group:
             released(RELEASE_S)
 
     def collective_device(self) -> str:
-        """Where this group's collectives can take a tensor: its device; where that is the CPU
-        (the group as `from_env` made it, before the rank's device) and the backend serves no
-        CPU tensors (a script's NCCL-only group), this rank's current GPU, which device
-        resolution made its own (device/core.py), never a bare "cuda", which is cuda:0."""
-        if torch.device(self.device).type != "cpu" or not self.backend:
+        """Where this group's collectives can take a tensor: its device, or where that is the
+        CPU (the group as `from_env` made it, before the rank's device) and the backend serves
+        no CPU tensors (a script's NCCL-only group), this rank's GPU (device/core.py
+        `collective_device`)."""
+        if not self.backend:
             return self.device
-        if "cpu" in self.backend or "gloo" in self.backend or not torch.cuda.is_available():
-            return self.device
-        return f"cuda:{torch.cuda.current_device()}"
+        device = torch.device(self.device)
+        found = collective_device(device, self.backend)
+        return self.device if found == device else str(found)
 
     @classmethod
     def _of_initialized(cls) -> Group:

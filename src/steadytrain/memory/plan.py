@@ -469,8 +469,12 @@ def _predictor(job: _Job, fits: dict[Mode, Fit], compiled: float = 0.0):
 
     def predict(mode: Mode, size: int) -> float:
         line = fits[mode]
-        credit = compiled and _compile_credit(mode)
-        share = compiled if credit else _recomputed_share(job, mode) if compiled else 1.0
+        if not compiled:
+            share = 1.0
+        elif _compile_credit(mode):
+            share = compiled
+        else:
+            share = _recomputed_share(job, mode)
         measured = line.fixed + line.per_sample * share * size
         floor = job.analytic.total(size, mode) if floored else None
         return (measured if floor is None else max(measured, floor)) + job.room.pending
@@ -483,9 +487,8 @@ def _recomputed_share(job: _Job, mode: Mode) -> float:
     compiled, as a share of what it adds in the eager probe: the analytic estimate's compiled
     growth over its eager growth (memory/estimate.py `RECOMPUTED_TILED_SHARE`); 1.0 (no credit)
     for other modes, where the run does not compile, or where the estimate cannot say."""
-    if not (job.compiled and mode.checkpointing and mode.tiled_mlp) or job.analytic is None:
-        return 1.0
-    if job.device.type == "mps":
+    credited = job.compiled and mode.checkpointing and mode.tiled_mlp
+    if not credited or job.analytic is None or job.device.type == "mps":
         return 1.0
     return job.analytic.compiled_share(mode) or 1.0
 

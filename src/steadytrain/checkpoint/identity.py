@@ -26,11 +26,20 @@ def frozen_fingerprint(model: torch.nn.Module) -> str | None:
     for name, param in frozen:
         whole = param.detach()
         if hasattr(whole, "full_tensor"):  # sharded (FSDP): the plain model's fingerprint
-            whole = whole.full_tensor()
+            whole = _gathered(whole)
         sample = whole.flatten()[:: max(1, param.numel() // 64)][:64]
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
         digest.update(sample.to("cpu", torch.float32).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _gathered(shard: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard. Shards kept in host memory (`fsdp_offload`) travel
+    to the mesh's device first: an NCCL group gathers no CPU tensors."""
+    mesh_type = shard.device_mesh.device_type
+    if shard.device.type != mesh_type:
+        shard = shard.to(mesh_type)
+    return shard.full_tensor()
 
 
 def model_shape(model: torch.nn.Module) -> str:

@@ -104,6 +104,38 @@ def test_a_knob_that_saves_under_one_percent_of_the_need_is_not_listed():
         assert 0 < total - lower < LEAST_SAVING * total, changes  # saves, too little to say
 
 
+def test_the_shorter_sequence_advised_is_the_longest_that_fits_not_a_halving():
+    """A long-context run a little over its budget is told the longest sequence that fits, in
+    whole steps of 1,024 tokens, not half its length (36,864 tokens told 18,432 where about
+    32,768 fit); where nothing shorter fits, half of it, said as still over."""
+    from test_estimate import mid
+
+    from steadytrain.memory.advice import SEQ_STEP
+
+    long = Settings(
+        method="lora",
+        seq=36864,
+        checkpointing=True,
+        chunked_loss=True,
+        precision="bf16",
+        weights_dtype="bf16",
+        device_type="cuda",
+    )
+    budget = estimate(mid(), dataclasses.replace(long, seq=32768)).total
+    assert estimate(mid(), long).total > budget
+
+    def advised(budget: int) -> tuple[int, object]:
+        advice = {a.knobs[0].changes.get("seq"): a for a in advise(mid(), long, budget, FLAGS)}
+        seq = next(n for n in advice if n is not None)
+        return seq, advice[seq]
+
+    seq, advice = advised(budget)
+    assert seq % SEQ_STEP == 0 and 30720 <= seq < 36864 and advice.fits, seq
+    assert advice.total == estimate(mid(), dataclasses.replace(long, seq=seq)).total <= budget
+    seq, advice = advised(2**30)  # under the weights: no length fits
+    assert seq == 18432 and not advice.fits
+
+
 def test_what_a_run_has_set_is_never_advised():
     done = dataclasses.replace(SEED, precision="bf16", weights_dtype="bf16", chunked_loss=True)
     said = " ".join(a.keys(CONFIG) for a in advise(llama_3b(), done, 4 * GiB, CONFIG))

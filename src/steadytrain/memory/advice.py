@@ -42,6 +42,9 @@ BF16_ON_MPS = (
 fp16 alternative is offered here, not as a line of its own with the same total."""
 MIN_SEQ = 256
 """The shortest sequence the advisor proposes (halving the config's length down to it)."""
+SEQ_STEP = 1024
+"""From this length on, the sequence the advisor proposes is a multiple of it (below, of
+`MIN_SEQ`): the longest that fits, not the largest halving (`_longest_seq`)."""
 LISTED = 6
 """At most this many pieces of advice (the fitting ones and the best of the rest)."""
 LEAST_SAVING = 0.01
@@ -125,7 +128,7 @@ def advise(
         return []
     mac = mac_default_budget(budget) if settings.device_type == "mps" else None
     found: list[Advice] = []
-    for knob in knobs(config, settings, budget, vocabulary, accumulation):
+    for knob in knobs(config, settings, budget, vocabulary, accumulation, base.total):
         total = _total(config, settings, knob.changes)
         if total is not None and base.total - total >= LEAST_SAVING * base.total:
             found.append(Advice((knob,), total, budget, mac))
@@ -156,11 +159,18 @@ def mac_default_budget(budget: int) -> int | None:
 
 
 def knobs(
-    config: Any, s: Settings, budget: int, vocabulary: str = CONFIG, accumulation: int = 1
+    config: Any,
+    s: Settings,
+    budget: int,
+    vocabulary: str = CONFIG,
+    accumulation: int = 1,
+    total: int | None = None,
 ) -> list[Knob]:
     """The knobs `s` has not set yet, each once, in the vocabulary's reach (a knob a fine-tune
-    config cannot express is left out of its advice)."""
-    found = _keeping_knobs(config, s, budget, accumulation) + _altering_knobs(config, s, budget)
+    config cannot express is left out of its advice). `total`: the estimate of `s` itself,
+    where the caller has it (the longest sequence that fits is found from it)."""
+    found = _keeping_knobs(config, s, budget, accumulation)
+    found += _altering_knobs(config, s, budget, total)
     return [k for k in found if vocabulary != CONFIG or k.config]
 
 
@@ -334,13 +344,13 @@ def _fewest(config: Any, s: Settings, budget: int, start: int) -> tuple[int, int
     return best
 
 
-def _altering_knobs(config: Any, s: Settings, budget: int) -> list[Knob]:
+def _altering_knobs(config: Any, s: Settings, budget: int, total: int | None) -> list[Knob]:
     """The knobs that change what is trained: a shorter sequence, a lower LoRA rank, LoRA
     instead of full weights, 4-bit base weights, an 8-bit optimizer."""
     found: list[Knob] = []
     lora = s.method == "lora"
     if s.seq > MIN_SEQ:
-        seq = _largest(config, s, budget, "seq", s.seq, MIN_SEQ, s.seq // 2)
+        seq = _longest_seq(config, s, budget, total)
         found.append(Knob({"seq": seq}, (("max_seq_length", seq),), f"--seq {seq}", alters=True))
     if lora and s.lora_r > 8:
         found.append(Knob({"lora_r": 8}, (("lora.r", 8),), "--lora-r 8", alters=True))
@@ -377,6 +387,40 @@ def _largest(
             return value
         value //= 2
     return max(otherwise, least)
+
+
+def _longest_seq(config: Any, s: Settings, budget: int, total: int | None) -> int:
+    """The longest sequence under the run's at which it fits: the largest halving that fits,
+    then the length at which the line through its total and the next longer length's (the
+    run's own `total`, or the halving before) meets the budget (activations grow with the
+    tokens), rounded down to `SEQ_STEP` (`MIN_SEQ` below it) and checked; the halving where the
+    check fails. Half the run's length when no halving fits (the advice then says "still
+    over"). A run 36,864 tokens long that fits at 32,768 is told 32,768, not 18,432."""
+    above = (s.seq, total)
+    value = s.seq // 2
+    while value >= MIN_SEQ:
+        fits_at = _total(config, s, {"seq": value})
+        if fits_at is not None and fits_at <= budget:
+            return _towards(config, s, budget, (value, fits_at), above)
+        above, value = (value, fits_at), value // 2
+    return max(s.seq // 2, MIN_SEQ)
+
+
+def _towards(
+    config: Any, s: Settings, budget: int, low: tuple[int, int], high: tuple[int, int | None]
+) -> int:
+    """The length between `low` (fits) and `high` (does not) where their line meets the budget,
+    rounded down to a step and checked; `low`'s length where it does not fit."""
+    (seq, total), (top, top_total) = low, high
+    if top_total is None or top_total <= total:
+        return seq
+    step = SEQ_STEP if seq >= SEQ_STEP else MIN_SEQ
+    guess = seq + (budget - total) * (top - seq) // (top_total - total)
+    guess = min(guess, top - 1) // step * step
+    if guess <= seq:
+        return seq
+    found = _total(config, s, {"seq": guess})
+    return guess if found is not None and found <= budget else seq
 
 
 def _combined(config: Any, s: Settings, budget: int, found: list[Advice]) -> Advice | None:

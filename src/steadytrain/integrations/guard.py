@@ -219,6 +219,12 @@ class RunGuard:
 
     # -- steps -------------------------------------------------------------------------------
 
+    def set_up(self, on: bool = True) -> None:
+        """The library's own set-up before its first step (model placement, the optimizer, a
+        checkpoint's load) starts (`on`) or is done: in it the hang watching allows what
+        `fit()`'s set-up gets (600 s, whatever `hang_timeout` says), not the first step's limit."""
+        self.watchdog.library_set_up(on)
+
     def beat(self) -> None:
         """A sign of life inside a step (after each micro-batch): one integer increment."""
         self.watchdog.beats += 1

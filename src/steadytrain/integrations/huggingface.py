@@ -139,6 +139,7 @@ class SteadytrainCallback(_Base):
         trainer._train_batch_size = self.micro
         trainer.args.gradient_accumulation_steps = self.effective_batch // self.micro
         rng, step_before = get_rng_state(), trainer.state.global_step
+        guard.set_up()  # until on_train_begin: accelerate's preparation, the optimizer, a resume
         try:
             return original(self.micro, *args, **kwargs)
         except Exception as exc:
@@ -181,6 +182,7 @@ class SteadytrainCallback(_Base):
                 file=sys.stderr,
             )
             return
+        self.guard.set_up(False)
         self.guard.state.step = state.global_step
         self.guard.state.max_steps = state.max_steps
 

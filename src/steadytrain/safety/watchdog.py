@@ -61,6 +61,7 @@ from steadytrain.run.records import Record
 from steadytrain.safety.backstop import HANG_EXIT, Backstop, end_process
 from steadytrain.safety.hang_files import stacks_in, write_heartbeat, write_report
 from steadytrain.safety.hang_limits import (
+    SET_UP,
     STEP_WINDOW,
     HangLimits,
     margin_s,
@@ -210,6 +211,15 @@ class HangWatchdog(HangLimits, Callback):
             yield
         finally:
             self.beats += 1
+
+    def library_set_up(self, on: bool) -> None:
+        """The set-up of a loop steadytrain does not own (Hugging Face's, between its
+        `train()` and its first step: model placement, the optimizer, a checkpoint's load) is in
+        the set-up phase while `on`: its allowance (`SET_UP`) whatever hang_timeout says, as
+        `fit()`'s own set-up has; off, the first step's limit holds again."""
+        self._startup = SET_UP if on else None
+        self.beats += 1
+        self._arm_backstop(self.limit()[0])
 
     def start(self, state: TrainState | None, phase: str) -> None:
         """Start watching before the loop (from `fit()`'s first line of work): the start-up

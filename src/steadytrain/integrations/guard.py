@@ -104,8 +104,8 @@ def library_frame(modules: tuple[str, ...], names: tuple[str, ...]) -> FrameType
 class RunGuard:
     """The watchdog, memory watch, run files and signal handling of one run directory.
 
-    `hang_timeout`: seconds a step may go without a beat ("auto": 300 s, or 10 median steps);
-    the first step of a process always gets 600 s. `hang_action`: "exit" (75) or "report".
+    `hang_timeout`: seconds a step may go without a beat ("auto": 300 s, or 10 median steps,
+    and 600 s for the first step of a process; a number bounds the first step too). `hang_action`: "exit" (75) or "report".
     `device`: where the memory readings come from ("auto", "cuda", "mps", "cpu"), or a device
     object already made (`HostDevice` for a framework other than torch: no torch is imported).
     `micro_batch_size`: the samples per forward the loop uses now (a metrics line's
